@@ -1,0 +1,71 @@
+"""The attention backend contract.
+
+The model runner builds one `BatchLayout` per step (sequences ordered decodes first, then
+prefill chunks) and asks the backend for its metadata once; every layer then calls
+`forward`, which writes the step's new K/V into that layer's paged cache and returns the
+attention output. Called only from the engine loop thread.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class BatchLayout:
+    """Where each sequence of the flat batch lives.
+
+    Sequence i owns query tokens [query_start_loc[i], query_start_loc[i+1]); its first
+    context_lens[i] tokens are already cached and seq_lens[i] = context + query. The first
+    `num_decodes` sequences have exactly one query token.
+    """
+
+    query_start_loc: list[int]
+    context_lens: list[int]
+    seq_lens: list[int]
+    num_decodes: int
+    block_tables: torch.Tensor  # (B, max_blocks) int64, rows padded with block 0
+    slot_mapping: torch.Tensor  # (T,) int64, -1 = do not write
+    block_size: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens)
+
+    @property
+    def num_decode_tokens(self) -> int:
+        return self.query_start_loc[self.num_decodes]
+
+
+class AttentionBackend(ABC):
+    name: str
+
+    @abstractmethod
+    def build_metadata(self, layout: BatchLayout) -> object:
+        """Per-step precomputation shared by all layers (masks, gather indices)."""
+
+    @abstractmethod
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: object) -> torch.Tensor:
+        """q (T, H, D), k/v (T, KVH, D); caches (num_blocks, block_size, KVH, D).
+
+        Writes k/v into the caches at the layout's slot mapping (mutates the caches), then
+        returns (T, H, D): each query attends causally to its sequence's cached prefix and
+        to the step's tokens up to itself.
+        """
+
+
+@dataclass
+class ForwardContext:
+    """What one forward pass needs beyond token ids and positions; passed down explicitly."""
+
+    backend: AttentionBackend
+    metadata: object
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+
+    def attention(self, layer_idx: int, q, k, v) -> torch.Tensor:
+        k_cache, v_cache = self.kv_caches[layer_idx]
+        return self.backend.forward(q, k, v, k_cache, v_cache, self.metadata)

@@ -1,0 +1,58 @@
+"""The engine's typed, frozen configuration."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SCHEDULING_POLICIES = ("fcfs", "priority", "static")
+DTYPES = ("float32", "bfloat16", "float16")
+DEVICES = ("auto", "cpu", "cuda")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Knobs of one engine. `model=None` means the bundled SmolLM2-135M-Instruct.
+
+    The KV pool holds `num_kv_blocks` blocks when given, else as many as fit in
+    `kv_cache_memory_bytes`.
+    """
+
+    model: str | None = None
+    dtype: str = "bfloat16"
+    device: str = "auto"
+    block_size: int = 16
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 128
+    max_model_len: int | None = None
+    enable_prefix_caching: bool = True
+    num_kv_blocks: int | None = None
+    kv_cache_memory_bytes: int = 2 << 30
+    scheduling_policy: str = "fcfs"
+    attention_backend: str = "auto"
+    num_threads: int | None = None
+    cache_dir: str | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        _check(self.dtype in DTYPES, "dtype", self.dtype, f"must be one of {DTYPES}")
+        _check(self.device in DEVICES, "device", self.device, f"must be one of {DEVICES}")
+        _check(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), "block_size", self.block_size,
+               "must be a power of two in [1, 128]")
+        _check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens",
+               self.max_num_batched_tokens, "must be >= 1")
+        _check(self.max_num_seqs >= 1, "max_num_seqs", self.max_num_seqs, "must be >= 1")
+        _check(self.max_model_len is None or self.max_model_len >= 2, "max_model_len",
+               self.max_model_len, "must be >= 2")
+        _check(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks",
+               self.num_kv_blocks, "must be >= 1")
+        _check(self.kv_cache_memory_bytes > 0, "kv_cache_memory_bytes",
+               self.kv_cache_memory_bytes, "must be > 0")
+        _check(self.scheduling_policy in SCHEDULING_POLICIES, "scheduling_policy",
+               self.scheduling_policy, f"must be one of {SCHEDULING_POLICIES}")
+        _check(self.num_threads is None or self.num_threads >= 1, "num_threads",
+               self.num_threads, "must be >= 1")
+
+
+def _check(ok: bool, name: str, value: object, rule: str) -> None:
+    if not ok:
+        raise ValueError(f"EngineConfig.{name}={value!r} {rule}")

@@ -1,0 +1,175 @@
+"""EngineCore: the synchronous engine (scheduler + KV manager + model runner + detokenisers).
+
+Single-threaded: `add_request`, `abort_requests` and `step` must be called from one thread
+(the LLM's caller, or the async front's engine thread).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+
+import torch
+
+from baton.common.sampling_params import SamplingParams
+from baton.engine.config import EngineConfig
+from baton.engine.kv_cache import KVCacheManager
+from baton.engine.models.loader import resolve_model_dir
+from baton.engine.outputs import EngineOutput
+from baton.engine.request import Request, RequestStatus
+from baton.engine.runner import ModelRunner
+from baton.engine.scheduler.scheduler import SchedulerLimits, make_scheduler
+from baton.engine.tokenizer import IncrementalDetokenizer, load_tokenizer
+
+log = logging.getLogger(__name__)
+
+
+class InvalidRequestError(ValueError):
+    """The request cannot be served as asked (empty prompt, too long, bad token ids)."""
+
+
+@dataclass
+class EngineStats:
+    prompt_tokens_total: int = 0
+    generation_tokens_total: int = 0
+    preemptions_total: int = 0
+    steps_total: int = 0
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
+        self.model_dir = resolve_model_dir(config.model, config.cache_dir)
+        self.tokenizer = load_tokenizer(self.model_dir)
+        max_len = self._max_model_len()
+        self.max_model_len = max_len
+        self.runner = ModelRunner(config, self.model_dir, max_len)
+        self.model_config = self.runner.model_config
+        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size,
+                                 config.enable_prefix_caching)
+        self.scheduler = make_scheduler(SchedulerLimits(
+            config.max_num_batched_tokens, config.max_num_seqs, max_len,
+            config.scheduling_policy), self.kv)
+        self.eos_token_id = self.tokenizer.eos_token_id
+        self._detok: dict[str, IncrementalDetokenizer | None] = {}
+        self.stats = EngineStats()
+
+    def _max_model_len(self) -> int:
+        from baton.engine.models.config import ModelConfig
+
+        limit = ModelConfig.from_dir(self.model_dir).max_position_embeddings
+        if self.config.max_model_len is None:
+            return limit
+        if self.config.max_model_len > limit:
+            raise ValueError(f"EngineConfig.max_model_len={self.config.max_model_len} exceeds "
+                             f"the model's max_position_embeddings={limit}")
+        return self.config.max_model_len
+
+    # -- requests --------------------------------------------------------------------------
+    def make_request(self, request_id: str, prompt_token_ids: list[int],
+                     params: SamplingParams, priority: int = 0, detokenize: bool = True,
+                     arrival_time: float | None = None) -> Request:
+        """Validate and build a request without touching engine state (thread-safe)."""
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise InvalidRequestError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < vocab)]
+        if bad:
+            raise InvalidRequestError(f"prompt token ids {bad[:5]} are outside [0, {vocab})")
+        if n >= self.max_model_len:
+            raise InvalidRequestError(
+                f"the prompt has {n} tokens but this model's context window is "
+                f"{self.max_model_len} tokens (prompt + at least one output token)")
+        if self.kv.blocks_for(n + 1) > self.kv.num_blocks:
+            raise InvalidRequestError(
+                f"the prompt needs {self.kv.blocks_for(n + 1)} KV blocks but the pool has "
+                f"{self.kv.num_blocks}; raise num_kv_blocks or shorten the prompt")
+        room = self.max_model_len - n
+        req = Request(request_id, list(prompt_token_ids), params,
+                      max_tokens=min(params.max_tokens or room, room),
+                      eos_token_id=self.eos_token_id, priority=priority, detokenize=detokenize)
+        if arrival_time is not None:
+            req.arrival_time = arrival_time
+        return req
+
+    def add(self, req: Request) -> None:
+        self.scheduler.add_request(req)
+        p = req.sampling_params
+        self._detok[req.request_id] = IncrementalDetokenizer(
+            self.tokenizer, req.prompt_token_ids, p.stop, p.include_stop_str_in_output,
+            p.skip_special_tokens) if req.detokenize else None
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int],
+                    params: SamplingParams, priority: int = 0) -> Request:
+        req = self.make_request(request_id, prompt_token_ids, params, priority)
+        self.add(req)
+        return req
+
+    def abort_requests(self, request_ids) -> list[EngineOutput]:
+        ended = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
+        return [self._final_output(req, [], "", None) for req in ended]
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    # -- the step --------------------------------------------------------------------------
+    def step(self) -> list[EngineOutput]:
+        sched = self.scheduler.schedule()
+        outputs = [self._final_output(r, [], "", None) for r in self.scheduler.drain_rejected()]
+        if sched.is_empty:
+            return outputs
+        self.stats.steps_total += 1
+        self.stats.prompt_tokens_total += sum(
+            s.num_new_tokens for s in sched.scheduled
+            if not s.is_padding and s.request.num_computed_tokens < s.request.num_prompt_tokens)
+        sampled, logprobs = self.runner.execute(sched, self.kv.get_block_ids)
+        finished = {r.request_id for r in self.scheduler.update_from_output(sched, sampled)}
+        self.stats.generation_tokens_total += len(sampled)
+        self.stats.preemptions_total = self.scheduler.num_preemptions
+        for s in sched.scheduled:
+            req = s.request
+            token = sampled.get(req.request_id)
+            if token is None:
+                continue
+            lp = logprobs.get(req.request_id)
+            outputs.append(self._token_output(req, token, lp, req.request_id in finished))
+        return outputs
+
+    def _token_output(self, req: Request, token: int, lp, finished: bool) -> EngineOutput:
+        detok = self._detok.get(req.request_id)
+        text, matched = detok.add(token) if detok is not None else ("", None)
+        if matched is not None and not finished:
+            self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
+            req.stop_reason = matched
+            finished = True
+        elif matched is not None:  # a stop string on the very token that also ended it
+            req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, matched
+        lps = [lp] if lp is not None else None
+        if finished:
+            return self._final_output(req, [token], text, lps)
+        return EngineOutput(req.request_id, [token], text, lps)
+
+    def _final_output(self, req: Request, tokens: list[int], text: str, lps) -> EngineOutput:
+        detok = self._detok.pop(req.request_id, None)
+        if detok is not None:
+            text += detok.flush()
+        self.runner.sampler.release(req.request_id)
+        return EngineOutput(req.request_id, tokens, text, lps,
+                            finish_reason=req.status.finish_reason, stop_reason=req.stop_reason,
+                            num_prompt_tokens=req.num_prompt_tokens,
+                            num_cached_tokens=req.num_cached_tokens)
+
+    # -- introspection ---------------------------------------------------------------------
+    @property
+    def num_running(self) -> int:
+        return self.scheduler.num_running
+
+    @property
+    def num_waiting(self) -> int:
+        return self.scheduler.num_waiting
+
+    def check_integrity(self) -> None:
+        self.kv.check_integrity()

@@ -1,0 +1,97 @@
+"""A pool of fixed-size KV blocks with reference counts and an LRU queue of free blocks.
+
+Free blocks that still hold a full, hashed block stay findable by hash (the prefix cache)
+until they are handed out again; the least recently freed go first.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+
+@dataclass(eq=False)
+class KVBlock:
+    block_id: int
+    ref_cnt: int = 0
+    block_hash: int | None = None
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, enable_caching: bool) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"BlockPool needs at least one block, got num_blocks={num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        # Free blocks, least recently freed first. Both cached and empty ones live here.
+        self._free: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self._cached: dict[int, KVBlock] = {}  # block hash -> block
+        self.hits = 0
+        self.queries = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.num_blocks - len(self._free)
+
+    def get_cached_block(self, block_hash: int) -> KVBlock | None:
+        return self._cached.get(block_hash)
+
+    def allocate(self, n: int) -> list[KVBlock]:
+        """Take `n` free blocks (evicting their cached contents). Raises if fewer are free:
+        callers check `num_free_blocks` first."""
+        if n > len(self._free):
+            raise RuntimeError(f"asked for {n} KV blocks with {len(self._free)} free")
+        out = []
+        for _ in range(n):
+            _, block = self._free.popitem(last=False)
+            self._evict(block)
+            block.ref_cnt = 1
+            out.append(block)
+        return out
+
+    def touch(self, blocks: list[KVBlock]) -> None:
+        """Take one more reference on each block (a prefix-cache hit)."""
+        for block in blocks:
+            if block.ref_cnt == 0:
+                del self._free[block.block_id]
+            block.ref_cnt += 1
+
+    def free(self, blocks: list[KVBlock]) -> None:
+        """Drop one reference on each block; the caller passes tail blocks first so that a
+        sequence's tail is evicted before its (more shareable) head."""
+        for block in blocks:
+            if block.ref_cnt <= 0:
+                raise RuntimeError(f"KV block {block.block_id} freed with ref_cnt={block.ref_cnt}")
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0:
+                self._free[block.block_id] = block
+
+    def cache_block(self, block: KVBlock, block_hash: int) -> None:
+        """Make a full block findable by its chained hash (first writer wins)."""
+        if not self.enable_caching or block.block_hash is not None:
+            return
+        if block_hash in self._cached:
+            return
+        block.block_hash = block_hash
+        self._cached[block_hash] = block
+
+    def reset_prefix_cache(self) -> None:
+        for block in self._cached.values():
+            block.block_hash = None
+        self._cached.clear()
+
+    def _evict(self, block: KVBlock) -> None:
+        if block.block_hash is not None:
+            if self._cached.get(block.block_hash) is block:
+                del self._cached[block.block_hash]
+            block.block_hash = None
+
+    def counts(self) -> tuple[int, int, int]:
+        """(empty free, cached free, used) — these always add up to `num_blocks`."""
+        cached_free = sum(1 for b in self._free.values() if b.block_hash is not None)
+        return len(self._free) - cached_free, cached_free, self.num_blocks - len(self._free)

@@ -1,0 +1,139 @@
+"""The scheduler's handle on the KV cache: which blocks each request holds.
+
+The scheduler calls `get_computed_blocks` (prefix-cache lookup), `allocate_slots` (returns the
+new blocks, or None meaning "not enough room: preempt or wait") and `free`. It never touches
+the pool. Single-threaded: only the engine loop calls these.
+"""
+
+from __future__ import annotations
+
+from baton.engine.kv_cache.block_pool import BlockPool, KVBlock
+from baton.engine.kv_cache.hashing import ROOT_HASH, hash_block
+from baton.engine.request import Request
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self._blocks: dict[str, list[KVBlock]] = {}
+        self._num_hashed: dict[str, int] = {}  # blocks of the request already cached by hash
+        self.prefix_hit_tokens = 0
+        self.prefix_query_tokens = 0
+
+    # -- queries ---------------------------------------------------------------------------
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.pool.num_used_blocks
+
+    @property
+    def usage(self) -> float:
+        return self.pool.num_used_blocks / self.pool.num_blocks
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return [b.block_id for b in self._blocks.get(request_id, ())]
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
+        """Longest cached prefix of the request's known tokens, in whole blocks, leaving at
+        least one token to compute (its logits are needed). Mutates nothing in the pool."""
+        if not self.enable_caching:
+            return [], 0
+        self._extend_hashes(request, request.num_tokens)
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[KVBlock] = []
+        for block_hash in request.block_hashes[:max_blocks]:
+            block = self.pool.get_cached_block(block_hash)
+            if block is None:
+                break
+            hits.append(block)
+        self.prefix_query_tokens += request.num_tokens
+        self.prefix_hit_tokens += len(hits) * self.block_size
+        return hits, len(hits) * self.block_size
+
+    # -- mutations -------------------------------------------------------------------------
+    def allocate_slots(self, request: Request, num_new_tokens: int,
+                       new_computed_blocks: list[KVBlock] | None = None) -> list[KVBlock] | None:
+        """Make room for `num_new_tokens` more tokens after the computed ones.
+
+        `new_computed_blocks` are prefix-cache hits taken at admission. Returns the newly
+        allocated blocks, or None (nothing changed) when the pool cannot hold them.
+        """
+        computed = new_computed_blocks or []
+        held = self._blocks.get(request.request_id, [])
+        num_computed = request.num_computed_tokens + len(computed) * self.block_size
+        total_tokens = num_computed + num_new_tokens
+        num_new_blocks = self.blocks_for(total_tokens) - len(held) - len(computed)
+        reclaimed = sum(1 for b in computed if b.ref_cnt == 0)
+        if num_new_blocks > self.pool.num_free_blocks - reclaimed:
+            return None
+        self.pool.touch(computed)
+        new_blocks = self.pool.allocate(max(num_new_blocks, 0))
+        blocks = self._blocks.setdefault(request.request_id, held)
+        blocks.extend(computed)
+        blocks.extend(new_blocks)
+        self._cache_full_blocks(request, blocks, total_tokens)
+        return new_blocks
+
+    def free(self, request: Request) -> None:
+        """Release every block the request holds (tail first, so heads stay cached longer)."""
+        blocks = self._blocks.pop(request.request_id, None)
+        self._num_hashed.pop(request.request_id, None)
+        if blocks:
+            self.pool.free(list(reversed(blocks)))
+
+    def reset_prefix_cache(self) -> None:
+        self.pool.reset_prefix_cache()
+
+    # -- internals -------------------------------------------------------------------------
+    def _extend_hashes(self, request: Request, num_tokens: int) -> None:
+        hashes = request.block_hashes
+        bs = self.block_size
+        while (len(hashes) + 1) * bs <= num_tokens:
+            start = len(hashes) * bs
+            parent = hashes[-1] if hashes else ROOT_HASH
+            hashes.append(hash_block(parent, request.token_ids(start, start + bs)))
+
+    def _cache_full_blocks(self, request: Request, blocks: list[KVBlock], num_tokens: int) -> None:
+        """Publish blocks that will be full once this step's tokens are written. Another
+        request admitted in the same step may hit them: its attention runs after this
+        step's KV writes of the same layer, so that is safe."""
+        if not self.enable_caching:
+            return
+        num_full = min(num_tokens // self.block_size, len(blocks))
+        start = self._num_hashed.get(request.request_id, 0)
+        if num_full <= start:
+            return
+        self._extend_hashes(request, num_full * self.block_size)
+        for i in range(start, num_full):
+            self.pool.cache_block(blocks[i], request.block_hashes[i])
+        self._num_hashed[request.request_id] = num_full
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError-free RuntimeError if the bookkeeping disagrees with itself:
+        empty + cached + used must equal the pool size, and every block's ref count must
+        equal the number of requests holding it."""
+        empty, cached, used = self.pool.counts()
+        if empty + cached + used != self.pool.num_blocks:
+            raise RuntimeError(f"KV pool counts {empty}+{cached}+{used} != {self.pool.num_blocks}")
+        refs: dict[int, int] = {}
+        for blocks in self._blocks.values():
+            for b in blocks:
+                refs[b.block_id] = refs.get(b.block_id, 0) + 1
+        for b in self.pool.blocks:
+            if b.ref_cnt != refs.get(b.block_id, 0):
+                raise RuntimeError(f"KV block {b.block_id} ref_cnt={b.ref_cnt} but held "
+                                   f"{refs.get(b.block_id, 0)} times")
+        if used != len(refs):
+            raise RuntimeError(f"{used} blocks marked used but {len(refs)} held by requests")

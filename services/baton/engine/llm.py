@@ -1,0 +1,126 @@
+"""`LLM`: offline batch generation with vLLM's shape.
+
+    from baton import LLM, SamplingParams
+    llm = LLM()                      # the bundled SmolLM2-135M-Instruct, bfloat16, on CPU
+    outs = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=32))
+    print(outs[0].outputs[0].text)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from baton.common.sampling_params import SamplingParams
+from baton.engine.config import EngineConfig
+from baton.engine.core import EngineCore
+from baton.engine.outputs import CompletionOutput, EngineOutput, RequestOutput
+from baton.engine.tokenizer import apply_chat_template
+
+PromptType = str | list[int] | dict
+
+
+class LLM:
+    def __init__(self, model: str | None = None, **engine_args) -> None:
+        self.config = EngineConfig(model=model, **engine_args)
+        self.engine = EngineCore(self.config)
+        self._counter = 0
+
+    def get_tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(self, prompts: PromptType | Sequence[PromptType],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None
+                 ) -> list[RequestOutput]:
+        """Generate for every prompt (a string, a list of token ids, or a dict with
+        `prompt` / `prompt_token_ids`); outputs come back in prompt order. All prompts are
+        validated before any is queued, so a bad one raises ValueError and runs nothing."""
+        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = _broadcast(sampling_params or SamplingParams(), len(prompts))
+        prio = list(priority) if priority is not None else [0] * len(prompts)
+        if len(prio) != len(prompts):
+            raise ValueError(f"priority has {len(prio)} entries for {len(prompts)} prompts")
+        return self._run([self._tokenize(p) for p in prompts], params, prio, use_tqdm)
+
+    def chat(self, messages: list[dict] | list[list[dict]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them."""
+        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        tok = self.engine.tokenizer
+        prompts = [{"prompt_token_ids": apply_chat_template(tok, c, add_generation_prompt)}
+                   for c in convs]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.engine.tokenizer.encode(prompt)
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+            return self._tokenize(prompt["prompt"])
+        return None, list(prompt)
+
+    def _run(self, prompts, params, prio, use_tqdm) -> list[RequestOutput]:
+        engine = self.engine
+        results: list[RequestOutput] = []
+        pending = []
+        for (text, ids), p, pr in zip(prompts, params, prio):
+            out = RequestOutput(str(self._counter), text, ids,
+                                [CompletionOutput(i) for i in range(p.n)])
+            self._counter += 1
+            results.append(out)
+            for i, child in enumerate(_children(p)):
+                pending.append(engine.make_request(f"{out.request_id}-{i}", ids, child, pr))
+        for req in pending:
+            engine.add(req)
+        by_id = {f"{r.request_id}-{i}": (r, c) for r in results for i, c in enumerate(r.outputs)}
+        bar = _progress(len(pending), use_tqdm)
+        try:
+            while engine.has_unfinished_requests():
+                for o in engine.step():
+                    self._apply(by_id, o, bar)
+        except BaseException:
+            engine.abort_requests([r.request_id for r in pending])
+            raise
+        finally:
+            if bar is not None:
+                bar.close()
+        return results
+
+    @staticmethod
+    def _apply(by_id: dict, o: EngineOutput, bar) -> None:
+        result, completion = by_id[o.request_id]
+        completion.add([o])
+        if o.finished:
+            result.num_cached_tokens = max(result.num_cached_tokens, o.num_cached_tokens)
+            if bar is not None:
+                bar.update(1)
+
+
+def _children(p: SamplingParams) -> list[SamplingParams]:
+    """n samples become n engine requests (the shared prompt hits the prefix cache); a seed
+    s gives child i the seed s + i, so the n samples differ but the call is reproducible."""
+    if p.n == 1:
+        return [p]
+    from dataclasses import replace
+
+    return [replace(p, n=1, seed=None if p.seed is None else p.seed + i) for i in range(p.n)]
+
+
+def _broadcast(params, n: int) -> list[SamplingParams]:
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    params = list(params)
+    if len(params) != n:
+        raise ValueError(f"got {len(params)} SamplingParams for {n} prompts")
+    return params
+
+
+def _progress(total: int, enabled: bool):
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="generating", unit="req")

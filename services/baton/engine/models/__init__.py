@@ -1,0 +1,1 @@
+"""Model definitions (our own torch modules) and weight loading."""

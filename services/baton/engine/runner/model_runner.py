@@ -1,0 +1,85 @@
+"""Owns the model weights, the paged KV cache and the sampler on one device."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from baton.engine.attention import ForwardContext, make_attention_backend
+from baton.engine.config import EngineConfig
+from baton.engine.models.loader import load_model
+from baton.engine.runner.batch import build_batch
+from baton.engine.sampler import Sampler, TokenLogprobs
+from baton.engine.scheduler.output import SchedulerOutput
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("EngineConfig.device='cuda' but no CUDA device is available")
+    return torch.device(name)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig, model_dir: Path, max_model_len: int) -> None:
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = DTYPES[config.dtype]
+        self.model, self.model_config = load_model(model_dir, self.dtype, self.device,
+                                                   max_model_len)
+        self.block_size = config.block_size
+        self.num_blocks = self._num_blocks()
+        cfg = self.model_config
+        # One tensor for all layers (a transport can register it as a single region):
+        # (layers, K/V, blocks, block_size, KVH, D). Zeroed: masked padding must be finite.
+        self.kv_cache = torch.zeros(cfg.num_layers, 2, self.num_blocks, self.block_size,
+                                    cfg.num_kv_heads, cfg.head_dim, dtype=self.dtype,
+                                    device=self.device)
+        self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1])
+                          for i in range(cfg.num_layers)]
+        self.backend = make_attention_backend(config.attention_backend, self.device)
+        self.sampler = Sampler(config.seed)
+        log.info("model %s (%s), %d KV blocks of %d tokens, attention=%s", cfg.architecture,
+                 config.dtype, self.num_blocks, self.block_size, self.backend.name)
+
+    @property
+    def bytes_per_block(self) -> int:
+        cfg = self.model_config
+        return (2 * cfg.num_layers * self.block_size * cfg.num_kv_heads * cfg.head_dim
+                * torch.finfo(self.dtype).bits // 8)
+
+    def _num_blocks(self) -> int:
+        if self.config.num_kv_blocks is not None:
+            return self.config.num_kv_blocks
+        n = self.config.kv_cache_memory_bytes // self.bytes_per_block
+        if n < 1:
+            raise ValueError(f"EngineConfig.kv_cache_memory_bytes="
+                             f"{self.config.kv_cache_memory_bytes} holds no KV block "
+                             f"({self.bytes_per_block} bytes each)")
+        return int(n)
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput, block_ids_of: Callable[[str], list[int]]
+                ) -> tuple[dict[str, int], dict[str, TokenLogprobs]]:
+        """Run one step; returns the sampled token and logprobs of each request that
+        reached the end of its known tokens."""
+        batch = build_batch(out.scheduled, block_ids_of, self.block_size, self.device)
+        ctx = ForwardContext(self.backend, self.backend.build_metadata(batch.layout),
+                             self.kv_caches)
+        hidden = self.model(batch.input_ids, batch.positions, ctx)  # (T, h)
+        if not batch.sampling_entries:
+            return {}, {}
+        logits = self.model.compute_logits(hidden[batch.logits_indices])  # (N, V)
+        reqs = [s.request for s in batch.sampling_entries]
+        tokens, logprobs = self.sampler(logits, reqs)
+        sampled = {r.request_id: t for r, t in zip(reqs, tokens)}
+        lps = {r.request_id: lp for r, lp in zip(reqs, logprobs) if lp is not None}
+        return sampled, lps

@@ -1,0 +1,154 @@
+"""Token sampling for one step: penalties, min_tokens, greedy or temperature + top-k/top-p/
+min-p, per-request seeds, and logprobs of the raw model distribution.
+
+Seeded requests draw from their own generator, so their tokens do not depend on what else
+is in the batch; unseeded ones share the engine's generator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from baton.engine.request import Request
+
+
+@dataclass
+class TokenLogprobs:
+    token_id: int
+    logprob: float
+    rank: int  # 1 = most likely
+    top: list[tuple[int, float]]  # the `logprobs` most likely tokens, best first
+
+
+class Sampler:
+    def __init__(self, seed: int = 0) -> None:
+        self._shared = torch.Generator().manual_seed(seed)
+        self._per_request: dict[str, torch.Generator] = {}
+
+    def release(self, request_id: str) -> None:
+        self._per_request.pop(request_id, None)
+
+    def __call__(self, logits: torch.Tensor, reqs: list[Request]
+                 ) -> tuple[list[int], list[TokenLogprobs | None]]:
+        """logits (N, V) float32, one row per request -> token ids and optional logprobs."""
+        logits = logits.float()
+        want_logprobs = [i for i, r in enumerate(reqs) if r.sampling_params.logprobs is not None]
+        raw_logprobs = (torch.log_softmax(logits[want_logprobs], dim=-1)
+                        if want_logprobs else None)  # (W, V)
+        logits = self._apply_constraints(logits, reqs)
+        tokens = torch.empty(len(reqs), dtype=torch.long)
+        greedy = [i for i, r in enumerate(reqs) if r.sampling_params.is_greedy]
+        rand = [i for i, r in enumerate(reqs) if not r.sampling_params.is_greedy]
+        if greedy:
+            tokens[greedy] = logits[greedy].argmax(dim=-1).cpu()
+        if rand:
+            tokens[rand] = self._sample(logits[rand], [reqs[i] for i in rand]).cpu()
+        token_list = tokens.tolist()
+        lp: list[TokenLogprobs | None] = [None] * len(reqs)
+        for w, i in enumerate(want_logprobs):
+            lp[i] = _logprobs(raw_logprobs[w], token_list[i], reqs[i].sampling_params.logprobs)
+        return token_list, lp
+
+    def _apply_constraints(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        cloned = False
+        for i, req in enumerate(reqs):
+            p = req.sampling_params
+            banned = _banned_tokens(req)
+            if not (p.needs_penalties or banned):
+                continue
+            if not cloned:
+                logits, cloned = logits.clone(), True
+            if p.needs_penalties:
+                _apply_penalties(logits[i], req)
+            if banned:
+                logits[i, banned] = float("-inf")
+        return logits
+
+    def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+        """logits (R, V) -> (R,) sampled ids via the exponential race (argmax p / Exp(1))."""
+        dev = logits.device
+        temps = torch.tensor([r.sampling_params.temperature for r in reqs], device=dev)
+        logits = logits / temps[:, None]
+        logits = _top_k(logits, [r.sampling_params.top_k for r in reqs])
+        probs = torch.softmax(logits, dim=-1)
+        probs = _top_p_min_p(probs, [r.sampling_params.top_p for r in reqs],
+                             [r.sampling_params.min_p for r in reqs])
+        noise = torch.empty_like(probs)
+        for i, req in enumerate(reqs):
+            noise[i].exponential_(generator=self._generator(req))
+        return (probs / noise).argmax(dim=-1)
+
+    def _generator(self, req: Request) -> torch.Generator:
+        seed = req.sampling_params.seed
+        if seed is None:
+            return self._shared
+        gen = self._per_request.get(req.request_id)
+        if gen is None:
+            gen = self._per_request[req.request_id] = torch.Generator().manual_seed(seed)
+        return gen
+
+
+def _banned_tokens(req: Request) -> list[int]:
+    """EOS and stop ids may not be sampled before min_tokens outputs exist."""
+    p = req.sampling_params
+    if req.num_output_tokens >= p.min_tokens:
+        return []
+    banned = list(p.stop_token_ids)
+    if req.eos_token_id is not None and not p.ignore_eos:
+        banned.append(req.eos_token_id)
+    return banned
+
+
+def _apply_penalties(row: torch.Tensor, req: Request) -> None:
+    p = req.sampling_params
+    vocab = row.shape[0]
+    if p.presence_penalty or p.frequency_penalty:
+        out = torch.tensor(req.output_token_ids, dtype=torch.long, device=row.device)
+        counts = torch.bincount(out[out < vocab], minlength=vocab).to(row.dtype)
+        row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
+    if p.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(req.all_token_ids)), dtype=torch.long, device=row.device)
+        seen = seen[seen < vocab]
+        vals = row[seen]
+        row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+
+
+def _top_k(logits: torch.Tensor, ks: list[int]) -> torch.Tensor:
+    vocab = logits.shape[-1]
+    ks = [k if 0 < k < vocab else 0 for k in ks]
+    if not any(ks):
+        return logits
+    k_max = max(ks)
+    top = logits.topk(k_max, dim=-1).values  # (R, k_max)
+    idx = torch.tensor([max(k, 1) - 1 for k in ks], device=logits.device)
+    thresh = top.gather(1, idx[:, None])  # (R, 1)
+    thresh[torch.tensor([k == 0 for k in ks], device=logits.device)] = float("-inf")
+    return logits.masked_fill(logits < thresh, float("-inf"))
+
+
+def _top_p_min_p(probs: torch.Tensor, top_ps: list[float], min_ps: list[float]) -> torch.Tensor:
+    dev = probs.device
+    if any(p > 0 for p in min_ps):
+        min_p = torch.tensor(min_ps, device=dev, dtype=probs.dtype)[:, None]
+        probs = probs.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
+    if any(p < 1.0 for p in top_ps):
+        top_p = torch.tensor(top_ps, device=dev, dtype=probs.dtype)[:, None]
+        sorted_p, order = probs.sort(dim=-1, descending=True)
+        # Drop a token when the mass strictly before it already reaches top_p (keeps >= 1).
+        before = sorted_p.cumsum(dim=-1) - sorted_p
+        drop_sorted = before >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+    return probs
+
+
+def _logprobs(row: torch.Tensor, token: int, k: int) -> TokenLogprobs:
+    chosen = float(row[token])
+    rank = int((row > row[token]).sum()) + 1
+    top: list[tuple[int, float]] = []
+    if k:
+        vals, ids = row.topk(k)
+        top = list(zip(ids.tolist(), vals.tolist()))
+    return TokenLogprobs(token, chosen, rank, top)

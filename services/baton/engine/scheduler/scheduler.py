@@ -1,0 +1,196 @@
+"""The continuous-batching scheduler.
+
+Each step: running requests get their tokens first (a decode is one token, an unfinished
+prompt continues in chunks), then waiting requests are admitted while the token budget,
+`max_num_seqs` and the KV pool allow; a prompt that does not fit the remaining budget is
+chunked across steps. When the pool runs dry, the lowest-priority (FCFS: newest) running
+request not yet scheduled this step is preempted by recompute: its blocks are freed and it
+goes back to the waiting queue with its output tokens, to be prefilled again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from baton.engine.kv_cache import KVCacheManager
+from baton.engine.request import Request, RequestStatus
+from baton.engine.scheduler.output import ScheduledRequest, SchedulerOutput
+from baton.engine.scheduler.queues import make_queue
+
+
+@dataclass(frozen=True)
+class SchedulerLimits:
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    max_model_len: int
+    policy: str = "fcfs"
+
+
+class Scheduler:
+    def __init__(self, limits: SchedulerLimits, kv: KVCacheManager) -> None:
+        self.limits = limits
+        self.kv = kv
+        self.waiting = make_queue(limits.policy)
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+        self._rejected: list[Request] = []  # ended inside schedule(): can never fit the pool
+
+    # -- bookkeeping -----------------------------------------------------------------------
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def add_request(self, req: Request) -> None:
+        if req.request_id in self.requests:
+            raise ValueError(f"request id {req.request_id!r} is already in the engine")
+        self.requests[req.request_id] = req
+        self.waiting.add(req)
+
+    def drain_rejected(self) -> list[Request]:
+        rejected, self._rejected = self._rejected, []
+        return rejected
+
+    def finish_requests(self, request_ids, status: RequestStatus) -> list[Request]:
+        """End these requests (abort, stop string) wherever they are; unknown ids are
+        ignored. Frees their blocks. Returns the requests that were ended."""
+        ended = []
+        for rid in request_ids:
+            req = self.requests.get(rid)
+            if req is None:
+                continue
+            if req.status == RequestStatus.RUNNING:
+                self.running.remove(req)
+            else:
+                self.waiting.remove(req)
+            req.status = status
+            self._release(req)
+            ended.append(req)
+        return ended
+
+    # -- the step --------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self._schedule_running(out, self.limits.max_num_batched_tokens)
+        if not out.preempted:
+            self._schedule_waiting(out, budget)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if self._allocate_or_preempt(req, num_new, i, out):
+                out.scheduled.append(ScheduledRequest(req, num_new))
+                budget -= num_new
+                i += 1
+        return budget
+
+    def _allocate_or_preempt(self, req: Request, num_new: int, index: int,
+                             out: SchedulerOutput) -> bool:
+        """Allocate room for `req`, preempting not-yet-scheduled running requests from
+        `index` on until it fits. False when `req` itself had to be preempted."""
+        while self.kv.allocate_slots(req, num_new) is None:
+            victim = self._pick_victim(index)
+            self._preempt(victim)
+            out.preempted.append(victim)
+            if victim is req:
+                return False
+        return True
+
+    def _pick_victim(self, index: int) -> Request:
+        candidates = self.running[index:]
+        if self.limits.policy == "priority":
+            return max(candidates, key=lambda r: r.sort_key)
+        return candidates[-1]
+
+    def _preempt(self, req: Request) -> None:
+        self.running.remove(req)
+        self.kv.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.add_preempted(req)
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs:
+            req = self.waiting.peek()
+            computed, num_cached = self.kv.get_computed_blocks(req)
+            num_new = min(req.num_tokens - num_cached, budget)
+            if self.kv.allocate_slots(req, num_new, computed) is None:
+                if not self.running:
+                    # The pool is all ours and still too small: it can never run.
+                    self.waiting.pop()
+                    self._finish(req, RequestStatus.FINISHED_LENGTH_CAPPED)
+                    self._rejected.append(req)
+                    continue
+                return
+            self.waiting.pop()
+            self._admit(req, num_cached)
+            out.scheduled.append(ScheduledRequest(req, num_new))
+            budget -= num_new
+
+    def _admit(self, req: Request, num_cached: int) -> None:
+        if req.status == RequestStatus.WAITING:
+            req.num_cached_tokens = num_cached
+        req.num_computed_tokens = num_cached
+        req.status = RequestStatus.RUNNING
+        self.running.append(req)
+
+    # -- after the model ran ---------------------------------------------------------------
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Advance counters, append sampled tokens, end requests that hit a stop condition
+        (EOS, stop token id, max_tokens, context window). Returns those ended this step."""
+        finished = []
+        for s in out.scheduled:
+            if s.is_padding:
+                continue
+            req = s.request
+            req.num_computed_tokens += s.num_new_tokens
+            token = sampled.get(req.request_id)
+            if token is None:
+                continue
+            req.output_token_ids.append(token)
+            status = self._stop_status(req, token)
+            if status is not None:
+                self.running.remove(req)
+                self._finish(req, status)
+                finished.append(req)
+        return finished
+
+    def _stop_status(self, req: Request, token: int) -> RequestStatus | None:
+        params = req.sampling_params
+        if req.num_output_tokens >= params.min_tokens:
+            if token == req.eos_token_id and not params.ignore_eos:
+                return RequestStatus.FINISHED_STOPPED
+            if token in params.stop_token_ids:
+                req.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.limits.max_model_len:
+            return RequestStatus.FINISHED_LENGTH_CAPPED
+        return None
+
+    def _finish(self, req: Request, status: RequestStatus) -> None:
+        req.status = status
+        self._release(req)
+
+    def _release(self, req: Request) -> None:
+        self.kv.free(req)
+        del self.requests[req.request_id]
+
+
+def make_scheduler(limits: SchedulerLimits, kv: KVCacheManager) -> Scheduler:
+    if limits.policy == "static":
+        from baton.engine.scheduler.static import StaticScheduler
+
+        return StaticScheduler(limits, kv)
+    return Scheduler(limits, kv)

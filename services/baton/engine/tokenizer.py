@@ -1,0 +1,90 @@
+"""Tokenizer and chat template from transformers, and incremental detokenisation with stop
+strings."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def load_tokenizer(model_dir: Path):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+def apply_chat_template(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
+                        **kwargs) -> list[int]:
+    if not tokenizer.chat_template:
+        raise ValueError("this model's tokenizer has no chat template; use completions")
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                        tokenize=True, return_dict=False, **kwargs)
+    return list(ids)
+
+
+class IncrementalDetokenizer:
+    """Turns one request's output tokens into text as they arrive.
+
+    Decodes a small window (a few prompt tokens of context, then the unread tail) so that
+    byte-level BPE pieces and leading spaces come out right, holding back text that ends in
+    an incomplete UTF-8 character. Stop strings are searched in the new text (plus the tail
+    of the old text, since a stop string may straddle two tokens); the text is cut exactly
+    before the stop string (or after it with include_stop_str_in_output).
+    """
+
+    def __init__(self, tokenizer, prompt_ids: list[int], stop: list[str],
+                 include_stop: bool, skip_special_tokens: bool) -> None:
+        self.tokenizer = tokenizer
+        self.ids = list(prompt_ids[-6:])
+        self.prefix_offset = max(len(self.ids) - 5, 0)
+        self.read_offset = len(self.ids)
+        self.stop = stop
+        self.include_stop = include_stop
+        self.skip_special = skip_special_tokens
+        self.max_stop_len = max((len(s) for s in stop), default=0)
+        self.text = ""
+        self._emitted = 0  # chars of self.text already returned as deltas
+
+    def add(self, token_id: int) -> tuple[str, str | None]:
+        """Append one token. Returns (new text to show, matched stop string or None).
+        After a match the text is final."""
+        self.ids.append(token_id)
+        prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
+        full = self._decode(self.ids[self.prefix_offset:])
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            self.text += full[len(prefix):]
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        matched = self._find_stop()
+        return self._take_delta(withhold=not matched), matched
+
+    def flush(self) -> str:
+        """Whatever text is still held back (at the end of the request)."""
+        return self._take_delta(withhold=False)
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special,
+                                     clean_up_tokenization_spaces=False)
+
+    def _find_stop(self) -> str | None:
+        if not self.stop:
+            return None
+        start = max(self._emitted - self.max_stop_len + 1, 0)
+        best = None
+        for s in self.stop:
+            idx = self.text.find(s, start)
+            if idx != -1 and (best is None or idx < best[0]):
+                best = (idx, s)
+        if best is None:
+            return None
+        idx, s = best
+        self.text = self.text[: idx + len(s) if self.include_stop else idx]
+        return s
+
+    def _take_delta(self, withhold: bool) -> str:
+        # While stop strings are live, hold back a tail that could be the start of one, so
+        # a streamed client never sees text that is later cut.
+        end = len(self.text)
+        if withhold and self.max_stop_len:
+            end = max(self._emitted, end - self.max_stop_len + 1)
+        delta = self.text[self._emitted:end]
+        self._emitted = end
+        return delta
