@@ -1,0 +1,159 @@
+"""The asyncio front of the engine, for the services.
+
+The engine loop runs on its own thread; the event loop only validates requests, enqueues
+commands and reads per-request queues, so it never blocks on a model step. Outputs of one
+step reach the event loop in one `call_soon_threadsafe`.
+
+    engine = AsyncEngine(EngineConfig())
+    async for out in engine.generate(prompt_ids, SamplingParams(max_tokens=8), "req-1"):
+        print(out.outputs[0].delta_text, end="")
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator
+
+from baton.common.sampling_params import SamplingParams
+from baton.engine.config import EngineConfig
+from baton.engine.core import EngineCore
+from baton.engine.outputs import CompletionOutput, EngineOutput, RequestOutput
+from baton.engine.request import Request
+
+log = logging.getLogger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop crashed; every request in flight fails with this."""
+
+
+class AsyncEngine:
+    def __init__(self, config: EngineConfig, core: EngineCore | None = None) -> None:
+        self.core = core or EngineCore(config)
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._streams: dict[str, asyncio.Queue] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self.dead_error: BaseException | None = None
+        self._stopping = False
+
+    @property
+    def tokenizer(self):
+        return self.core.tokenizer
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.dead_error is None
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._loop = asyncio.get_running_loop()
+            self._thread = threading.Thread(target=self._run, name="baton-engine", daemon=True)
+            self._thread.start()
+
+    def shutdown(self) -> None:
+        self._stopping = True
+        self._commands.put(("stop", None))
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    # -- the event-loop side ---------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    priority: int = 0) -> asyncio.Queue:
+        """Validate (raises InvalidRequestError / ValueError) and queue one request; returns
+        the queue its EngineOutputs arrive on."""
+        if self.dead_error is not None:
+            raise EngineDeadError(f"the engine loop died: {self.dead_error!r}")
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in flight")
+        self.start()
+        req = self.core.make_request(request_id, prompt_token_ids, params, priority)
+        stream: asyncio.Queue = asyncio.Queue()
+        self._streams[request_id] = stream
+        self._commands.put(("add", req))
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        if self._streams.pop(request_id, None) is not None:
+            self._commands.put(("abort", request_id))
+
+    async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
+                       request_id: str, priority: int = 0) -> AsyncIterator[RequestOutput]:
+        """Stream cumulative outputs (with the latest delta) for one request; n > 1 is the
+        caller's to fan out. Leaving the loop early (or being cancelled) aborts it."""
+        stream = self.add_request(request_id, prompt_token_ids, params, priority)
+        result = RequestOutput(request_id, None, list(prompt_token_ids), [CompletionOutput(0)])
+        try:
+            while True:
+                batch = [await stream.get()]
+                while not stream.empty():
+                    batch.append(stream.get_nowait())
+                if isinstance(batch[-1], BaseException):
+                    raise EngineDeadError(f"the engine loop died: {batch[-1]!r}")
+                result.outputs[0].add(batch)
+                result.num_cached_tokens = batch[-1].num_cached_tokens or result.num_cached_tokens
+                yield result
+                if batch[-1].finished:
+                    return
+        finally:
+            if not result.finished:
+                self.abort(request_id)
+            self._streams.pop(request_id, None)
+
+    def _deliver(self, outputs: list[EngineOutput]) -> None:
+        for o in outputs:
+            stream = self._streams.get(o.request_id)
+            if stream is not None:
+                stream.put_nowait(o)
+                if o.finished:
+                    self._streams.pop(o.request_id, None)
+
+    def _fail_all(self, err: BaseException) -> None:
+        for stream in self._streams.values():
+            stream.put_nowait(err)
+        self._streams.clear()
+
+    # -- the engine thread -----------------------------------------------------------------
+    def _run(self) -> None:
+        core = self.core
+        try:
+            while not self._stopping:
+                self._apply_commands(block=not core.has_unfinished_requests())
+                if self._stopping:
+                    break
+                if core.has_unfinished_requests():
+                    outputs = core.step()
+                    if outputs:
+                        self._loop.call_soon_threadsafe(self._deliver, outputs)
+        except BaseException as err:  # noqa: BLE001 - every stream must hear about it
+            log.exception("engine loop crashed")
+            self.dead_error = err
+            self._loop.call_soon_threadsafe(self._fail_all, err)
+
+    def _apply_commands(self, block: bool) -> None:
+        outputs: list[EngineOutput] = []
+        while True:
+            try:
+                kind, arg = self._commands.get(block=block)
+            except queue.Empty:
+                break
+            block = False
+            if kind == "stop":
+                self._stopping = True
+                break
+            if kind == "add":
+                self._add(arg)
+            elif kind == "abort":
+                outputs.extend(self.core.abort_requests([arg]))
+        if outputs:
+            self._loop.call_soon_threadsafe(self._deliver, outputs)
+
+    def _add(self, req: Request) -> None:
+        try:
+            self.core.add(req)
+        except ValueError as err:  # duplicate id raced in; fail that request only
+            self._loop.call_soon_threadsafe(self._deliver, [EngineOutput(
+                req.request_id, [], "", None, finish_reason="abort", stop_reason=str(err))])
