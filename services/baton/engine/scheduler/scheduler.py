@@ -99,6 +99,13 @@ class Scheduler:
         """Allocate room for `req`, preempting not-yet-scheduled running requests from
         `index` on until it fits. False when `req` itself had to be preempted."""
         while self.kv.allocate_slots(req, num_new) is None:
+            if self.running == [req]:
+                # Alone and still out of room: the pool can never hold it. End it rather
+                # than preempt and recompute it forever.
+                self.running.remove(req)
+                self._finish(req, RequestStatus.FINISHED_LENGTH_CAPPED)
+                self._rejected.append(req)
+                return False
             victim = self._pick_victim(index)
             self._preempt(victim)
             out.preempted.append(victim)
