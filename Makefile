@@ -25,8 +25,10 @@ $(STAMP): pyproject.toml Makefile
 run: $(STAMP)
 	$(VENV)/bin/baton generate --chat "$(PROMPT)"
 
+# pytest exits 5 when it collected no test: that is a failure here, never a pass.
 test: $(STAMP)
-	$(PY) -m pytest -q tests
+	@$(PY) -m pytest -q tests; rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" tests

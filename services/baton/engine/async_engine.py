@@ -34,8 +34,8 @@ class AsyncEngine:
     def __init__(self, config: EngineConfig, core: EngineCore | None = None) -> None:
         self.core = core or EngineCore(config)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._streams: dict[str, asyncio.Queue] = {}
-        self._loop: asyncio.AbstractEventLoop | None = None
+        # request id -> (the event loop that reads it, its queue)
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._thread: threading.Thread | None = None
         self.dead_error: BaseException | None = None
         self._stopping = False
@@ -50,7 +50,6 @@ class AsyncEngine:
 
     def start(self) -> None:
         if self._thread is None:
-            self._loop = asyncio.get_running_loop()
             self._thread = threading.Thread(target=self._run, name="baton-engine", daemon=True)
             self._thread.start()
 
@@ -72,7 +71,7 @@ class AsyncEngine:
         self.start()
         req = self.core.make_request(request_id, prompt_token_ids, params, priority)
         stream: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = stream
+        self._streams[request_id] = (asyncio.get_running_loop(), stream)
         self._commands.put(("add", req))
         return stream
 
@@ -103,18 +102,32 @@ class AsyncEngine:
                 self.abort(request_id)
             self._streams.pop(request_id, None)
 
-    def _deliver(self, outputs: list[EngineOutput]) -> None:
+    def _deliver(self, outputs: list) -> None:
+        """Runs on the event loop that owns these streams."""
         for o in outputs:
-            stream = self._streams.get(o.request_id)
-            if stream is not None:
-                stream.put_nowait(o)
-                if o.finished:
-                    self._streams.pop(o.request_id, None)
+            rid = o.request_id if isinstance(o, EngineOutput) else o[0]
+            entry = self._streams.get(rid)
+            if entry is None:
+                continue
+            entry[1].put_nowait(o if isinstance(o, EngineOutput) else o[1])
+            if not isinstance(o, EngineOutput) or o.finished:
+                self._streams.pop(rid, None)
 
-    def _fail_all(self, err: BaseException) -> None:
-        for stream in self._streams.values():
-            stream.put_nowait(err)
-        self._streams.clear()
+    def _post(self, outputs: list) -> None:
+        """From the engine thread: hand outputs to the loop(s) reading them, one callback
+        per loop. A closed loop's readers are gone; their outputs are dropped."""
+        by_loop: dict[asyncio.AbstractEventLoop, list] = {}
+        for o in outputs:
+            rid = o.request_id if isinstance(o, EngineOutput) else o[0]
+            entry = self._streams.get(rid)
+            if entry is not None:
+                by_loop.setdefault(entry[0], []).append(o)
+        for loop, outs in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(self._deliver, outs)
+            except RuntimeError:  # loop closed
+                for o in outs:
+                    self._streams.pop(o.request_id if isinstance(o, EngineOutput) else o[0], None)
 
     # -- the engine thread -----------------------------------------------------------------
     def _run(self) -> None:
@@ -127,11 +140,11 @@ class AsyncEngine:
                 if core.has_unfinished_requests():
                     outputs = core.step()
                     if outputs:
-                        self._loop.call_soon_threadsafe(self._deliver, outputs)
+                        self._post(outputs)
         except BaseException as err:  # noqa: BLE001 - every stream must hear about it
             log.exception("engine loop crashed")
             self.dead_error = err
-            self._loop.call_soon_threadsafe(self._fail_all, err)
+            self._post([(rid, err) for rid in list(self._streams)])
 
     def _apply_commands(self, block: bool) -> None:
         outputs: list[EngineOutput] = []
@@ -149,11 +162,11 @@ class AsyncEngine:
             elif kind == "abort":
                 outputs.extend(self.core.abort_requests([arg]))
         if outputs:
-            self._loop.call_soon_threadsafe(self._deliver, outputs)
+            self._post(outputs)
 
     def _add(self, req: Request) -> None:
         try:
             self.core.add(req)
         except ValueError as err:  # duplicate id raced in; fail that request only
-            self._loop.call_soon_threadsafe(self._deliver, [EngineOutput(
-                req.request_id, [], "", None, finish_reason="abort", stop_reason=str(err))])
+            self._post([EngineOutput(req.request_id, [], "", None, finish_reason="abort",
+                                     stop_reason=str(err))])
