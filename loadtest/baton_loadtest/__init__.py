@@ -1,0 +1,1 @@
+"""Baton's load and benchmark tools: workload generation, offline and online benchmarks."""
