@@ -28,8 +28,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         if residual is not None:
             x = x + residual
-        x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        normed = F.rms_norm(x.float(), self.weight.shape, eps=self.eps)
         return self.weight * normed.to(x.dtype), x
 
 
@@ -39,16 +38,16 @@ class Attention(nn.Module):
         self.layer_idx = layer_idx
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.split = [q_size, kv_size, kv_size]
+        self.qk_size = q_size + kv_size
         self.qkv_proj = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.attention_bias)
         self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=False)
 
     def forward(self, x, cos, sin, ctx: ForwardContext) -> torch.Tensor:
-        T = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
-        q = apply_rotary(q.view(T, self.num_heads, self.head_dim), cos, sin)  # (T, H, D)
-        k = apply_rotary(k.view(T, self.num_kv_heads, self.head_dim), cos, sin)  # (T, KVH, D)
-        v = v.view(T, self.num_kv_heads, self.head_dim)  # (T, KVH, D)
+        T, H, KVH, D = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        qkv = self.qkv_proj(x)  # (T, (H + 2 KVH) D)
+        qk = apply_rotary(qkv[:, :self.qk_size].view(T, H + KVH, D), cos, sin)  # one rope call
+        q, k = qk.split([H, KVH], dim=1)  # (T, H, D), (T, KVH, D)
+        v = qkv[:, self.qk_size:].view(T, KVH, D)  # (T, KVH, D)
         out = ctx.attention(self.layer_idx, q, k, v)  # (T, H, D)
         return self.o_proj(out.reshape(T, -1))
 
@@ -103,5 +102,18 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """(N, h) -> (N, V) float32 logits."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight).float()
+        if self.lm_head is None:
+            return F.linear(hidden, self.embed_tokens.weight).float()
+        return self.lm_head(hidden).float()
+
+    def prepack_for_cpu(self) -> None:
+        """Swap linears for oneDNN-prepacked ones (bf16 on CPU); a tied head gets its own
+        packed copy of the embedding."""
+        from baton.engine.models.cpu_packing import pack_linears
+
+        if self.lm_head is None:
+            self.lm_head = nn.Linear(self.cfg.hidden_size, self.cfg.vocab_size, bias=False,
+                                     device=self.embed_tokens.weight.device,
+                                     dtype=self.embed_tokens.weight.dtype)
+            self.lm_head.weight = self.embed_tokens.weight
+        pack_linears(self)

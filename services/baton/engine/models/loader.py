@@ -100,7 +100,12 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device,
     state = {k: v.to(dtype) for k, v in state.items()}
     model.load_state_dict(state, strict=True, assign=True)
     model.rotary = model.rotary.__class__(cfg, max_positions)
-    return model.to(device).eval(), cfg
+    model = model.to(device).eval()
+    from baton.engine.models.cpu_packing import can_pack
+
+    if can_pack(dtype, device):
+        model.prepack_for_cpu()
+    return model, cfg
 
 
 def _read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:

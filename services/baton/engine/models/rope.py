@@ -46,16 +46,18 @@ class RotaryEmbedding(torch.nn.Module):
         freqs = torch.outer(pos, inv_freq)  # (P, D/2)
         emb = torch.cat((freqs, freqs), dim=-1)  # (P, D)
         self.register_buffer("cos", emb.cos(), persistent=False)
-        self.register_buffer("sin", emb.sin(), persistent=False)
+        # rotate_half(x) * sin == swap_halves(x) * signed_sin: one op less per call.
+        signed = torch.cat((-freqs.sin(), freqs.sin()), dim=-1)
+        self.register_buffer("signed_sin", signed, persistent=False)
 
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype):
-        """(T,) positions -> cos, sin of shape (T, 1, D) in `dtype`."""
+        """(T,) positions -> cos, signed sin of shape (T, 1, D) in `dtype`."""
         return (self.cos[positions].to(dtype).unsqueeze(1),
-                self.sin[positions].to(dtype).unsqueeze(1))
+                self.signed_sin[positions].to(dtype).unsqueeze(1))
 
 
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x (T, heads, D) rotated in place-free fashion."""
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """x (T, heads, D) -> rotated copy (Hugging Face's rotate-half convention)."""
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    swapped = torch.cat((x[..., half:], x[..., :half]), dim=-1)
+    return torch.addcmul(x * cos, swapped, signed_sin)

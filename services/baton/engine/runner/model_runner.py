@@ -45,7 +45,7 @@ class ModelRunner:
                                     device=self.device)
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1])
                           for i in range(cfg.num_layers)]
-        self.backend = make_attention_backend(config.attention_backend, self.device)
+        self.backend = make_attention_backend(config.attention_backend, self.device, self.dtype)
         self.sampler = Sampler(config.seed)
         log.info("model %s (%s), %d KV blocks of %d tokens, attention=%s", cfg.architecture,
                  config.dtype, self.num_blocks, self.block_size, self.backend.name)
