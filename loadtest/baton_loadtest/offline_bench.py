@@ -13,6 +13,7 @@ the static baselines costs them time but earns nothing.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import subprocess
 import sys
@@ -28,6 +29,7 @@ from baton_loadtest.workload import OfflineRequest, chat_workload
 def run_baton(reqs: list[OfflineRequest], dtype: str, **engine_args) -> float:
     from baton import LLM, SamplingParams
 
+    gc.collect()  # drop the previous engine's KV cache before allocating another
     llm = LLM(dtype=dtype, **engine_args)
     llm.generate([[1, 2, 3, 4]] * 4, SamplingParams(max_tokens=4), use_tqdm=False)  # warm up
     params = [SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True)
@@ -96,6 +98,7 @@ def run_vllm(reqs: list[OfflineRequest], python: str, model_dir: Path, dtype: st
 def decode_step_vs_weight_stream(dtype: str) -> dict:
     from baton import LLM, SamplingParams
 
+    gc.collect()
     llm = LLM(dtype=dtype, num_kv_blocks=64)
     engine = llm.engine
     engine.add_request("b1", list(range(100, 164)), SamplingParams(
@@ -108,8 +111,8 @@ def decode_step_vs_weight_stream(dtype: str) -> dict:
         engine.step()
         n += 1
     step = (time.perf_counter() - t0) / n
-    params = list(engine.runner.model.parameters())
-    weight_bytes = sum(p.numel() * p.element_size() for p in params)
+    # Every weight is read once per step (the tied embedding as the LM head).
+    weight_bytes = engine.model_config.num_params * torch.finfo(engine.runner.dtype).bits // 8
     # Memory bandwidth from a large copy (read + write), then the floor = bytes / bandwidth.
     src = torch.empty(256 << 20, dtype=torch.uint8).fill_(1)
     dst = torch.empty_like(src)

@@ -41,7 +41,9 @@ class Sampler:
         tokens = torch.empty(len(reqs), dtype=torch.long)
         greedy = [i for i, r in enumerate(reqs) if r.sampling_params.is_greedy]
         rand = [i for i, r in enumerate(reqs) if not r.sampling_params.is_greedy]
-        if greedy:
+        if len(greedy) == len(reqs):
+            tokens = logits.argmax(dim=-1).cpu()
+        elif greedy:
             tokens[greedy] = logits[greedy].argmax(dim=-1).cpu()
         if rand:
             tokens[rand] = self._sample(logits[rand], [reqs[i] for i in rand]).cpu()

@@ -52,8 +52,8 @@ class RotaryEmbedding(torch.nn.Module):
 
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype):
         """(T,) positions -> cos, signed sin of shape (T, 1, D) in `dtype`."""
-        return (self.cos[positions].to(dtype).unsqueeze(1),
-                self.signed_sin[positions].to(dtype).unsqueeze(1))
+        return (self.cos.index_select(0, positions).to(dtype).unsqueeze(1),
+                self.signed_sin.index_select(0, positions).to(dtype).unsqueeze(1))
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:

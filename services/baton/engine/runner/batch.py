@@ -24,7 +24,10 @@ class FlatBatch:
 
 def build_batch(scheduled: list[ScheduledRequest], block_ids_of: Callable[[str], list[int]],
                 block_size: int, device: torch.device) -> FlatBatch:
-    entries = sorted(scheduled, key=lambda s: s.num_new_tokens != 1)  # stable: decodes first
+    # Decodes first, longest context first, so that attention backends can cut the decode
+    # rows into groups of similar length and pad less.
+    entries = sorted(scheduled, key=lambda s: (s.num_new_tokens != 1,
+                                               -s.request.num_computed_tokens))
     num_decodes = sum(1 for s in entries if s.num_new_tokens == 1)
     tokens: list[int] = []
     positions: list[np.ndarray] = []

@@ -77,7 +77,8 @@ class ModelRunner:
         hidden = self.model(batch.input_ids, batch.positions, ctx)  # (T, h)
         if not batch.sampling_entries:
             return {}, {}
-        logits = self.model.compute_logits(hidden[batch.logits_indices])  # (N, V)
+        rows = torch.tensor(batch.logits_indices, device=hidden.device)
+        logits = self.model.compute_logits(hidden.index_select(0, rows))  # (N, V)
         reqs = [s.request for s in batch.sampling_entries]
         tokens, logprobs = self.sampler(logits, reqs)
         sampled = {r.request_id: t for r, t in zip(reqs, tokens)}
