@@ -67,14 +67,22 @@ def run_hf(reqs: list[OfflineRequest], model_dir: Path, dtype: str, batch: int) 
 _VLLM_SCRIPT = """
 import json, sys, time
 from vllm import LLM, SamplingParams
-reqs = json.load(open(sys.argv[1]))
-llm = LLM(model=sys.argv[2], dtype=sys.argv[3], gpu_memory_utilization=0.3, seed=0)
-params = [SamplingParams(temperature=0, max_tokens=r[1], ignore_eos=True) for r in reqs]
-prompts = [{"prompt_token_ids": r[0]} for r in reqs]
-llm.generate(prompts[:4], params[:4], use_tqdm=False)
-t0 = time.perf_counter()
-llm.generate(prompts, params, use_tqdm=False)
-print("ELAPSED", time.perf_counter() - t0)
+
+
+def main():  # vLLM spawns its engine process: keep the work under the main guard
+    reqs = json.load(open(sys.argv[1]))
+    llm = LLM(model=sys.argv[2], dtype=sys.argv[3], gpu_memory_utilization=0.3, seed=0)
+    params = [SamplingParams(temperature=0, max_tokens=r[1], ignore_eos=True) for r in reqs]
+    prompts = [{"prompt_token_ids": r[0]} for r in reqs]
+    llm.generate(prompts[:4], params[:4], use_tqdm=False)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    print("ELAPSED", time.perf_counter() - t0)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [r[1] for r in reqs]
+
+
+if __name__ == "__main__":
+    main()
 """
 
 
@@ -92,7 +100,8 @@ def run_vllm(reqs: list[OfflineRequest], python: str, model_dir: Path, dtype: st
     for line in proc.stdout.splitlines():
         if line.startswith("ELAPSED"):
             return float(line.split()[1])
-    raise RuntimeError(f"vLLM run failed:\n{proc.stderr[-3000:]}")
+    errors = [ln for ln in proc.stderr.splitlines() if "Error" in ln or "error" in ln]
+    raise RuntimeError("vLLM run failed:\n" + "\n".join(errors[-15:]) + proc.stderr[-1500:])
 
 
 def decode_step_vs_weight_stream(dtype: str) -> dict:

@@ -1,8 +1,10 @@
-"""Attention in plain torch: gather each sequence's pages once per layer and call SDPA.
+"""Attention on CPU (and the fallback anywhere): torch ops plus one small C kernel.
 
-Decodes are batched into one SDPA call with q grouped as (B, KVH, G, D), so GQA needs no
-K/V repetition and a boolean length mask hides the padding. Prefill chunks run one SDPA
-call each, causal with an offset for their cached context.
+Decodes: when the native kernel (`cpu_native`) could be built, it reads the pages in place;
+otherwise each group of similar-length decodes gathers its pages (`index_select`) and makes
+one SDPA call with q grouped as (n, KVH, G, D), so GQA needs no K/V repetition, and an
+additive mask hides the padding. Prefill chunks run one SDPA call each, causal with an
+offset for their cached context.
 """
 
 from __future__ import annotations
@@ -31,15 +33,17 @@ class TorchAttentionMetadata:
     layout: BatchLayout
     write_rows: torch.Tensor | None  # rows of the batch to write, None = all
     write_slots: torch.Tensor
-    decode_groups: list[DecodeGroup]
+    decode_groups: list[DecodeGroup]  # empty when the native kernel does the decodes
+    decode_seq_lens: torch.Tensor | None  # (Bd,) int64 for the native kernel
     prefill_masks: list[torch.Tensor | None]  # per prefill seq: (Q, L) bool, None = causal
 
 
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
-    def __init__(self, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, dtype: torch.dtype = torch.float32, native=None) -> None:
         self.dtype = dtype
+        self.native = native  # cpu_native.NativeDecodeAttention or None
 
     def build_metadata(self, layout: BatchLayout) -> TorchAttentionMetadata:
         slots = layout.slot_mapping
@@ -47,8 +51,12 @@ class TorchAttentionBackend(AttentionBackend):
         write_rows = None if bool(valid.all()) else valid.nonzero().squeeze(1)
         write_slots = slots if write_rows is None else slots[write_rows]
         nd = layout.num_decodes
-        groups = [self._decode_group(layout, a, b) for a, b in _split_by_length(
-            layout.seq_lens[:nd])]
+        groups, native_lens = [], None
+        if self.native is not None:
+            native_lens = torch.tensor(layout.seq_lens[:nd], dtype=torch.int64)
+        else:
+            groups = [self._decode_group(layout, a, b) for a, b in _split_by_length(
+                layout.seq_lens[:nd])]
         masks = []
         for i in range(nd, layout.num_seqs):
             ctx, seq = layout.context_lens[i], layout.seq_lens[i]
@@ -57,7 +65,8 @@ class TorchAttentionBackend(AttentionBackend):
                 continue
             rows = torch.arange(seq - ctx, device=slots.device)[:, None] + ctx
             masks.append(torch.arange(seq, device=slots.device)[None, :] <= rows)  # (Q, L)
-        return TorchAttentionMetadata(layout, write_rows, write_slots, groups, masks)
+        return TorchAttentionMetadata(layout, write_rows, write_slots, groups, native_lens,
+                                      masks)
 
     def _decode_group(self, layout: BatchLayout, start: int, end: int) -> DecodeGroup:
         bs, dev = layout.block_size, layout.slot_mapping.device
@@ -80,9 +89,12 @@ class TorchAttentionBackend(AttentionBackend):
         KVH = k.shape[1]
         _write(k, v, k_cache, v_cache, meta)
         layout = meta.layout
-        out = torch.empty_like(q)
+        out = torch.empty(T, H, D, dtype=q.dtype, device=q.device)
         nd = layout.num_decodes
         bs = k_cache.shape[1]
+        if nd and meta.decode_seq_lens is not None:
+            self.native(q[:nd].contiguous(), k_cache, v_cache, layout.block_tables[:nd],
+                        meta.decode_seq_lens, D ** -0.5, out[:nd])
         for g in meta.decode_groups:
             n, L = g.end - g.start, g.num_blocks * bs
             # index_select copies whole blocks: ~10x faster than advanced indexing.

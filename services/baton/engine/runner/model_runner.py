@@ -10,7 +10,7 @@ import torch
 
 from baton.engine.attention import ForwardContext, make_attention_backend
 from baton.engine.config import EngineConfig
-from baton.engine.models.loader import load_model
+from baton.engine.models.loader import default_cache_dir, load_model
 from baton.engine.runner.batch import build_batch
 from baton.engine.sampler import Sampler, TokenLogprobs
 from baton.engine.scheduler.output import SchedulerOutput
@@ -45,7 +45,10 @@ class ModelRunner:
                                     device=self.device)
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1])
                           for i in range(cfg.num_layers)]
-        self.backend = make_attention_backend(config.attention_backend, self.device, self.dtype)
+        self.backend = make_attention_backend(
+            config.attention_backend, self.device, self.dtype,
+            (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim),
+            Path(config.cache_dir) if config.cache_dir else default_cache_dir())
         self.sampler = Sampler(config.seed)
         log.info("model %s (%s), %d KV blocks of %d tokens, attention=%s", cfg.architecture,
                  config.dtype, self.num_blocks, self.block_size, self.backend.name)

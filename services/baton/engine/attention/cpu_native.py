@@ -1,0 +1,92 @@
+"""A small C kernel for paged decode attention on CPU, built with the system C compiler on
+first use and loaded with ctypes.
+
+Why: on CPU, gathering every sequence's pages and calling SDPA spends most of a large decode
+step copying K/V and padding (measured ~2.5 ms per layer at 64 sequences x 300 tokens); the
+kernel reads the pages in place. It links the same libgomp that torch loaded (by soname), so
+both share one OpenMP thread pool. When no compiler is available, `load()` returns None and
+the torch backend keeps its gather + SDPA path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_SOURCE = Path(__file__).parent / "csrc" / "paged_decode.c"
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11",
+          "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]
+_lock = threading.Lock()
+_cached: dict[str, object] = {}
+
+
+class NativeDecodeAttention:
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        self._fns = {torch.float32: lib.paged_decode_f32, torch.bfloat16: lib.paged_decode_bf16}
+        for fn in self._fns.values():
+            fn.restype = ctypes.c_int
+            fn.argtypes = ([ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p,
+                                                    ctypes.c_void_p] + [ctypes.c_int64] * 5
+                           + [ctypes.c_float])
+
+    def supports(self, dtype: torch.dtype, num_heads: int, num_kv_heads: int,
+                 head_dim: int) -> bool:
+        return (dtype in self._fns and head_dim <= 256
+                and num_heads // num_kv_heads <= 16)
+
+    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                 out: torch.Tensor) -> None:
+        """q/out (n, H, D) contiguous; caches (blocks, bs, KVH, D); block_tables (n, m)
+        int64 with unit column stride; seq_lens (n,) int64. Writes `out`."""
+        n, H, D = q.shape
+        bs, KVH = k_cache.shape[1], k_cache.shape[2]
+        rc = self._fns[q.dtype](
+            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+            block_tables.stride(0), seq_lens.data_ptr(), out.data_ptr(), n, H, KVH, D, bs,
+            scale)
+        if rc != 0:
+            raise RuntimeError(f"native paged decode attention failed (code {rc})")
+
+
+def load(cache_dir: Path) -> NativeDecodeAttention | None:
+    """Build (once per source version) and load the kernel; None if it cannot be built."""
+    with _lock:
+        key = str(cache_dir)
+        if key not in _cached:
+            _cached[key] = _build_and_load(cache_dir)
+        return _cached[key]  # type: ignore[return-value]
+
+
+def _build_and_load(cache_dir: Path) -> NativeDecodeAttention | None:
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        log.warning("no C compiler found: CPU decode attention uses gather + SDPA")
+        return None
+    src = _SOURCE.read_bytes()
+    digest = hashlib.sha1(src + " ".join(_FLAGS).encode()).hexdigest()[:12]
+    lib_path = cache_dir / "kernels" / f"paged_decode-{digest}.so"
+    try:
+        if not lib_path.exists():
+            lib_path.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=lib_path.parent) as tmp:
+                tmp_lib = Path(tmp) / lib_path.name
+                subprocess.run([cc, *_FLAGS, str(_SOURCE), "-o", str(tmp_lib), "-lm"],
+                               check=True, capture_output=True, timeout=120)
+                tmp_lib.replace(lib_path)  # atomic: concurrent builders agree
+        # torch has loaded its libgomp.so.1 already; the soname match makes us share it.
+        return NativeDecodeAttention(ctypes.CDLL(str(lib_path)))
+    except (OSError, subprocess.SubprocessError) as err:
+        log.warning("could not build the native CPU decode kernel (%s): using gather + SDPA",
+                    err)
+        return None

@@ -1,0 +1,102 @@
+/* Paged decode attention for CPUs: one query token per sequence, grouped-query attention,
+ * K/V read in place from the paged cache through the block table (no gather copy).
+ *
+ * Layouts (all contiguous):
+ *   q, out        [n, H, D]
+ *   k/v cache     [num_blocks, block_size, KVH, D]
+ *   block_tables  [n, bt_stride] int64
+ *   seq_lens      [n] int64 (tokens to attend to, the new one included)
+ * Work is split over (sequence, kv head) pairs with OpenMP; each pair keeps its G = H / KVH
+ * query heads in fp32 arrays. Accumulation is fp32. The dot products are vectorised by
+ * allowing re-association (-fassociative-math): the summation order differs from SDPA's by
+ * rounding only, and is fixed at compile time, so results stay deterministic.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#define MAX_G 16
+#define MAX_D 256
+
+static inline float bf16_load(const uint16_t *p, int64_t i) {
+    union { uint32_t u; float f; } v;
+    v.u = ((uint32_t)p[i]) << 16;
+    return v.f;
+}
+
+static inline uint16_t bf16_round(float f) {
+    union { uint32_t u; float f; } v;
+    v.f = f;
+    if ((v.u & 0x7f800000u) == 0x7f800000u) return (uint16_t)(v.u >> 16); /* inf / nan */
+    uint32_t rounding = 0x7fffu + ((v.u >> 16) & 1u);                     /* to nearest even */
+    return (uint16_t)((v.u + rounding) >> 16);
+}
+
+#define DEFINE_KERNEL(NAME, T, LOAD, STORE)                                                    \
+int NAME(const T *q, const T *kc, const T *vc, const int64_t *bt, int64_t bt_stride,          \
+         const int64_t *seq_lens, T *out, int64_t n, int64_t H, int64_t KVH, int64_t D,       \
+         int64_t bs, float scale) {                                                           \
+    const int64_t G = H / KVH;                                                                \
+    if (G > MAX_G || D > MAX_D) return -1;                                                                     \
+    int failed = 0;                                                                           \
+    _Pragma("omp parallel for collapse(2) schedule(dynamic, 1)")                              \
+    for (int64_t b = 0; b < n; b++) {                                                         \
+        for (int64_t h = 0; h < KVH; h++) {                                                   \
+            const int64_t L = seq_lens[b];                                                    \
+            float qf[MAX_G][MAX_D], acc[MAX_G][MAX_D], mx[MAX_G], sum[MAX_G];                 \
+            float *s = (float *)malloc(sizeof(float) * (size_t)(G * (L > 0 ? L : 1)));        \
+            if (!s) { failed = 1; continue; }                                                 \
+            for (int64_t g = 0; g < G; g++) {                                                 \
+                for (int64_t d = 0; d < D; d++) {                                             \
+                    qf[g][d] = LOAD(q, (b * H + h * G + g) * D + d) * scale;                  \
+                    acc[g][d] = 0.f;                                                          \
+                }                                                                             \
+                mx[g] = -INFINITY;                                                            \
+                sum[g] = 0.f;                                                                 \
+            }                                                                                 \
+            for (int64_t t = 0; t < L; t++) {                                                 \
+                const int64_t blk = bt[b * bt_stride + t / bs];                               \
+                const T *kp = kc + ((blk * bs + t % bs) * KVH + h) * D;                       \
+                float kf[MAX_D];                                                              \
+                for (int64_t d = 0; d < D; d++) kf[d] = LOAD(kp, d);                          \
+                for (int64_t g = 0; g < G; g++) {                                             \
+                    float dot = 0.f;                                                          \
+                    for (int64_t d = 0; d < D; d++) dot += qf[g][d] * kf[d];                  \
+                    s[g * L + t] = dot;                                                       \
+                    if (dot > mx[g]) mx[g] = dot;                                             \
+                }                                                                             \
+            }                                                                                 \
+            for (int64_t g = 0; g < G; g++)                                                   \
+                for (int64_t t = 0; t < L; t++) {                                             \
+                    float e = expf(s[g * L + t] - mx[g]);                                     \
+                    s[g * L + t] = e;                                                         \
+                    sum[g] += e;                                                              \
+                }                                                                             \
+            for (int64_t t = 0; t < L; t++) {                                                 \
+                const int64_t blk = bt[b * bt_stride + t / bs];                               \
+                const T *vp = vc + ((blk * bs + t % bs) * KVH + h) * D;                       \
+                float vf[MAX_D];                                                              \
+                for (int64_t d = 0; d < D; d++) vf[d] = LOAD(vp, d);                          \
+                for (int64_t g = 0; g < G; g++) {                                             \
+                    const float p = s[g * L + t];                                             \
+                    for (int64_t d = 0; d < D; d++) acc[g][d] += p * vf[d];                   \
+                }                                                                             \
+            }                                                                                 \
+            for (int64_t g = 0; g < G; g++) {                                                 \
+                const float inv = 1.f / sum[g];                                               \
+                T *op = out + (b * H + h * G + g) * D;                                        \
+                for (int64_t d = 0; d < D; d++) op[d] = STORE(acc[g][d] * inv);               \
+            }                                                                                 \
+            free(s);                                                                          \
+        }                                                                                     \
+    }                                                                                         \
+    return failed ? -2 : 0;                                                                   \
+}
+
+#define F32_LOAD(p, i) ((p)[i])
+#define F32_STORE(x) (x)
+#define BF16_LOAD(p, i) bf16_load((p), (i))
+#define BF16_STORE(x) bf16_round(x)
+
+DEFINE_KERNEL(paged_decode_f32, float, F32_LOAD, F32_STORE)
+DEFINE_KERNEL(paged_decode_bf16, uint16_t, BF16_LOAD, BF16_STORE)
