@@ -37,6 +37,9 @@ int NAME(const T *q, const T *kc, const T *vc, const int64_t *bt, int64_t bt_str
          const int64_t *seq_lens, T *out, int64_t n, int64_t H, int64_t KVH, int64_t D,       \
          int64_t bs, float scale) {                                                           \
     const int64_t G = H / KVH;                                                                \
+    if (bs & (bs - 1)) return -1; /* a power of two: block index and offset are shifts */     \
+    int shift = 0;                                                                            \
+    while ((1 << shift) < bs) shift++;                                                        \
     if (G > MAX_G || D > MAX_D) return -1;                                                                     \
     int failed = 0;                                                                           \
     _Pragma("omp parallel for collapse(2) schedule(dynamic, 1)")                              \
@@ -44,6 +47,7 @@ int NAME(const T *q, const T *kc, const T *vc, const int64_t *bt, int64_t bt_str
         for (int64_t h = 0; h < KVH; h++) {                                                   \
             const int64_t L = seq_lens[b];                                                    \
             float qf[MAX_G][MAX_D], acc[MAX_G][MAX_D], mx[MAX_G], sum[MAX_G];                 \
+            const T *kp = kc, *vp = vc;                                                       \
             float *s = (float *)malloc(sizeof(float) * (size_t)(G * (L > 0 ? L : 1)));        \
             if (!s) { failed = 1; continue; }                                                 \
             for (int64_t g = 0; g < G; g++) {                                                 \
@@ -55,8 +59,8 @@ int NAME(const T *q, const T *kc, const T *vc, const int64_t *bt, int64_t bt_str
                 sum[g] = 0.f;                                                                 \
             }                                                                                 \
             for (int64_t t = 0; t < L; t++) {                                                 \
-                const int64_t blk = bt[b * bt_stride + t / bs];                               \
-                const T *kp = kc + ((blk * bs + t % bs) * KVH + h) * D;                       \
+                if ((t & (bs - 1)) == 0) kp = kc + (bt[b * bt_stride + (t >> shift)] * bs * KVH + h) * D; \
+                else kp += KVH * D;                                                           \
                 float kf[MAX_D];                                                              \
                 for (int64_t d = 0; d < D; d++) kf[d] = LOAD(kp, d);                          \
                 for (int64_t g = 0; g < G; g++) {                                             \
@@ -73,8 +77,8 @@ int NAME(const T *q, const T *kc, const T *vc, const int64_t *bt, int64_t bt_str
                     sum[g] += e;                                                              \
                 }                                                                             \
             for (int64_t t = 0; t < L; t++) {                                                 \
-                const int64_t blk = bt[b * bt_stride + t / bs];                               \
-                const T *vp = vc + ((blk * bs + t % bs) * KVH + h) * D;                       \
+                if ((t & (bs - 1)) == 0) vp = vc + (bt[b * bt_stride + (t >> shift)] * bs * KVH + h) * D; \
+                else vp += KVH * D;                                                           \
                 float vf[MAX_D];                                                              \
                 for (int64_t d = 0; d < D; d++) vf[d] = LOAD(vp, d);                          \
                 for (int64_t g = 0; g < G; g++) {                                             \
