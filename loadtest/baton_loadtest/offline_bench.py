@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -115,21 +116,23 @@ def decode_step_vs_weight_stream(dtype: str) -> dict:
     engine.step()  # prefill
     for _ in range(10):
         engine.step()
-    n, t0 = 0, time.perf_counter()
+    times = []
     while engine.has_unfinished_requests():
+        t0 = time.perf_counter()
         engine.step()
-        n += 1
-    step = (time.perf_counter() - t0) / n
+        times.append(time.perf_counter() - t0)
+    step = statistics.median(times)  # the machine is shared: medians resist stray stalls
     # Every weight is read once per step (the tied embedding as the LM head).
     weight_bytes = engine.model_config.num_params * torch.finfo(engine.runner.dtype).bits // 8
     # Memory bandwidth from a large copy (read + write), then the floor = bytes / bandwidth.
     src = torch.empty(256 << 20, dtype=torch.uint8).fill_(1)
     dst = torch.empty_like(src)
-    dst.copy_(src)
-    t0 = time.perf_counter()
-    for _ in range(5):
+    copies = []
+    for _ in range(7):
+        t0 = time.perf_counter()
         dst.copy_(src)
-    bandwidth = 2 * src.numel() * 5 / (time.perf_counter() - t0)
+        copies.append(time.perf_counter() - t0)
+    bandwidth = 2 * src.numel() / statistics.median(copies[1:])
     floor = weight_bytes / bandwidth
     return {"decode_step_ms": step * 1e3, "weight_bytes": weight_bytes,
             "copy_bandwidth_gbs": bandwidth / 1e9, "weight_stream_ms": floor * 1e3,
