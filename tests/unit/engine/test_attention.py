@@ -11,10 +11,11 @@ from baton.engine.attention import cpu_native
 from baton.engine.attention.base import BatchLayout
 from baton.engine.attention.torch_backend import TorchAttentionBackend
 
-H, KVH, D, BS = 6, 2, 32, 4
+H, KVH, BS = 6, 2, 4
 
 
 def reference(q, k_cache, v_cache, tables, ctx_lens, seq_lens, qsl):
+    D = q.shape[-1]
     out = torch.empty_like(q, dtype=torch.float32)
     for i in range(len(seq_lens)):
         blocks = tables[i][: -(-seq_lens[i] // BS)]
@@ -28,7 +29,7 @@ def reference(q, k_cache, v_cache, tables, ctx_lens, seq_lens, qsl):
     return out
 
 
-def make_case(dtype, seed=0):
+def make_case(dtype, seed=0, D=32):
     g = torch.Generator().manual_seed(seed)
     # (context, query) per sequence: decodes first, then prefill chunks.
     seqs = [(0, 1), (BS - 1, 1), (BS, 1), (37, 1), (3, 1), (0, 9), (11, 5), (8, 8)]
@@ -57,11 +58,13 @@ def make_case(dtype, seed=0):
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("use_native", [True, False])
-def test_backend_matches_reference(dtype, tol, use_native, tmp_path):
+@pytest.mark.parametrize("head_dim", [32, 64])  # 64 with G=3 takes a specialised kernel
+def test_backend_matches_reference(dtype, tol, use_native, head_dim, tmp_path):
     native = cpu_native.load(tmp_path) if use_native else None
     if use_native and native is None:
         pytest.skip("no C compiler: the native kernel cannot be built here")
-    q, k, v, k_cache, v_cache, layout, tables = make_case(dtype)
+    q, k, v, k_cache, v_cache, layout, tables = make_case(dtype, D=head_dim)
+    D = head_dim
     backend = TorchAttentionBackend(dtype, native)
     out = backend.forward(q, k, v, k_cache, v_cache, backend.build_metadata(layout))
     # The backend wrote the new K/V into the cache; the reference reads them from there.

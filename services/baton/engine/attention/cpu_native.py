@@ -31,8 +31,17 @@ _cached: dict[str, object] = {}
 
 
 class NativeDecodeAttention:
+    # (query heads per kv head, head dim) with compile-time specialised kernels.
+    SPECIALISED = ((1, 64), (2, 64), (3, 64), (4, 64), (1, 128), (2, 128), (4, 128), (5, 128),
+                   (7, 128), (8, 128))
+
     def __init__(self, lib: ctypes.CDLL) -> None:
-        self._fns = {torch.float32: lib.paged_decode_f32, torch.bfloat16: lib.paged_decode_bf16}
+        names = {torch.float32: "f32", torch.bfloat16: "bf16"}
+        # (dtype, G, D) -> kernel; (dtype, 0, 0) is the generic one.
+        self._fns = {(dt, 0, 0): getattr(lib, f"paged_decode_{name}")
+                     for dt, name in names.items()}
+        self._fns.update({(dt, g, d): getattr(lib, f"paged_decode_{name}_g{g}_d{d}")
+                          for dt, name in names.items() for g, d in self.SPECIALISED})
         for fn in self._fns.values():
             fn.restype = ctypes.c_int
             fn.argtypes = ([ctypes.c_void_p] * 4 + [ctypes.c_int64, ctypes.c_void_p,
@@ -41,7 +50,7 @@ class NativeDecodeAttention:
 
     def supports(self, dtype: torch.dtype, num_heads: int, num_kv_heads: int,
                  head_dim: int) -> bool:
-        return (dtype in self._fns and head_dim <= 256
+        return ((dtype, 0, 0) in self._fns and head_dim <= 256
                 and num_heads // num_kv_heads <= 16)
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -51,7 +60,9 @@ class NativeDecodeAttention:
         int64 with unit column stride; seq_lens (n,) int64. Writes `out`."""
         n, H, D = q.shape
         bs, KVH = k_cache.shape[1], k_cache.shape[2]
-        rc = self._fns[q.dtype](
+        G = H // KVH
+        fn = self._fns.get((q.dtype, G, D)) or self._fns[(q.dtype, 0, 0)]
+        rc = fn(
             q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
             block_tables.stride(0), seq_lens.data_ptr(), out.data_ptr(), n, H, KVH, D, bs,
             scale)
