@@ -15,6 +15,7 @@ import asyncio
 import logging
 import queue
 import threading
+from dataclasses import dataclass
 from collections.abc import AsyncIterator
 
 from baton.common.sampling_params import SamplingParams
@@ -28,6 +29,14 @@ log = logging.getLogger(__name__)
 
 class EngineDeadError(RuntimeError):
     """The engine loop crashed; every request in flight fails with this."""
+
+
+@dataclass
+class _Failure:
+    """Delivered to a stream instead of an EngineOutput when the engine loop died."""
+
+    request_id: str
+    error: BaseException
 
 
 class AsyncEngine:
@@ -90,8 +99,8 @@ class AsyncEngine:
                 batch = [await stream.get()]
                 while not stream.empty():
                     batch.append(stream.get_nowait())
-                if isinstance(batch[-1], BaseException):
-                    raise EngineDeadError(f"the engine loop died: {batch[-1]!r}")
+                if isinstance(batch[-1], _Failure):
+                    raise EngineDeadError(f"the engine loop died: {batch[-1].error!r}")
                 result.outputs[0].add(batch)
                 result.num_cached_tokens = batch[-1].num_cached_tokens or result.num_cached_tokens
                 yield result
@@ -102,24 +111,22 @@ class AsyncEngine:
                 self.abort(request_id)
             self._streams.pop(request_id, None)
 
-    def _deliver(self, outputs: list) -> None:
+    def _deliver(self, outputs: list[EngineOutput | _Failure]) -> None:
         """Runs on the event loop that owns these streams."""
         for o in outputs:
-            rid = o.request_id if isinstance(o, EngineOutput) else o[0]
-            entry = self._streams.get(rid)
+            entry = self._streams.get(o.request_id)
             if entry is None:
                 continue
-            entry[1].put_nowait(o if isinstance(o, EngineOutput) else o[1])
-            if not isinstance(o, EngineOutput) or o.finished:
-                self._streams.pop(rid, None)
+            entry[1].put_nowait(o)
+            if isinstance(o, _Failure) or o.finished:
+                self._streams.pop(o.request_id, None)
 
-    def _post(self, outputs: list) -> None:
+    def _post(self, outputs: list[EngineOutput | _Failure]) -> None:
         """From the engine thread: hand outputs to the loop(s) reading them, one callback
         per loop. A closed loop's readers are gone; their outputs are dropped."""
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}
         for o in outputs:
-            rid = o.request_id if isinstance(o, EngineOutput) else o[0]
-            entry = self._streams.get(rid)
+            entry = self._streams.get(o.request_id)
             if entry is not None:
                 by_loop.setdefault(entry[0], []).append(o)
         for loop, outs in by_loop.items():
@@ -127,7 +134,7 @@ class AsyncEngine:
                 loop.call_soon_threadsafe(self._deliver, outs)
             except RuntimeError:  # loop closed
                 for o in outs:
-                    self._streams.pop(o.request_id if isinstance(o, EngineOutput) else o[0], None)
+                    self._streams.pop(o.request_id, None)
 
     # -- the engine thread -----------------------------------------------------------------
     def _run(self) -> None:
@@ -144,7 +151,7 @@ class AsyncEngine:
         except BaseException as err:  # noqa: BLE001 - every stream must hear about it
             log.exception("engine loop crashed")
             self.dead_error = err
-            self._post([(rid, err) for rid in list(self._streams)])
+            self._post([_Failure(rid, err) for rid in list(self._streams)])
 
     def _apply_commands(self, block: bool) -> None:
         outputs: list[EngineOutput] = []

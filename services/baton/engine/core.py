@@ -6,7 +6,6 @@ Single-threaded: `add_request`, `abort_requests` and `step` must be called from 
 
 from __future__ import annotations
 
-import logging
 import os
 from dataclasses import dataclass
 
@@ -21,8 +20,6 @@ from baton.engine.request import Request, RequestStatus
 from baton.engine.runner import ModelRunner
 from baton.engine.scheduler.scheduler import SchedulerLimits, make_scheduler
 from baton.engine.tokenizer import IncrementalDetokenizer, load_tokenizer
-
-log = logging.getLogger(__name__)
 
 
 class InvalidRequestError(ValueError):

@@ -27,8 +27,6 @@ class BlockPool:
         # Free blocks, least recently freed first. Both cached and empty ones live here.
         self._free: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
         self._cached: dict[int, KVBlock] = {}  # block hash -> block
-        self.hits = 0
-        self.queries = 0
 
     @property
     def num_free_blocks(self) -> int:

@@ -21,6 +21,7 @@ import torch
 
 from baton.engine.models.config import ModelConfig
 from baton.engine.models.llama import LlamaForCausalLM
+from baton.engine.models.rope import RotaryEmbedding
 
 log = logging.getLogger(__name__)
 
@@ -99,7 +100,7 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device,
         model = LlamaForCausalLM(cfg, max_positions)
     state = {k: v.to(dtype) for k, v in state.items()}
     model.load_state_dict(state, strict=True, assign=True)
-    model.rotary = model.rotary.__class__(cfg, max_positions)
+    model.rotary = RotaryEmbedding(cfg, max_positions)  # buffers were built on meta
     model = model.to(device).eval()
     from baton.engine.models.cpu_packing import can_pack
 
