@@ -1,5 +1,10 @@
-"""`baton` command line: `baton generate` runs the engine on prompts (more subcommands come
-with the services)."""
+"""`baton` command line.
+
+    baton up [--port 8000] [--workers 2]      a local cluster: router + workers on loopback
+    baton serve [--port 8001] [--role both]   one worker (engine + OpenAI API)
+    baton router --workers URL,URL            the router in front of running workers
+    baton generate "prompt" ...               offline generation with the local engine
+"""
 
 from __future__ import annotations
 
@@ -10,8 +15,159 @@ import time
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="baton", description=__doc__)
+    parser = argparse.ArgumentParser(prog="baton", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
+    _generate_parser(sub)
+    _serve_parser(sub)
+    _router_parser(sub)
+    _up_parser(sub)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=getattr(logging, args.log_level.upper()),
+                        format=f"%(asctime)s %(levelname)s [{args.name}] %(name)s: %(message)s")
+    try:
+        return args.run(args)
+    except ValueError as err:  # invalid configuration: name the field, no traceback
+        print(f"baton {args.command}: {err}", file=sys.stderr)
+        return 2
+
+
+def _common(p: argparse.ArgumentParser, name: str) -> None:
+    p.add_argument("--log-level", default="info",
+                   choices=["debug", "info", "warning", "error"])
+    p.add_argument("--name", default=name, help="this process's name in log lines")
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=None, help="HF directory or .gguf (default: bundled)")
+    g.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--max-num-seqs", type=int, default=128)
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--num-kv-blocks", type=int, default=None)
+    g.add_argument("--kv-cache-gib", type=float, default=2.0,
+                   help="KV cache memory budget when --num-kv-blocks is not given")
+    g.add_argument("--no-prefix-caching", action="store_true")
+    g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority", "static"])
+    g.add_argument("--num-threads", type=int, default=None)
+    g.add_argument("--served-model-name", default=None)
+    g.add_argument("--max-waiting", type=int, default=256,
+                   help="requests waiting to be scheduled before new ones get 429")
+
+
+def _engine_config(args):
+    from baton.engine.config import EngineConfig
+
+    return EngineConfig(
+        model=args.model, dtype=args.dtype, block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks,
+        kv_cache_memory_bytes=int(args.kv_cache_gib * (1 << 30)),
+        enable_prefix_caching=not args.no_prefix_caching,
+        scheduling_policy=args.scheduling_policy, num_threads=args.num_threads)
+
+
+# -- baton serve -------------------------------------------------------------------------
+def _serve_parser(sub) -> None:
+    p = sub.add_parser("serve", help="run one worker (engine + OpenAI API)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8001)
+    p.add_argument("--role", default="both", choices=["both", "prefill", "decode"])
+    _engine_args(p)
+    _common(p, "worker")
+    p.set_defaults(run=_serve)
+
+
+def _serve(args) -> int:
+    from baton.worker.app import WorkerSettings, WorkerState, build_app
+
+    settings = WorkerSettings(engine=_engine_config(args), role=args.role,
+                              served_model_name=args.served_model_name,
+                              max_waiting=args.max_waiting)
+    state = WorkerState(settings)
+    _run_uvicorn(build_app(settings, state), args.host, args.port, args.log_level)
+    if state.load_error is not None:
+        print(f"baton serve: the engine failed to load: {state.load_error}", file=sys.stderr)
+        return 1
+    return 0
+
+
+# -- baton router ------------------------------------------------------------------------
+def _router_parser(sub) -> None:
+    p = sub.add_parser("router", help="run the router in front of running workers")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--workers", required=True, help="comma-separated worker URLs")
+    p.add_argument("--policy", default="load", choices=["load", "round_robin", "random"])
+    p.add_argument("--weights", default=None,
+                   help="scorer weights for --policy load, e.g. queue=1,kv_usage=0.5")
+    p.add_argument("--check-interval", type=float, default=1.0)
+    p.add_argument("--max-attempts", type=int, default=3)
+    p.add_argument("--connect-timeout", type=float, default=2.0)
+    p.add_argument("--first-byte-timeout", type=float, default=600.0)
+    p.add_argument("--idle-timeout", type=float, default=120.0)
+    p.add_argument("--request-timeout", type=float, default=1800.0)
+    _common(p, "router")
+    p.set_defaults(run=_router)
+
+
+def _router(args) -> int:
+    from baton.router.app import RouterSettings, build_app
+    from baton.router.proxy import ProxySettings
+
+    weights = None
+    if args.weights:
+        weights = {}
+        for item in args.weights.split(","):
+            name, _, value = item.partition("=")
+            try:
+                weights[name.strip()] = float(value)
+            except ValueError:
+                raise ValueError(f"--weights: {item!r} is not name=number") from None
+    settings = RouterSettings(
+        workers=tuple(u.strip() for u in args.workers.split(",") if u.strip()),
+        policy=args.policy, scorer_weights=weights, check_interval_s=args.check_interval,
+        proxy=ProxySettings(max_attempts=args.max_attempts,
+                            connect_timeout_s=args.connect_timeout,
+                            first_byte_timeout_s=args.first_byte_timeout,
+                            idle_timeout_s=args.idle_timeout,
+                            request_timeout_s=args.request_timeout))
+    _run_uvicorn(build_app(settings), args.host, args.port, args.log_level)
+    return 0
+
+
+def _run_uvicorn(app, host: str, port: int, log_level: str) -> None:
+    import uvicorn
+
+    uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False,
+                loop="uvloop", http="httptools", timeout_graceful_shutdown=5,
+                log_config=None)
+
+
+# -- baton up ----------------------------------------------------------------------------
+def _up_parser(sub) -> None:
+    p = sub.add_parser("up", help="start a local cluster: router + workers on loopback")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000, help="the router's port; workers take "
+                                                          "the next ones")
+    p.add_argument("--workers", type=int, default=2, help="colocated (role=both) workers")
+    p.add_argument("--policy", default="load", choices=["load", "round_robin", "random"])
+    p.add_argument("--ready-timeout", type=float, default=600.0)
+    _engine_args(p)
+    _common(p, "up")
+    p.set_defaults(run=_up)
+
+
+def _up(args) -> int:
+    from baton.launch import Cluster
+
+    return Cluster.from_args(args).run()
+
+
+# -- baton generate ----------------------------------------------------------------------
+def _generate_parser(sub) -> None:
     gen = sub.add_parser("generate", help="generate from prompts with the local engine")
     gen.add_argument("prompts", nargs="+", help="prompt text (one request each)")
     gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user message")
@@ -21,22 +177,15 @@ def main(argv: list[str] | None = None) -> int:
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=None)
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    if args.command == "generate":
-        return _generate(args)
-    return 2
+    _common(gen, "generate")
+    gen.set_defaults(run=_generate, log_level="warning")
 
 
 def _generate(args) -> int:
     from baton import LLM, SamplingParams
 
-    try:
-        params = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed,
-                                max_tokens=args.max_tokens)
-    except ValueError as err:
-        print(f"baton: {err}", file=sys.stderr)
-        return 2
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, seed=args.seed,
+                            max_tokens=args.max_tokens)
     t0 = time.perf_counter()
     llm = LLM(args.model, dtype=args.dtype)
     print(f"[engine ready in {time.perf_counter() - t0:.1f}s]", file=sys.stderr)

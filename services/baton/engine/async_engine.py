@@ -48,10 +48,19 @@ class AsyncEngine:
         self._thread: threading.Thread | None = None
         self.dead_error: BaseException | None = None
         self._stopping = False
+        # Requests queued as commands but not yet in the scheduler: one counter per writer
+        # thread, so neither needs a lock.
+        self._num_sent = 0
+        self._num_applied = 0
 
     @property
     def tokenizer(self):
         return self.core.tokenizer
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests not yet scheduled, including those still on their way to the engine."""
+        return self.core.num_waiting + (self._num_sent - self._num_applied)
 
     @property
     def is_alive(self) -> bool:
@@ -81,6 +90,7 @@ class AsyncEngine:
         req = self.core.make_request(request_id, prompt_token_ids, params, priority)
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), stream)
+        self._num_sent += 1
         self._commands.put(("add", req))
         return stream
 
@@ -93,6 +103,12 @@ class AsyncEngine:
         """Stream cumulative outputs (with the latest delta) for one request; n > 1 is the
         caller's to fan out. Leaving the loop early (or being cancelled) aborts it."""
         stream = self.add_request(request_id, prompt_token_ids, params, priority)
+        async for out in self.outputs(request_id, stream, prompt_token_ids):
+            yield out
+
+    async def outputs(self, request_id: str, stream: asyncio.Queue,
+                      prompt_token_ids: list[int]) -> AsyncIterator[RequestOutput]:
+        """Read a request queued by `add_request`; leaving early aborts it."""
         result = RequestOutput(request_id, None, list(prompt_token_ids), [CompletionOutput(0)])
         try:
             while True:
@@ -103,6 +119,7 @@ class AsyncEngine:
                     raise EngineDeadError(f"the engine loop died: {batch[-1].error!r}")
                 result.outputs[0].add(batch)
                 result.num_cached_tokens = batch[-1].num_cached_tokens or result.num_cached_tokens
+                result.queue_time = batch[-1].queue_time
                 yield result
                 if batch[-1].finished:
                     return
@@ -177,3 +194,5 @@ class AsyncEngine:
         except ValueError as err:  # duplicate id raced in; fail that request only
             self._post([EngineOutput(req.request_id, [], "", None, finish_reason="abort",
                                      stop_reason=str(err))])
+        finally:
+            self._num_applied += 1

@@ -154,10 +154,12 @@ class EngineCore:
         if detok is not None:
             text += detok.flush()
         self.runner.sampler.release(req.request_id)
+        queued = (None if req.first_scheduled_time is None
+                  else req.first_scheduled_time - req.arrival_time)
         return EngineOutput(req.request_id, tokens, text, lps,
                             finish_reason=req.status.finish_reason, stop_reason=req.stop_reason,
                             num_prompt_tokens=req.num_prompt_tokens,
-                            num_cached_tokens=req.num_cached_tokens)
+                            num_cached_tokens=req.num_cached_tokens, queue_time=queued)
 
     # -- introspection ---------------------------------------------------------------------
     @property
@@ -167,6 +169,21 @@ class EngineCore:
     @property
     def num_waiting(self) -> int:
         return self.scheduler.num_waiting
+
+    def metrics_snapshot(self) -> dict[str, float]:
+        """Counters and gauges for /metrics; plain reads, safe from another thread."""
+        kv = self.kv
+        return {
+            "baton:num_requests_running": self.scheduler.num_running,
+            "baton:num_requests_waiting": self.scheduler.num_waiting,
+            "baton:kv_blocks_used": kv.num_used_blocks,
+            "baton:kv_blocks_total": kv.num_blocks,
+            "baton:kv_cache_usage_ratio": kv.num_used_blocks / kv.num_blocks,
+            "baton:prompt_tokens_total": self.stats.prompt_tokens_total,
+            "baton:generation_tokens_total": self.stats.generation_tokens_total,
+            "baton:prefix_cache_hit_tokens_total": self.scheduler.prefix_hit_tokens,
+            "baton:preemptions_total": self.stats.preemptions_total,
+        }
 
     def check_integrity(self) -> None:
         self.kv.check_integrity()

@@ -71,7 +71,7 @@ class LLM:
                                 [CompletionOutput(i) for i in range(p.n)])
             self._counter += 1
             results.append(out)
-            for i, child in enumerate(_children(p)):
+            for i, child in enumerate(child_params(p)):
                 pending.append(engine.make_request(f"{out.request_id}-{i}", ids, child, pr))
         for req in pending:
             engine.add(req)
@@ -99,7 +99,7 @@ class LLM:
                 bar.update(1)
 
 
-def _children(p: SamplingParams) -> list[SamplingParams]:
+def child_params(p: SamplingParams) -> list[SamplingParams]:
     """n samples become n engine requests (the shared prompt hits the prefix cache); a seed
     s gives child i the seed s + i, so the n samples differ but the call is reproducible."""
     if p.n == 1:

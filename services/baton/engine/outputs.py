@@ -20,6 +20,7 @@ class EngineOutput:
     stop_reason: int | str | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
+    queue_time: float | None = None  # arrival -> first scheduled, on the final output
 
     @property
     def finished(self) -> bool:
@@ -68,6 +69,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     num_cached_tokens: int = 0
+    queue_time: float | None = None
 
     @property
     def finished(self) -> bool:

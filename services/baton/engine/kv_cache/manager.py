@@ -19,8 +19,6 @@ class KVCacheManager:
         self.pool = BlockPool(num_blocks, enable_caching)
         self._blocks: dict[str, list[KVBlock]] = {}
         self._num_hashed: dict[str, int] = {}  # blocks of the request already cached by hash
-        self.prefix_hit_tokens = 0
-        self.prefix_query_tokens = 0
 
     # -- queries ---------------------------------------------------------------------------
     @property
@@ -58,8 +56,6 @@ class KVCacheManager:
             if block is None:
                 break
             hits.append(block)
-        self.prefix_query_tokens += request.num_tokens
-        self.prefix_hit_tokens += len(hits) * self.block_size
         return hits, len(hits) * self.block_size
 
     # -- mutations -------------------------------------------------------------------------

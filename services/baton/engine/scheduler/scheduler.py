@@ -10,6 +10,8 @@ goes back to the waiting queue with its output tokens, to be prefilled again.
 
 from __future__ import annotations
 
+import time
+
 from dataclasses import dataclass
 
 from baton.engine.kv_cache import KVCacheManager
@@ -34,6 +36,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
+        self.prefix_hit_tokens = 0  # prompt tokens served from the prefix cache at admission
         self._rejected: list[Request] = []  # ended inside schedule(): can never fit the pool
 
     # -- bookkeeping -----------------------------------------------------------------------
@@ -149,6 +152,9 @@ class Scheduler:
     def _admit(self, req: Request, num_cached: int) -> None:
         if req.status == RequestStatus.WAITING:
             req.num_cached_tokens = num_cached
+        self.prefix_hit_tokens += num_cached
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = time.monotonic()
         req.num_computed_tokens = num_cached
         req.status = RequestStatus.RUNNING
         self.running.append(req)

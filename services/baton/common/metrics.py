@@ -1,0 +1,118 @@
+"""Prometheus metrics of the services, named `baton:<thing>_<unit>` (DESIGN.md §8).
+
+Each service owns a `CollectorRegistry` (several apps can live in one test process). Engine
+counters and gauges are read from the engine at scrape time by a collector, so the engine
+loop never touches Prometheus; latency histograms are observed by the serving layer.
+
+Note: `promtool check metrics` reports "metric names should not contain ':'" for every
+name here; the colon namespace is the contract (as vLLM's `vllm:` names are), and that lint
+is the only one our pages are allowed to trigger.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import prometheus_client
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+prometheus_client.disable_created_metrics()
+
+CONTENT_TYPE = prometheus_client.CONTENT_TYPE_LATEST
+TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0, 160.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1,
+               0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
+E2E_BUCKETS = (0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 60.0,
+               120.0, 240.0, 480.0, 960.0)
+HOP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+               5.0, 10.0, 30.0, 60.0)
+
+
+def render(registry: CollectorRegistry) -> bytes:
+    return prometheus_client.generate_latest(registry)
+
+
+class WorkerMetrics:
+    """Per-request latencies and outcomes, plus the engine's own state via `snapshot`."""
+
+    def __init__(self, snapshot: Callable[[], dict[str, float]] | None = None) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.ttft = Histogram("baton:time_to_first_token_seconds",
+                              "Time from request arrival to its first output token.",
+                              buckets=TTFT_BUCKETS, registry=r)
+        self.itl = Histogram("baton:inter_token_latency_seconds",
+                             "Time between consecutive output tokens of one request.",
+                             buckets=ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("baton:e2e_request_latency_seconds",
+                             "Time from request arrival to its last output token.",
+                             buckets=E2E_BUCKETS, registry=r)
+        self.queue_time = Histogram("baton:queue_time_seconds",
+                                    "Time a request waited before it was first scheduled.",
+                                    buckets=TTFT_BUCKETS, registry=r)
+        self.requests = Counter("baton:requests", "Finished engine requests by finish reason.",
+                                ["finish_reason"], registry=r)
+        self.rejected = Counter("baton:requests_rejected",
+                                "Requests refused before they reached the engine, by reason.",
+                                ["reason"], registry=r)
+        for reason in ("stop", "length", "abort"):
+            self.requests.labels(reason)
+        if snapshot is not None:
+            r.register(EngineCollector(snapshot))
+
+
+# name -> (kind, help); the snapshot callback returns a value for each name.
+ENGINE_SERIES = {
+    "baton:num_requests_running": ("gauge", "Requests in the running batch."),
+    "baton:num_requests_waiting": ("gauge", "Requests waiting to be scheduled."),
+    "baton:kv_blocks_used": ("gauge", "KV cache blocks held by requests."),
+    "baton:kv_blocks_total": ("gauge", "KV cache blocks in the pool."),
+    "baton:kv_cache_usage_ratio": ("gauge", "Fraction of KV cache blocks in use."),
+    "baton:prompt_tokens_total": ("counter", "Prompt tokens computed (prefix-cache hits "
+                                  "excluded)."),
+    "baton:generation_tokens_total": ("counter", "Output tokens generated."),
+    "baton:prefix_cache_hit_tokens_total": ("counter", "Prompt tokens served from the "
+                                            "prefix cache."),
+    "baton:preemptions_total": ("counter", "Requests preempted (their KV recomputed later)."),
+}
+
+
+class EngineCollector(Collector):
+    def __init__(self, snapshot: Callable[[], dict[str, float]]) -> None:
+        self._snapshot = snapshot
+
+    def describe(self) -> Iterable:
+        return []
+
+    def collect(self) -> Iterable:
+        values = self._snapshot()
+        for name, (kind, doc) in ENGINE_SERIES.items():
+            if name not in values:
+                continue
+            if kind == "gauge":
+                yield GaugeMetricFamily(name, doc, value=values[name])
+            else:
+                yield CounterMetricFamily(name.removesuffix("_total"), doc, value=values[name])
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter("baton:router_requests", "Requests answered by the router, by "
+                                "status code.", ["code"], registry=r)
+        self.upstream_latency = Histogram(
+            "baton:router_upstream_latency_seconds",
+            "Time from sending a request upstream to its response headers.",
+            ["upstream"], buckets=HOP_BUCKETS, registry=r)
+        self.upstream_errors = Counter("baton:router_upstream_errors",
+                                       "Failed upstream attempts, by upstream and reason.",
+                                       ["upstream", "reason"], registry=r)
+        self.retries = Counter("baton:router_retries", "Requests retried on another worker.",
+                               registry=r)
+        self.upstream_healthy = Gauge("baton:router_upstream_healthy",
+                                      "1 when the upstream passes its health checks.",
+                                      ["upstream"], registry=r)

@@ -1,0 +1,1 @@
+"""The router service (`baton router`): OpenAI surface in front of workers. No torch here."""

@@ -1,0 +1,129 @@
+"""Which workers exist and how they are doing.
+
+`Endpoint` is the router's view of one worker: what its health checks last said (role,
+model, load, KV usage), what the router itself has in flight there, and a circuit breaker
+that takes a worker out of routing after consecutive failures for a cool-down.
+
+`StaticDiscovery` is the local-mode source (`--workers URL,...`); a checker task polls each
+worker's `/load` (which doubles as the readiness check) on a fixed interval.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+import aiohttp
+
+log = logging.getLogger("baton.router")
+
+
+@dataclass
+class Endpoint:
+    url: str
+    role: str = "both"
+    model: str | None = None
+    max_model_len: int | None = None
+    healthy: bool = False
+    running: int = 0
+    waiting: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+    inflight: int = 0  # requests this router has open there now
+    consecutive_failures: int = 0
+    open_until: float = 0.0  # circuit breaker: excluded from routing until then
+    last_seen: float = 0.0
+
+    @property
+    def kv_usage(self) -> float:
+        return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
+
+    @property
+    def queue_depth(self) -> int:
+        """Requests at the worker: its own report or what we sent, whichever is larger
+        (reports lag; other routers' requests only show in reports)."""
+        return max(self.running + self.waiting, self.inflight)
+
+    def circuit_open(self, now: float | None = None) -> bool:
+        return (now if now is not None else time.monotonic()) < self.open_until
+
+
+@dataclass(frozen=True)
+class BreakerSettings:
+    threshold: int = 3  # consecutive failures that open the circuit
+    cooldown_s: float = 5.0
+
+
+@dataclass
+class StaticDiscovery:
+    urls: list[str]
+    check_interval_s: float = 1.0
+    check_timeout_s: float = 1.0
+    breaker: BreakerSettings = field(default_factory=BreakerSettings)
+
+    def __post_init__(self) -> None:
+        if not self.urls:
+            raise ValueError("StaticDiscovery needs at least one worker URL")
+        self.endpoints = {u.rstrip("/"): Endpoint(u.rstrip("/")) for u in self.urls}
+        self._task: asyncio.Task | None = None
+        self._first_round = asyncio.Event()
+
+    def all(self) -> list[Endpoint]:
+        return list(self.endpoints.values())
+
+    async def start(self, session: aiohttp.ClientSession) -> None:
+        self._task = asyncio.create_task(self._loop(session))
+
+    async def wait_first_round(self, timeout: float) -> None:
+        try:
+            await asyncio.wait_for(self._first_round.wait(), timeout)
+        except TimeoutError:
+            pass
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+
+    async def _loop(self, session: aiohttp.ClientSession) -> None:
+        while True:
+            await asyncio.gather(*(self.check(session, ep) for ep in self.all()))
+            self._first_round.set()
+            await asyncio.sleep(self.check_interval_s)
+
+    async def check(self, session: aiohttp.ClientSession, ep: Endpoint) -> None:
+        timeout = aiohttp.ClientTimeout(total=self.check_timeout_s)
+        try:
+            async with session.get(ep.url + "/load", timeout=timeout) as resp:
+                report = await resp.json() if resp.status == 200 else None
+        except (aiohttp.ClientError, TimeoutError, ValueError) as err:
+            report = None
+            if ep.healthy:
+                log.warning("worker %s failed its health check: %r", ep.url, err)
+        was = ep.healthy
+        if report is None or not report.get("ready"):
+            ep.healthy = False
+            return
+        ep.healthy = True
+        ep.last_seen = time.monotonic()
+        ep.role, ep.model = report["role"], report["model"]
+        ep.max_model_len = report.get("max_model_len")
+        ep.running, ep.waiting = int(report["running"]), int(report["waiting"])
+        ep.kv_blocks_used = int(report["kv_blocks_used"])
+        ep.kv_blocks_total = int(report["kv_blocks_total"])
+        if not was:
+            log.info("worker %s is ready (model %s, role %s)", ep.url, ep.model, ep.role)
+
+    # -- outcomes reported by the proxy ----------------------------------------------------
+    def record_success(self, ep: Endpoint) -> None:
+        ep.consecutive_failures = 0
+        ep.open_until = 0.0
+
+    def record_failure(self, ep: Endpoint) -> None:
+        ep.consecutive_failures += 1
+        if ep.consecutive_failures >= self.breaker.threshold:
+            ep.open_until = time.monotonic() + self.breaker.cooldown_s
+            log.warning("circuit open for %s after %d consecutive failures", ep.url,
+                        ep.consecutive_failures)

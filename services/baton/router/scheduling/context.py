@@ -1,0 +1,12 @@
+"""What the routing plugins know about the request being routed."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class RoutingContext:
+    model: str | None = None
+    role: str = "decode"  # the phase to place: "decode" (or colocated) or "prefill"
+    tried: set[str] = field(default_factory=set)  # endpoint URLs that failed this request

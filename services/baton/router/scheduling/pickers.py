@@ -1,0 +1,54 @@
+"""Pickers: choose one endpoint from the scored candidates."""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections.abc import Callable
+
+from baton.router.discovery import Endpoint
+
+Picker = Callable[[list[Endpoint], list[float]], Endpoint]
+PICKERS: dict[str, Callable[[], Picker]] = {}  # name -> factory (pickers may keep state)
+
+
+def register(name: str):
+    def deco(factory: Callable[[], Picker]) -> Callable[[], Picker]:
+        PICKERS[name] = factory
+        return factory
+    return deco
+
+
+@register("max_score")
+def max_score() -> Picker:
+    """The best score; ties go round-robin, so equal workers share the load."""
+    turn = itertools.count()
+
+    def pick(endpoints: list[Endpoint], scores: list[float]) -> Endpoint:
+        best = max(scores)
+        tied = [e for e, s in zip(endpoints, scores) if s >= best - 1e-9]
+        return tied[next(turn) % len(tied)]
+    return pick
+
+
+@register("round_robin")
+def round_robin() -> Picker:
+    """Each endpoint in turn, ignoring scores (stable order by URL)."""
+    turn = itertools.count()
+
+    def pick(endpoints: list[Endpoint], scores: list[float]) -> Endpoint:
+        ordered = sorted(endpoints, key=lambda e: e.url)
+        return ordered[next(turn) % len(ordered)]
+    return pick
+
+
+@register("random")
+def weighted_random(seed: int | None = None) -> Picker:
+    """Random, with probability proportional to score (uniform when all scores are 0)."""
+    rng = random.Random(seed)
+
+    def pick(endpoints: list[Endpoint], scores: list[float]) -> Endpoint:
+        if sum(scores) <= 0:
+            return rng.choice(endpoints)
+        return rng.choices(endpoints, weights=scores, k=1)[0]
+    return pick

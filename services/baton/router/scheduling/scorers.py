@@ -1,0 +1,31 @@
+"""Scorers: each maps every candidate to [0, 1], higher is better; the pipeline sums them
+with configured weights."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from baton.router.discovery import Endpoint
+from baton.router.scheduling.context import RoutingContext
+
+Scorer = Callable[[list[Endpoint], RoutingContext], list[float]]
+SCORERS: dict[str, Scorer] = {}
+
+
+def register(name: str):
+    def deco(fn: Scorer) -> Scorer:
+        SCORERS[name] = fn
+        return fn
+    return deco
+
+
+@register("queue")
+def queue(endpoints: list[Endpoint], ctx: RoutingContext) -> list[float]:
+    """Fewer running + waiting requests is better: 1 for an idle worker, 1/(1+q) for q."""
+    return [1.0 / (1.0 + e.queue_depth) for e in endpoints]
+
+
+@register("kv_usage")
+def kv_usage(endpoints: list[Endpoint], ctx: RoutingContext) -> list[float]:
+    """More free KV cache is better."""
+    return [1.0 - min(max(e.kv_usage, 0.0), 1.0) for e in endpoints]

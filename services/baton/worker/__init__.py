@@ -1,0 +1,1 @@
+"""The worker service: the engine behind the OpenAI HTTP surface (`baton serve`)."""
