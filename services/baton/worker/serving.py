@@ -172,27 +172,31 @@ class OpenAIServing:
 
     async def _deltas(self, job: Job) -> AsyncIterator[Delta]:
         m = self.metrics
-        arrival = job.arrival
         last = None
-        async for out in self.engine.outputs(job.request_id, job.stream, job.prompt_ids):
-            c = out.outputs[0]
-            now = time.monotonic()
-            if c.delta_token_ids:
-                if last is None:
-                    m.ttft.observe(now - arrival)
-                else:
-                    m.itl.observe(now - last)
-                    for _ in range(len(c.delta_token_ids) - 1):
-                        m.itl.observe(0.0)
-                last = now
-            if c.finish_reason is not None:
-                m.e2e.observe(now - arrival)
-                m.requests.labels(c.finish_reason).inc()
-                queued = out.queue_time
-                if queued is not None:
-                    m.queue_time.observe(queued)
-            yield Delta(job.index, c.delta_text, c.delta_token_ids, c.delta_logprobs,
-                        c.finish_reason, out.num_cached_tokens)
+        finished = False
+        try:
+            async for out in self.engine.outputs(job.request_id, job.stream, job.prompt_ids):
+                c = out.outputs[0]
+                now = time.monotonic()
+                if c.delta_token_ids:
+                    if last is None:
+                        m.ttft.observe(now - job.arrival)
+                    else:
+                        m.itl.observe(now - last)
+                        for _ in range(len(c.delta_token_ids) - 1):
+                            m.itl.observe(0.0)
+                    last = now
+                if c.finish_reason is not None:
+                    finished = True
+                    m.e2e.observe(now - job.arrival)
+                    m.requests.labels(c.finish_reason).inc()
+                    if out.queue_time is not None:
+                        m.queue_time.observe(out.queue_time)
+                yield Delta(job.index, c.delta_text, c.delta_token_ids, c.delta_logprobs,
+                            c.finish_reason, out.num_cached_tokens)
+        finally:
+            if not finished:  # client gone or engine error: the engine aborts it
+                m.requests.labels("abort").inc()
 
     # -- formatting ------------------------------------------------------------------------
     def token_text(self, token_id: int) -> str:
