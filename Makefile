@@ -49,5 +49,8 @@ test-fast: $(STAMP)
 bench: $(STAMP)
 	$(PY) -m baton_loadtest.offline_bench
 
+bench-router: $(STAMP)
+	$(PY) -m baton_loadtest.router_bench --pin
+
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -9,7 +9,11 @@ Upstreams: `sim` (default) is `baton_loadtest.sim_worker`, a simulated worker wi
 token timing, which isolates the router's cost; `real` is a `baton serve` worker on the
 bundled model (noisier: its latency depends on how requests batch).
 
-    python -m baton_loadtest.router_bench [--upstream sim|real] [--concurrency 1,16,64]
+`--pin` puts the router on the last CPU and the clients and upstream on the others, as in a
+deployment where the router has a core of its own; without it all three compete for the
+same cores and the router's CPU time shows up as extra latency of the clients and upstream.
+
+    python -m baton_loadtest.router_bench [--upstream sim|real] [--concurrency 1,16,64] [--pin]
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import socket
 import statistics
 import subprocess
@@ -128,7 +133,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--itl", type=float, default=0.005, help="sim upstream's token gap")
     ap.add_argument("--json", default=None, help="also write the rows here")
+    ap.add_argument("--pin", action="store_true",
+                    help="router on the last CPU, clients and upstream on the others")
     args = ap.parse_args(argv)
+    cpus = sorted(os.sched_getaffinity(0))
+    router_cpus = harness_cpus = None
+    if args.pin:
+        if len(cpus) < 2:
+            ap.error("--pin needs at least two CPUs")
+        router_cpus, harness_cpus = {cpus[-1]}, set(cpus[:-1])
+        os.sched_setaffinity(0, harness_cpus)  # this process and the upstream it spawns
     up_port, router_port = _free_port(), _free_port()
     up_url, router_url = f"http://127.0.0.1:{up_port}", f"http://127.0.0.1:{router_port}"
     if args.upstream == "sim":
@@ -144,7 +158,8 @@ def main(argv: list[str] | None = None) -> int:
         _wait_ready(up_url, procs[0], 300)
         procs.append(subprocess.Popen([
             sys.executable, "-m", "baton.cli", "router", "--port", str(router_port),
-            "--workers", up_url, "--log-level", "warning"]))
+            "--workers", up_url, "--log-level", "warning"],
+            preexec_fn=(lambda: os.sched_setaffinity(0, router_cpus)) if router_cpus else None))
         _wait_ready(router_url, procs[1], 60)
         rows = []
         for c in (int(x) for x in args.concurrency.split(",")):

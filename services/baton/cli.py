@@ -38,10 +38,14 @@ def _common(p: argparse.ArgumentParser, name: str) -> None:
     p.add_argument("--name", default=name, help="this process's name in log lines")
 
 
+def _model_args(p) -> None:
+    p.add_argument("--model", default=None, help="HF directory or .gguf (default: bundled)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+
+
 def _engine_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
-    g.add_argument("--model", default=None, help="HF directory or .gguf (default: bundled)")
-    g.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    _model_args(g)
     g.add_argument("--block-size", type=int, default=16)
     g.add_argument("--max-num-seqs", type=int, default=128)
     g.add_argument("--max-num-batched-tokens", type=int, default=2048)
@@ -114,7 +118,7 @@ def _router_parser(sub) -> None:
 
 
 def _router(args) -> int:
-    from baton.router.app import RouterSettings, build_app
+    from baton.router.app import RouterSettings, run
     from baton.router.proxy import ProxySettings
 
     weights = None
@@ -134,7 +138,7 @@ def _router(args) -> int:
                             first_byte_timeout_s=args.first_byte_timeout,
                             idle_timeout_s=args.idle_timeout,
                             request_timeout_s=args.request_timeout))
-    _run_uvicorn(build_app(settings), args.host, args.port, args.log_level)
+    run(settings, args.host, args.port)
     return 0
 
 
@@ -171,8 +175,7 @@ def _generate_parser(sub) -> None:
     gen = sub.add_parser("generate", help="generate from prompts with the local engine")
     gen.add_argument("prompts", nargs="+", help="prompt text (one request each)")
     gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user message")
-    gen.add_argument("--model", default=None, help="HF directory or .gguf (default: bundled)")
-    gen.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    _model_args(gen)
     gen.add_argument("--max-tokens", type=int, default=64)
     gen.add_argument("--temperature", type=float, default=0.0)
     gen.add_argument("--top-p", type=float, default=1.0)

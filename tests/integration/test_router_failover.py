@@ -4,6 +4,7 @@ reaches the client, the failing one is counted and its circuit opens."""
 from __future__ import annotations
 
 import asyncio
+import json
 import threading
 
 import pytest
@@ -79,7 +80,9 @@ def test_retry_on_another_worker(cluster, tmp_path):
                                    f'upstream="{bad}"}}')
         assert errors >= 1
         _, workers = http_get(url + "/workers")
-        assert b'"circuit_open":true' in workers  # 3 consecutive failures opened it
+        state = {w["url"]: w for w in json.loads(workers)["workers"]}
+        assert state[bad]["circuit_open"]  # 3 consecutive failures opened it
+        assert not state[cluster.workers[0]]["circuit_open"]
     finally:
         assert router.stop()
         broken.stop()

@@ -9,7 +9,10 @@ relayed as is.
 
 Deadlines: `connect_timeout_s` to open a connection, `first_byte_timeout_s` for the response
 headers and first chunk, `idle_timeout_s` between chunks, and `request_timeout_s` for the
-whole request. The stream is relayed chunk by chunk as it arrives, never buffered.
+whole request (one timer per request, rescheduled per chunk: no task per read). The stream
+is relayed chunk by chunk as it arrives, never buffered. If the client goes away, the
+handler is cancelled and the upstream connection is closed, which aborts the request on
+the worker.
 """
 
 from __future__ import annotations
@@ -18,12 +21,10 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import aiohttp
-from starlette.background import BackgroundTask
-from starlette.responses import Response, StreamingResponse
+from aiohttp import web
 
 from baton.common.errors import OpenAIError
 from baton.common.metrics import RouterMetrics
@@ -53,7 +54,7 @@ class ProxySettings:
 
 
 class _Retryable(Exception):
-    def __init__(self, reason: str, response: Response | None = None) -> None:
+    def __init__(self, reason: str, response: web.Response | None = None) -> None:
         super().__init__(reason)
         self.reason = reason
         self.response = response  # what to answer if no other worker is left
@@ -68,12 +69,15 @@ class Proxy:
         self.pipeline = pipeline
         self.metrics = metrics
         self.settings = settings
+        self._timeout = aiohttp.ClientTimeout(total=None, connect=settings.connect_timeout_s)
 
-    async def forward(self, path: str, body: bytes, request_id: str, model: str,
-                      stream: bool) -> Response:
+    async def forward(self, request: web.Request, path: str, body: bytes, request_id: str,
+                      model: str, stream: bool) -> web.StreamResponse:
         s = self.settings
-        deadline = time.monotonic() + s.request_timeout_s
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + s.request_timeout_s
         ctx = RoutingContext(model=model)
+        client = _ClientSide(request)
         last: _Retryable | None = None
         for attempt in range(s.max_attempts):
             ep = self.pipeline.pick(self.discovery.all(), ctx)
@@ -82,104 +86,131 @@ class Proxy:
             if attempt:
                 self.metrics.retries.inc()
                 await asyncio.sleep(min(s.backoff_s * 2 ** (attempt - 1),
-                                        max(deadline - time.monotonic(), 0)))
+                                        max(deadline - loop.time(), 0)))
             ep.inflight += 1
             try:
-                return await self._attempt(ep, path, body, request_id, stream, deadline)
+                return await self._attempt(client, ep, path, body, request_id, stream,
+                                           deadline)
             except _Retryable as err:
-                ep.inflight -= 1
                 last = err
                 ctx.tried.add(ep.url)
                 self.metrics.upstream_errors.labels(ep.url, err.reason).inc()
                 log.warning("request %s: worker %s failed (%s); %s", request_id, ep.url,
                             err.reason, "retrying" if attempt + 1 < s.max_attempts
                             else "giving up")
-            except BaseException:
+            finally:
                 ep.inflight -= 1
-                raise
-        if last is not None and last.response is not None:
+        if last is not None and last.response is not None and client.out is None:
             return last.response
         if last is not None:
-            raise OpenAIError(502, f"no worker could serve the request (last error: "
-                                   f"{last.reason})", code="upstream_failed")
-        raise OpenAIError(503, f"no healthy worker serves model {model!r}",
-                          code="no_worker", headers={"Retry-After": "1"})
+            error = OpenAIError(502, f"no worker could serve the request (last error: "
+                                     f"{last.reason})", code="upstream_failed")
+        else:
+            error = OpenAIError(503, f"no healthy worker serves model {model!r}",
+                                code="no_worker", headers={"Retry-After": "1"})
+        if client.out is None:
+            raise error
+        return await client.fail_in_band(error)  # 200 and headers already went out
 
-    async def _attempt(self, ep: Endpoint, path: str, body: bytes, request_id: str,
-                       stream: bool, deadline: float) -> Response:
-        """One try on one worker; raises _Retryable while nothing reached the client.
-        On success the returned response owns `ep.inflight` (released when it ends)."""
+    async def _attempt(self, client: _ClientSide, ep: Endpoint, path: str, body: bytes,
+                       request_id: str, stream: bool, deadline: float) -> web.StreamResponse:
+        """One try on one worker; raises _Retryable while no body byte reached the client.
+        For a stream, the client gets its 200 and headers as soon as the worker sends its
+        own (so the first token is not held up by header processing); the body is still
+        untouched, so a failure before the first byte can move to another worker."""
         s = self.settings
-        t0 = time.monotonic()
-        first_byte = min(s.first_byte_timeout_s, deadline - t0)
-        timeout = aiohttp.ClientTimeout(total=None, connect=s.connect_timeout_s,
-                                        sock_read=None)
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        timer = asyncio.timeout_at(min(t0 + s.first_byte_timeout_s, deadline))
         headers = {"Content-Type": "application/json", "X-Request-Id": request_id}
+        resp = None
         try:
-            resp = await asyncio.wait_for(self.session.post(
-                ep.url + path, data=body, headers=headers, timeout=timeout), first_byte)
-        except (aiohttp.ClientError, OSError) as err:
-            self.discovery.record_failure(ep)
-            raise _Retryable(f"connect: {type(err).__name__}") from None
-        except TimeoutError:
-            self.discovery.record_failure(ep)
-            raise _Retryable("timeout before response headers") from None
-        self.metrics.upstream_latency.labels(ep.url).observe(time.monotonic() - t0)
-        try:
-            if resp.status >= 500 or resp.status == 429:
-                content = await resp.read()
-                if resp.status >= 500:
-                    self.discovery.record_failure(ep)
-                relay = Response(content, resp.status, media_type=resp.content_type,
-                                 headers=_passthrough(resp.headers))
-                raise _Retryable(f"status {resp.status}", relay)
-            if not stream or resp.status != 200:
-                content = await asyncio.wait_for(resp.read(), deadline - time.monotonic())
-                self.discovery.record_success(ep)
-                ep.inflight -= 1
-                return Response(content, resp.status, media_type=resp.content_type)
-            first = await asyncio.wait_for(resp.content.readany(),
-                                           min(s.first_byte_timeout_s,
-                                               deadline - time.monotonic()))
-            if not first:
-                raise _Retryable("stream ended before its first byte")
+            async with timer:
+                resp = await self.session.post(ep.url + path, data=body, headers=headers,
+                                               timeout=self._timeout)
+                self.metrics.upstream_latency.labels(ep.url).observe(loop.time() - t0)
+                if resp.status >= 500 or resp.status == 429:
+                    content = await resp.read()
+                    if resp.status >= 500:
+                        self.discovery.record_failure(ep)
+                    raise _Retryable(f"status {resp.status}", web.Response(
+                        body=content, status=resp.status, content_type=resp.content_type,
+                        headers=_passthrough(resp.headers)))
+                if not stream or resp.status != 200:
+                    timer.reschedule(deadline)
+                    content = await resp.read()
+                    self.discovery.record_success(ep)
+                    return web.Response(body=content, status=resp.status,
+                                        content_type=resp.content_type)
+                await client.start()
+                first = await resp.content.readany()
+                if not first:
+                    raise _Retryable("stream ended before its first byte")
         except (aiohttp.ClientError, OSError, TimeoutError) as err:
-            resp.close()
             self.discovery.record_failure(ep)
-            raise _Retryable(f"read: {type(err).__name__}") from None
-        except BaseException:
-            resp.close()
-            raise
+            phase = "before response headers" if resp is None else "before the first byte"
+            raise _Retryable(f"{type(err).__name__} {phase}") from None
+        finally:
+            if resp is not None and (not stream or resp.status != 200):
+                resp.release()
         self.discovery.record_success(ep)
-        return StreamingResponse(self._relay(ep, resp, first, deadline),
-                                 media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"},
-                                 background=BackgroundTask(self._release, ep, resp))
-
-    async def _relay(self, ep: Endpoint, resp: aiohttp.ClientResponse, first: bytes,
-                     deadline: float) -> AsyncIterator[bytes]:
-        yield first
         try:
-            while True:
-                budget = min(self.settings.idle_timeout_s, deadline - time.monotonic())
-                chunk = await asyncio.wait_for(resp.content.readany(), max(budget, 0.001))
-                if not chunk:
-                    return
-                yield chunk
-        except (aiohttp.ClientError, OSError, TimeoutError) as err:
+            await self._relay(client, ep, resp, first, deadline)
+        except BaseException:
+            resp.close()  # drops the connection: the worker sees it and aborts the request
+            raise
+        resp.release()  # read to the end: the connection goes back to the pool
+        return client.out
+
+    async def _relay(self, client: _ClientSide, ep: Endpoint, resp: aiohttp.ClientResponse,
+                     first: bytes, deadline: float) -> None:
+        out = client.out
+        await out.write(first)
+        loop = asyncio.get_running_loop()
+        idle = self.settings.idle_timeout_s
+        try:
+            async with asyncio.timeout_at(min(loop.time() + idle, deadline)) as timer:
+                read = resp.content.readany
+                while chunk := await read():
+                    await out.write(chunk)
+                    timer.reschedule(min(loop.time() + idle, deadline))
+        except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError,
+                aiohttp.ClientOSError, TimeoutError) as err:
+            if client.gone:
+                raise  # the client is gone too; nothing to tell
             self.metrics.upstream_errors.labels(ep.url, "mid-stream").inc()
             log.warning("worker %s failed mid-stream: %r", ep.url, err)
-            error = OpenAIError(502, f"the worker failed mid-stream: {type(err).__name__}",
-                                code="upstream_failed")
-            yield b"data: " + json.dumps(error.body()).encode() + b"\n\n"
-            yield b"data: [DONE]\n\n"
+            await client.fail_in_band(OpenAIError(
+                502, f"the worker failed mid-stream: {type(err).__name__}",
+                code="upstream_failed"))
+            return
+        await out.write_eof()
 
-    @staticmethod
-    def _release(ep: Endpoint, resp: aiohttp.ClientResponse) -> None:
-        """After the response ended, for whatever reason: closing an unfinished upstream
-        response drops its connection, which makes the worker abort the request."""
-        ep.inflight -= 1
-        resp.close()
+
+class _ClientSide:
+    """The client's half of one streamed exchange."""
+
+    def __init__(self, request: web.Request) -> None:
+        self.request = request
+        self.out: web.StreamResponse | None = None
+
+    @property
+    def gone(self) -> bool:
+        transport = self.request.transport
+        return transport is None or transport.is_closing()
+
+    async def start(self) -> None:
+        if self.out is None:
+            self.out = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                                   "Cache-Control": "no-cache"})
+            await self.out.prepare(self.request)
+
+    async def fail_in_band(self, error: OpenAIError) -> web.StreamResponse:
+        """After the 200 went out, an error can only be an event in the stream."""
+        await self.out.write(b"data: " + json.dumps(error.body()).encode() + b"\n\n"
+                             + b"data: [DONE]\n\n")
+        await self.out.write_eof()
+        return self.out
 
 
 def _passthrough(headers) -> dict[str, str]:

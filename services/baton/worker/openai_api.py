@@ -1,7 +1,7 @@
 """Response bodies of /v1/chat/completions and /v1/completions, streamed (SSE) or whole.
 
 An error after the stream has started cannot change the status code any more: it is sent as
-one `data: {"error": ...}` event followed by `data: [DONE]`, as vLLM does.
+one `data: {"error": ...}` event followed by `data: [DONE]`, as vLLM does (`_framed`).
 """
 
 from __future__ import annotations
@@ -38,7 +38,11 @@ async def chat(serving: OpenAIServing, req: ChatCompletionRequest, jobs: list[Jo
     prompt_tokens = len(jobs[0].prompt_ids)
     created = int(time.time())
     if req.stream:
-        return _chat_stream(serving, req, jobs, response_id, created, prompt_tokens)
+        base = {"id": response_id, "object": "chat.completion.chunk", "created": created,
+                "model": serving.model_name}
+        tally = _Tally(len(jobs))
+        return _framed(_chat_chunks(serving, req, jobs, base, tally), req, base, tally,
+                       prompt_tokens)
     tally = _Tally(len(jobs))
     async for d in serving.run(jobs):
         tally.add(d)
@@ -50,29 +54,33 @@ async def chat(serving: OpenAIServing, req: ChatCompletionRequest, jobs: list[Jo
             "usage": usage(prompt_tokens, sum(tally.tokens), tally.cached)}
 
 
-async def _chat_stream(serving: OpenAIServing, req: ChatCompletionRequest, jobs: list[Job],
-                       response_id: str, created: int, prompt_tokens: int
-                       ) -> AsyncIterator[bytes]:
-    base = {"id": response_id, "object": "chat.completion.chunk", "created": created,
-            "model": serving.model_name}
-    tally = _Tally(len(jobs))
+async def _framed(chunks: AsyncIterator[bytes], req, base: dict, tally: _Tally,
+                  prompt_tokens: int) -> AsyncIterator[bytes]:
+    """The SSE stream around the content chunks: the usage chunk when asked for, an error
+    as an event (the status line is gone by then), and `[DONE]`."""
     try:
-        for job in jobs:
-            yield sse(base | {"choices": [{"index": job.index, "delta": {
-                "role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]})
-        async for d in serving.run(jobs):
-            tally.add(d)
-            if not d.text and d.finish_reason is None and not (req.logprobs and d.logprobs):
-                continue
-            lps = serving.chat_logprobs(d.logprobs or []) if req.logprobs else None
-            yield sse(base | {"choices": [{"index": d.index, "delta": {"content": d.text},
-                                           "logprobs": lps, "finish_reason": d.finish_reason}]})
+        async for chunk in chunks:
+            yield chunk
         if req.include_usage:
             yield sse(base | {"choices": [], "usage": usage(prompt_tokens, sum(tally.tokens),
                                                             tally.cached)})
-    except Exception as err:  # noqa: BLE001 - the status line is gone; report in-band
+    except Exception as err:  # noqa: BLE001 - reported in-band
         yield sse(engine_error(err).body())
     yield SSE_DONE
+
+
+async def _chat_chunks(serving: OpenAIServing, req: ChatCompletionRequest, jobs: list[Job],
+                       base: dict, tally: _Tally) -> AsyncIterator[bytes]:
+    for job in jobs:
+        yield sse(base | {"choices": [{"index": job.index, "delta": {
+            "role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]})
+    async for d in serving.run(jobs):
+        tally.add(d)
+        if not d.text and d.finish_reason is None and not (req.logprobs and d.logprobs):
+            continue
+        lps = serving.chat_logprobs(d.logprobs or []) if req.logprobs else None
+        yield sse(base | {"choices": [{"index": d.index, "delta": {"content": d.text},
+                                       "logprobs": lps, "finish_reason": d.finish_reason}]})
 
 
 async def completion(serving: OpenAIServing, req: CompletionRequest, jobs: list[Job],
@@ -82,8 +90,11 @@ async def completion(serving: OpenAIServing, req: CompletionRequest, jobs: list[
     per_prompt = len(jobs) // len(prompts)
     echo = [_echo_text(serving, req, prompts, job.index // per_prompt) for job in jobs]
     if req.stream:
-        return _completion_stream(serving, req, jobs, echo, response_id, created,
-                                  prompt_tokens)
+        base = {"id": response_id, "object": "text_completion", "created": created,
+                "model": serving.model_name}
+        tally = _Tally(len(jobs))
+        return _framed(_completion_chunks(serving, req, jobs, echo, base, tally), req, base,
+                       tally, prompt_tokens)
     tally = _Tally(len(jobs))
     async for d in serving.run(jobs):
         tally.add(d)
@@ -105,33 +116,22 @@ def _echo_text(serving: OpenAIServing, req: CompletionRequest, prompts, p: int) 
     return original if isinstance(original, str) else serving.tokenizer.decode(prompts[p])
 
 
-async def _completion_stream(serving: OpenAIServing, req: CompletionRequest, jobs: list[Job],
-                             echo: list[str], response_id: str, created: int,
-                             prompt_tokens: int) -> AsyncIterator[bytes]:
-    base = {"id": response_id, "object": "text_completion", "created": created,
-            "model": serving.model_name}
-    tally = _Tally(len(jobs))
+async def _completion_chunks(serving: OpenAIServing, req: CompletionRequest, jobs: list[Job],
+                             echo: list[str], base: dict, tally: _Tally
+                             ) -> AsyncIterator[bytes]:
     offsets = [len(e) for e in echo]
-    try:
-        for job in jobs:
-            if echo[job.index]:
-                yield sse(base | {"choices": [{"index": job.index, "text": echo[job.index],
-                                               "logprobs": None, "finish_reason": None}]})
-        async for d in serving.run(jobs):
-            tally.add(d)
-            want_lps = req.logprobs is not None and d.logprobs
-            if not d.text and d.finish_reason is None and not want_lps:
-                continue
-            lps = None
-            if req.logprobs is not None:
-                lps = serving.completion_logprobs(d.logprobs or [], offsets[d.index])
-            offsets[d.index] += len(d.text)
-            yield sse(base | {"choices": [{"index": d.index, "text": d.text, "logprobs": lps,
-                                           "finish_reason": d.finish_reason}]})
-        if req.include_usage:
-            yield sse(base | {"choices": [], "usage": usage(prompt_tokens, sum(tally.tokens),
-                                                            tally.cached)})
-    except Exception as err:  # noqa: BLE001 - the status line is gone; report in-band
-        yield sse(engine_error(err).body())
-    yield SSE_DONE
-
+    for job in jobs:
+        if echo[job.index]:
+            yield sse(base | {"choices": [{"index": job.index, "text": echo[job.index],
+                                           "logprobs": None, "finish_reason": None}]})
+    async for d in serving.run(jobs):
+        tally.add(d)
+        if not d.text and d.finish_reason is None and not (req.logprobs is not None
+                                                            and d.logprobs):
+            continue
+        lps = None
+        if req.logprobs is not None:
+            lps = serving.completion_logprobs(d.logprobs or [], offsets[d.index])
+        offsets[d.index] += len(d.text)
+        yield sse(base | {"choices": [{"index": d.index, "text": d.text, "logprobs": lps,
+                                       "finish_reason": d.finish_reason}]})
