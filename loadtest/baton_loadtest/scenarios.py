@@ -1,0 +1,97 @@
+"""Named scenarios: the same workload against local clusters (`baton up`) that differ in one
+setting, then the results side by side.
+
+- `static-vs-continuous`: the engine's `static` policy (fixed groups run to completion)
+  against continuous batching (`fcfs`).
+- `chunk-sweep`: continuous batching with different token budgets per step
+  (`--chunk-sizes`); a budget as large as the longest prompt is "chunking off": a long
+  prefill then fills whole steps and the running decodes wait (watch ITL p99).
+
+Colocated vs disaggregated needs the prefill/decode roles, which do not exist yet; it is not
+offered until they do.
+"""
+
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+from baton_loadtest import report
+from baton_loadtest.client import ClientSettings
+from baton_loadtest.spec import WorkloadSpec
+
+SCENARIOS = {
+    "static-vs-continuous": "the engine's static policy vs continuous batching",
+    "chunk-sweep": "continuous batching at several per-step token budgets",
+}
+
+
+def _free_port_run(n: int) -> int:
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + n < 65535 and all(_free(p) for p in range(base, base + n)):
+            return base
+    raise RuntimeError("no free ports")
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+def variants(args) -> list[tuple[str, list[str]]]:
+    if args.scenario == "static-vs-continuous":
+        return [("static", ["--scheduling-policy", "static"]),
+                ("continuous", ["--scheduling-policy", "fcfs"])]
+    sizes = [int(x) for x in args.chunk_sizes.split(",")]
+    return [(f"budget_{n}", ["--max-num-batched-tokens", str(n)]) for n in sizes]
+
+
+def cmd_scenario(args, run_once, load_tokenizer) -> int:
+    from baton.launch import Cluster
+
+    spec = WorkloadSpec.load(args.workload).with_overrides(args.num_requests, args.rate,
+                                                          args.concurrency)
+    tok = load_tokenizer(None)
+    slo = report.SLO(args.slo_ttft, args.slo_itl, args.slo_e2e)
+    results: list[tuple[str, dict]] = []
+    for name, flags in variants(args):
+        port = _free_port_run(args.workers + 1)
+        cluster = Cluster(port=port, num_workers=args.workers,
+                          worker_args=["--dtype", args.dtype, *flags], log_level="warning")
+        print(f"== {name}: baton up {' '.join(flags)}", flush=True)
+        try:
+            cluster.start()
+            settings = ClientSettings(cluster.router_url, "SmolLM2-135M-Instruct", args.api)
+            results.append((name, run_once(spec, tok, settings, slo, args.out / name,
+                                           not args.no_progress)))
+        finally:
+            cluster.stop()
+    base_name, base = results[0]
+    text = "".join(f"\n### {base_name} vs {name}\n\n" + report.compare(base, s, base_name, name)
+                   for name, s in results[1:])
+    (Path(args.out) / "compare.md").write_text(text)
+    print(text)
+    return 0
+
+
+def add_parser(sub, workload_args, run_once, load_tokenizer) -> None:
+    p = sub.add_parser("scenario", help="compare local clusters that differ in one setting",
+                       description="\n".join(f"{k}: {v}" for k, v in SCENARIOS.items()))
+    p.add_argument("scenario", choices=sorted(SCENARIOS))
+    workload_args(p)
+    load = p.add_mutually_exclusive_group()
+    load.add_argument("--rate", type=float, default=None)
+    load.add_argument("--concurrency", type=int, default=None)
+    p.add_argument("--api", choices=["chat", "completions"], default="chat")
+    p.add_argument("--workers", type=int, default=1)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--chunk-sizes", default="64,256,8192",
+                   help="chunk-sweep: per-step token budgets")
+    p.set_defaults(fn=lambda args: cmd_scenario(args, run_once, load_tokenizer))
