@@ -28,7 +28,7 @@ from baton.common.metrics import CONTENT_TYPE, WorkerMetrics, render
 from baton.common.protocol import ChatCompletionRequest, CompletionRequest, parse_request
 from baton.engine.config import EngineConfig
 from baton.worker import openai_api
-from baton.worker.serving import OpenAIServing, new_id
+from baton.worker.serving import OpenAIServing, engine_error, new_id
 
 log = logging.getLogger("baton.worker")
 ROLES = ("both", "prefill", "decode")
@@ -186,9 +186,7 @@ async def _respond(request: Request, serving: OpenAIServing, jobs, make_body, st
         result = await _until_disconnect(request, make_body())
     except OpenAIError:
         raise
-    except Exception as err:  # noqa: BLE001
-        from baton.worker.serving import engine_error
-
+    except Exception as err:  # noqa: BLE001 - engine death or a bug: a clean 5xx
         raise engine_error(err) from None
     finally:
         serving.abort(jobs)
