@@ -1,0 +1,189 @@
+"""The KV transfer contract (DESIGN.md §5): pull-based, one shape for every transport.
+
+Holder (prefill) side: `start(layout, kv_cache, engine_id)` registers the cache once and
+returns the `Endpoint` peers use; `hold(request_id, block_ids, ttl_s)` pins blocks under a
+lease; `released()` reports, exactly once per lease, that it ended (pulled or expired) so
+the engine can free the blocks.
+
+Puller (decode) side: `connect(peer)` is idempotent and rejects a layout mismatch;
+`pull(peer, request_id, src_block_ids, dst_block_ids, timeout_s)` returns a `Transfer` at
+once — a small state machine (PENDING -> TRANSFERRING -> DONE | FAILED) that the engine
+loop polls; it never blocks the step. Failures are typed (`TransferError` subclasses).
+
+The cache is the engine's one tensor `[layers, 2 (K/V), blocks, block_size, kv_heads,
+head_dim]`; a block's bytes are its `layers x 2` slices, gathered in that order.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import threading
+import time
+from abc import ABC, abstractmethod
+from dataclasses import asdict, dataclass
+
+import torch
+
+
+class TransferError(RuntimeError):
+    """A transfer failed; the decode side recomputes or fails the request."""
+
+
+class LayoutMismatchError(TransferError):
+    """The peers' KV caches differ in shape or dtype: their blocks are not interchangeable."""
+
+
+class PeerUnreachableError(TransferError):
+    """The holder could not be reached, or went away mid-transfer."""
+
+
+class TransferTimeoutError(TransferError):
+    """The transfer did not finish within its timeout."""
+
+
+class LeaseExpiredError(TransferError):
+    """The holder no longer has the blocks (lease expired, released, or never existed)."""
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    num_layers: int
+    block_size: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: str  # torch dtype name, e.g. "bfloat16"
+
+    @classmethod
+    def of(cls, kv_cache: torch.Tensor) -> KVLayout:
+        if kv_cache.dim() != 6 or kv_cache.shape[1] != 2:
+            raise ValueError("the KV cache must be [layers, 2, blocks, block_size, kv_heads, "
+                             f"head_dim], got {tuple(kv_cache.shape)}")
+        layers, _, _, bs, kvh, d = kv_cache.shape
+        return cls(layers, bs, kvh, d, str(kv_cache.dtype).removeprefix("torch."))
+
+    @property
+    def fingerprint(self) -> str:
+        raw = f"{self.num_layers}/{self.block_size}/{self.num_kv_heads}/{self.head_dim}/" \
+              f"{self.dtype}"
+        return hashlib.blake2b(raw.encode(), digest_size=8).hexdigest()
+
+    @property
+    def bytes_per_block(self) -> int:
+        elt = torch.empty(0, dtype=getattr(torch, self.dtype)).element_size()
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elt
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """How peers reach a holder; travels in `kv_transfer_params` as a dict."""
+
+    transport: str
+    engine_id: str
+    address: str
+    layout: KVLayout
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> Endpoint:
+        return cls(d["transport"], d["engine_id"], d["address"], KVLayout(**d["layout"]))
+
+
+class TransferState(enum.Enum):
+    PENDING = "pending"
+    TRANSFERRING = "transferring"
+    DONE = "done"
+    FAILED = "failed"
+
+
+class Transfer:
+    """One pull's progress, advanced by the transport's worker, read by the engine loop."""
+
+    def __init__(self, request_id: str, num_blocks: int) -> None:
+        self.request_id = request_id
+        self.num_blocks = num_blocks
+        self.state = TransferState.PENDING
+        self.error: TransferError | None = None
+        self.bytes = 0
+        self.started = time.monotonic()
+        self.finished: float | None = None
+        self._done = threading.Event()
+
+    @property
+    def is_finished(self) -> bool:
+        return self.state in (TransferState.DONE, TransferState.FAILED)
+
+    def poll(self) -> TransferState:
+        return self.state
+
+    def wait(self, timeout: float | None = None) -> TransferState:
+        """For tests and tools; the engine polls instead."""
+        self._done.wait(timeout)
+        return self.state
+
+    # -- transport side --------------------------------------------------------------------
+    def _transferring(self) -> None:
+        self.state = TransferState.TRANSFERRING
+
+    def _succeed(self, nbytes: int) -> None:
+        self.bytes = nbytes
+        self.finished = time.monotonic()
+        self.state = TransferState.DONE
+        self._done.set()
+
+    def _fail(self, error: TransferError) -> None:
+        self.error = error
+        self.finished = time.monotonic()
+        self.state = TransferState.FAILED
+        self._done.set()
+
+
+def gather_blocks(kv_cache: torch.Tensor, block_ids: list[int]) -> torch.Tensor:
+    """The blocks' bytes in wire order: `[layers, 2, n, block_size, kv_heads, head_dim]`."""
+    index = torch.tensor(block_ids, dtype=torch.long, device=kv_cache.device)
+    return kv_cache.index_select(2, index)
+
+
+def scatter_blocks(kv_cache: torch.Tensor, block_ids: list[int], data: torch.Tensor) -> None:
+    index = torch.tensor(block_ids, dtype=torch.long, device=kv_cache.device)
+    kv_cache.index_copy_(2, index, data)
+
+
+def check_pull(layout: KVLayout, src: list[int], dst: list[int], num_blocks: int) -> None:
+    if len(src) != len(dst):
+        raise ValueError(f"{len(src)} source blocks for {len(dst)} destination blocks")
+    bad = [b for b in dst if not 0 <= b < num_blocks]
+    if bad:
+        raise ValueError(f"destination blocks {bad[:5]} outside [0, {num_blocks})")
+
+
+class KVTransport(ABC):
+    name: str
+
+    @abstractmethod
+    def start(self, kv_cache: torch.Tensor, engine_id: str) -> Endpoint:
+        """Register the cache (once) and start serving pulls of held blocks."""
+
+    @abstractmethod
+    def connect(self, peer: Endpoint) -> None:
+        """Idempotent; raises LayoutMismatchError or PeerUnreachableError."""
+
+    @abstractmethod
+    def pull(self, peer: Endpoint, request_id: str, src_block_ids: list[int],
+             dst_block_ids: list[int], timeout_s: float) -> Transfer:
+        """Start copying the peer's blocks into ours; returns at once."""
+
+    @abstractmethod
+    def hold(self, request_id: str, block_ids: list[int], ttl_s: float) -> None:
+        """Holder side: keep these blocks for a puller until pulled or `ttl_s` passes."""
+
+    @abstractmethod
+    def released(self) -> list[tuple[str, str]]:
+        """Holder side: (request_id, "pulled" | "expired") for leases that ended since the
+        last call; each lease appears exactly once."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Stop serving; pending pulls fail, held leases are reported released."""

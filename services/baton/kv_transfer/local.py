@@ -1,0 +1,86 @@
+"""In-process transport: holders register in a process-wide table; a pull copies on a
+worker thread. For unit tests and single-process setups."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from baton.kv_transfer.base import (Endpoint, KVLayout, KVTransport, LayoutMismatchError,
+                                    PeerUnreachableError, Transfer, TransferError,
+                                    check_pull, gather_blocks, scatter_blocks)
+from baton.kv_transfer.leases import LeaseTable
+
+_HOLDERS: dict[str, "LocalTransport"] = {}
+_LOCK = threading.Lock()
+
+
+class LocalTransport(KVTransport):
+    name = "local"
+
+    def __init__(self) -> None:
+        self.kv_cache: torch.Tensor | None = None
+        self.layout: KVLayout | None = None
+        self.endpoint: Endpoint | None = None
+        self.leases = LeaseTable()
+        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="kv-local")
+
+    def start(self, kv_cache: torch.Tensor, engine_id: str) -> Endpoint:
+        self.kv_cache, self.layout = kv_cache, KVLayout.of(kv_cache)
+        self.endpoint = Endpoint(self.name, engine_id, engine_id, self.layout)
+        with _LOCK:
+            _HOLDERS[engine_id] = self
+        return self.endpoint
+
+    def connect(self, peer: Endpoint) -> None:
+        if peer.layout.fingerprint != self.layout.fingerprint:
+            raise LayoutMismatchError(f"peer {peer.engine_id} has layout {peer.layout}, "
+                                      f"ours is {self.layout}")
+        with _LOCK:
+            if peer.address not in _HOLDERS:
+                raise PeerUnreachableError(f"no local engine {peer.address!r}")
+
+    def pull(self, peer: Endpoint, request_id: str, src_block_ids: list[int],
+             dst_block_ids: list[int], timeout_s: float) -> Transfer:
+        check_pull(self.layout, src_block_ids, dst_block_ids, self.kv_cache.shape[2])
+        transfer = Transfer(request_id, len(dst_block_ids))
+        self._pool.submit(self._copy, transfer, peer, request_id, list(src_block_ids),
+                          list(dst_block_ids))
+        return transfer
+
+    def _copy(self, transfer: Transfer, peer: Endpoint, request_id: str, src: list[int],
+              dst: list[int]) -> None:
+        try:
+            self.connect(peer)
+            with _LOCK:
+                holder = _HOLDERS[peer.address]
+            transfer._transferring()
+            holder.leases.take(request_id, src)
+            try:
+                data = gather_blocks(holder.kv_cache, src) if src else None
+            except BaseException:
+                holder.leases.abandon(request_id)
+                raise
+            holder.leases.complete(request_id)
+            if data is not None:
+                scatter_blocks(self.kv_cache, dst, data)
+            transfer._succeed(0 if data is None else data.numel() * data.element_size())
+        except TransferError as err:
+            transfer._fail(err)
+        except Exception as err:  # noqa: BLE001 - any failure is the transfer's
+            transfer._fail(TransferError(f"local copy failed: {err!r}"))
+
+    def hold(self, request_id: str, block_ids: list[int], ttl_s: float) -> None:
+        self.leases.hold(request_id, block_ids, ttl_s)
+
+    def released(self) -> list[tuple[str, str]]:
+        return self.leases.released()
+
+    def close(self) -> None:
+        with _LOCK:
+            if self.endpoint is not None and _HOLDERS.get(self.endpoint.address) is self:
+                del _HOLDERS[self.endpoint.address]
+        self.leases.release_all()
+        self._pool.shutdown(wait=True)
