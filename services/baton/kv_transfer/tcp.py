@@ -3,8 +3,9 @@
 Wire format, one pull per connection: the puller sends a framed JSON request (4-byte
 big-endian length + JSON); the holder answers a framed JSON header and then, for a pull,
 `nbytes` of block data in wire order (`[layers, 2, n, block_size, kv_heads, head_dim]`);
-the puller receives straight into a staging tensor (`recv_into`, no intermediate bytes),
-copies it into its destination blocks and sends a framed `ack`, on which the holder ends
+both sides move the bytes with scatter/gather I/O straight between the caches (`sendmsg`
+from the holder's blocks, `recvmsg_into` the puller's destination blocks: no staging copy,
+runs of consecutive block ids become one buffer), then the puller sends a framed `ack`, on which the holder ends
 the lease ("pulled") and confirms, so a finished Transfer means a released lease. A connection lost before the ack leaves the lease held until it
 expires, so a retry can still succeed.
 
@@ -25,8 +26,7 @@ import torch
 
 from baton.kv_transfer.base import (Endpoint, KVLayout, KVTransport, LayoutMismatchError,
                                     LeaseExpiredError, PeerUnreachableError, Transfer,
-                                    TransferError, TransferTimeoutError, check_pull,
-                                    gather_blocks, scatter_blocks)
+                                    TransferError, TransferTimeoutError, check_pull)
 from baton.kv_transfer.leases import LeaseTable
 
 _LEN = struct.Struct(">I")
@@ -59,6 +59,68 @@ def _byte_view(t: torch.Tensor) -> memoryview:
     return memoryview(t.view(torch.uint8).numpy()).cast("B")
 
 
+_IOV_MAX = 1024
+
+
+def block_views(kv_cache: torch.Tensor, cache_bytes: memoryview, block_ids: list[int]
+                ) -> list[memoryview]:
+    """The blocks' memory in wire order (layer, K/V, then the blocks in the given order), as
+    views into the cache itself: runs of consecutive ids become one view each."""
+    layers2, nb = kv_cache.shape[0] * 2, kv_cache.shape[2]
+    seg = kv_cache[0, 0, 0].numel() * kv_cache.element_size()
+    runs: list[list[int]] = []
+    for b in block_ids:
+        if runs and b == runs[-1][0] + runs[-1][1]:
+            runs[-1][1] += 1
+        else:
+            runs.append([b, 1])
+    views = []
+    for lk in range(layers2):
+        base = lk * nb
+        for start, length in runs:
+            off = (base + start) * seg
+            views.append(cache_bytes[off:off + length * seg])
+    return views
+
+
+def _send_views(sock: socket.socket, views: list[memoryview]) -> int:
+    """sendmsg scatter/gather straight from the cache, IOV_MAX buffers a call."""
+    total = 0
+    i = 0
+    while i < len(views):
+        batch = views[i:i + _IOV_MAX]
+        sent = sock.sendmsg(batch)
+        total += sent
+        while batch and sent >= len(batch[0]):  # drop the fully sent buffers
+            sent -= len(batch[0])
+            batch.pop(0)
+            i += 1
+        if batch and sent:
+            views[i] = batch[0][sent:]
+    return total
+
+
+def _recv_views(sock: socket.socket, views: list[memoryview], remaining, peer_address: str
+                ) -> int:
+    """recvmsg_into straight into the cache's destination blocks."""
+    total = 0
+    i = 0
+    want = sum(len(v) for v in views)
+    while i < len(views):
+        sock.settimeout(remaining())
+        got = sock.recvmsg_into(views[i:i + _IOV_MAX])[0]
+        if got == 0:
+            raise PeerUnreachableError(f"{peer_address} closed the connection after {total} "
+                                       f"of {want} bytes")
+        total += got
+        while i < len(views) and got >= len(views[i]):
+            got -= len(views[i])
+            i += 1
+        if got:
+            views[i] = views[i][got:]
+    return total
+
+
 class TcpTransport(KVTransport):
     name = "tcp"
 
@@ -77,7 +139,10 @@ class TcpTransport(KVTransport):
     def start(self, kv_cache: torch.Tensor, engine_id: str) -> Endpoint:
         if kv_cache.device.type != "cpu":
             raise ValueError("the tcp transport moves host memory; use nixl or nccl for GPUs")
+        if not kv_cache.is_contiguous():
+            raise ValueError("the tcp transport needs a contiguous KV cache tensor")
         self.kv_cache, self.layout = kv_cache, KVLayout.of(kv_cache)
+        self._cache_bytes = _byte_view(kv_cache.view(-1))
         srv = socket.create_server((self.host, self.port), backlog=128)
         self._server = srv
         host, port = srv.getsockname()[:2]
@@ -118,11 +183,9 @@ class TcpTransport(KVTransport):
             return
         acked = False
         try:
-            data = gather_blocks(self.kv_cache, blocks).contiguous() if blocks else None
-            nbytes = 0 if data is None else data.numel() * data.element_size()
-            _send_msg(conn, {"ok": True, "nbytes": nbytes})
-            if data is not None:
-                conn.sendall(_byte_view(data))
+            views = block_views(self.kv_cache, self._cache_bytes, blocks)
+            _send_msg(conn, {"ok": True, "nbytes": sum(len(v) for v in views)})
+            _send_views(conn, views)
             acked = _recv_msg(conn).get("op") == "ack"
         finally:
             if acked:
@@ -217,27 +280,12 @@ class TcpTransport(KVTransport):
 
     def _receive(self, sock: socket.socket, nbytes: int, n: int, dst: list[int], remaining,
                  peer: Endpoint) -> int:
-        """Receive n blocks straight into a staging tensor, then into our blocks."""
-        if n == 0:
-            if nbytes:
-                raise TransferError(f"holder sent {nbytes} bytes for an empty transfer")
-            return 0
-        lay = self.layout
-        staging = torch.empty((lay.num_layers, 2, n, lay.block_size, lay.num_kv_heads,
-                               lay.head_dim), dtype=self.kv_cache.dtype)
-        view = _byte_view(staging)
-        if nbytes != len(view):
-            raise TransferError(f"holder sent {nbytes} bytes, expected {len(view)}")
-        got = 0
-        while got < len(view):
-            sock.settimeout(remaining())
-            k = sock.recv_into(view[got:], min(len(view) - got, 1 << 22))
-            if k == 0:
-                raise PeerUnreachableError(f"{peer.address} closed the connection after "
-                                           f"{got} of {len(view)} bytes")
-            got += k
-        scatter_blocks(self.kv_cache, dst, staging)
-        return got
+        """Receive n blocks straight into our destination blocks (no staging copy)."""
+        views = block_views(self.kv_cache, self._cache_bytes, dst)
+        want = sum(len(v) for v in views)
+        if nbytes != want:
+            raise TransferError(f"holder sent {nbytes} bytes, expected {want}")
+        return _recv_views(sock, views, remaining, peer.address) if want else 0
 
     def close(self) -> None:
         self._closed.set()
