@@ -79,15 +79,16 @@ class AsyncEngine:
 
     # -- the event-loop side ---------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    priority: int = 0) -> asyncio.Queue:
+                    priority: int = 0, **kv) -> asyncio.Queue:
         """Validate (raises InvalidRequestError / ValueError) and queue one request; returns
-        the queue its EngineOutputs arrive on."""
+        the queue its EngineOutputs arrive on. `kv`: `hold_kv` / `kv_transfer_params` for
+        the prefill / decode roles (see EngineCore.make_request)."""
         if self.dead_error is not None:
             raise EngineDeadError(f"the engine loop died: {self.dead_error!r}")
         if request_id in self._streams:
             raise ValueError(f"request id {request_id!r} is already in flight")
         self.start()
-        req = self.core.make_request(request_id, prompt_token_ids, params, priority)
+        req = self.core.make_request(request_id, prompt_token_ids, params, priority, **kv)
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[request_id] = (asyncio.get_running_loop(), stream)
         self._num_sent += 1
@@ -120,6 +121,7 @@ class AsyncEngine:
                 result.outputs[0].add(batch)
                 result.num_cached_tokens = batch[-1].num_cached_tokens or result.num_cached_tokens
                 result.queue_time = batch[-1].queue_time
+                result.kv_transfer_params = batch[-1].kv_transfer_params
                 yield result
                 if batch[-1].finished:
                     return
@@ -158,10 +160,13 @@ class AsyncEngine:
         core = self.core
         try:
             while not self._stopping:
-                self._apply_commands(block=not core.has_unfinished_requests())
+                busy = core.has_unfinished_requests()
+                # Idle but with pulls or leases to advance: wake up now and then to poll.
+                self._apply_commands(block=not busy,
+                                     timeout=0.01 if core.needs_polling else None)
                 if self._stopping:
                     break
-                if core.has_unfinished_requests():
+                if core.has_unfinished_requests() or core.needs_polling:
                     outputs = core.step()
                     if outputs:
                         self._post(outputs)
@@ -169,12 +174,14 @@ class AsyncEngine:
             log.exception("engine loop crashed")
             self.dead_error = err
             self._post([_Failure(rid, err) for rid in list(self._streams)])
+        finally:
+            core.close()
 
-    def _apply_commands(self, block: bool) -> None:
+    def _apply_commands(self, block: bool, timeout: float | None = None) -> None:
         outputs: list[EngineOutput] = []
         while True:
             try:
-                kind, arg = self._commands.get(block=block)
+                kind, arg = self._commands.get(block=block, timeout=timeout if block else None)
             except queue.Empty:
                 break
             block = False
@@ -182,17 +189,17 @@ class AsyncEngine:
                 self._stopping = True
                 break
             if kind == "add":
-                self._add(arg)
+                outputs.extend(self._add(arg))
             elif kind == "abort":
                 outputs.extend(self.core.abort_requests([arg]))
         if outputs:
             self._post(outputs)
 
-    def _add(self, req: Request) -> None:
+    def _add(self, req: Request) -> list[EngineOutput]:
         try:
-            self.core.add(req)
+            return self.core.add(req)
         except ValueError as err:  # duplicate id raced in; fail that request only
-            self._post([EngineOutput(req.request_id, [], "", None, finish_reason="abort",
-                                     stop_reason=str(err))])
+            return [EngineOutput(req.request_id, [], "", None, finish_reason="abort",
+                                 stop_reason=str(err))]
         finally:
             self._num_applied += 1

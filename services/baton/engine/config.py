@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 SCHEDULING_POLICIES = ("fcfs", "priority", "static")
+KV_FAILURE_POLICIES = ("recompute", "fail")
 DTYPES = ("float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 
@@ -32,6 +33,14 @@ class EngineConfig:
     num_threads: int | None = None
     cache_dir: str | None = None
     seed: int = 0
+    # Disaggregation: the KV transport (None: this engine neither holds nor pulls KV),
+    # how long a prefill keeps blocks for a puller, how long a pull may take, and what a
+    # failed pull does to its request (prefill locally, or end it).
+    kv_transport: str | None = None
+    engine_id: str | None = None
+    kv_lease_ttl_s: float = 30.0
+    kv_transfer_timeout_s: float = 30.0
+    kv_failure_policy: str = "recompute"
 
     def __post_init__(self) -> None:
         _check(self.dtype in DTYPES, "dtype", self.dtype, f"must be one of {DTYPES}")
@@ -51,6 +60,13 @@ class EngineConfig:
                self.scheduling_policy, f"must be one of {SCHEDULING_POLICIES}")
         _check(self.num_threads is None or self.num_threads >= 1, "num_threads",
                self.num_threads, "must be >= 1")
+        _check(self.kv_transport in (None, "local", "tcp"), "kv_transport", self.kv_transport,
+               "must be None, 'local' or 'tcp'")
+        _check(self.kv_lease_ttl_s > 0, "kv_lease_ttl_s", self.kv_lease_ttl_s, "must be > 0")
+        _check(self.kv_transfer_timeout_s > 0, "kv_transfer_timeout_s",
+               self.kv_transfer_timeout_s, "must be > 0")
+        _check(self.kv_failure_policy in KV_FAILURE_POLICIES, "kv_failure_policy",
+               self.kv_failure_policy, f"must be one of {KV_FAILURE_POLICIES}")
 
 
 def _check(ok: bool, name: str, value: object, rule: str) -> None:

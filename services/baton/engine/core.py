@@ -52,6 +52,13 @@ class EngineCore:
         self.eos_token_id = self.tokenizer.eos_token_id
         self._detok: dict[str, IncrementalDetokenizer | None] = {}
         self.stats = EngineStats()
+        self.kvx = None  # KVCoordinator when this engine holds or pulls KV
+        if config.kv_transport is not None:
+            from baton.engine.disagg import KVCoordinator
+
+            self.kvx = KVCoordinator(config.kv_transport, self.runner.kv_cache,
+                                     config.engine_id, self.scheduler, config.kv_lease_ttl_s,
+                                     config.kv_transfer_timeout_s, config.kv_failure_policy)
 
     def _max_model_len(self) -> int:
         from baton.engine.models.config import ModelConfig
@@ -67,8 +74,13 @@ class EngineCore:
     # -- requests --------------------------------------------------------------------------
     def make_request(self, request_id: str, prompt_token_ids: list[int],
                      params: SamplingParams, priority: int = 0, detokenize: bool = True,
-                     arrival_time: float | None = None) -> Request:
-        """Validate and build a request without touching engine state (thread-safe)."""
+                     arrival_time: float | None = None, hold_kv: bool = False,
+                     kv_transfer_params: dict | None = None) -> Request:
+        """Validate and build a request without touching engine state (thread-safe).
+
+        `hold_kv` (prefill role): keep the prompt's blocks under a lease when it ends and
+        return `kv_transfer_params`. `kv_transfer_params` (decode role): pull the prompt's
+        KV from that holder instead of computing it; its `first_token` is the first output."""
         n = len(prompt_token_ids)
         if n == 0:
             raise InvalidRequestError("the prompt is empty")
@@ -90,14 +102,56 @@ class EngineCore:
                       eos_token_id=self.eos_token_id, priority=priority, detokenize=detokenize)
         if arrival_time is not None:
             req.arrival_time = arrival_time
+        if (hold_kv or kv_transfer_params is not None) and self.kvx is None:
+            raise InvalidRequestError("this engine has no KV transport (kv_transport=None)")
+        req.hold_kv = hold_kv
+        if kv_transfer_params is not None:
+            req.remote_kv, first = self._remote_kv(kv_transfer_params, n, vocab)
+            req.output_token_ids.append(first)
         return req
 
-    def add(self, req: Request) -> None:
+    def _remote_kv(self, params: dict, num_prompt: int, vocab: int):
+        from baton.engine.request import RemoteKV
+
+        try:
+            blocks = [int(b) for b in params["block_ids"]]
+            first, peer, lease = int(params["first_token"]), dict(params["endpoint"]), str(
+                params["lease_id"])
+            num_tokens = int(params["num_tokens"])
+        except (KeyError, TypeError, ValueError) as err:
+            raise InvalidRequestError(f"malformed kv_transfer_params: {err!r}") from None
+        if num_tokens != num_prompt or len(blocks) != self.kv.blocks_for(num_prompt):
+            raise InvalidRequestError(
+                f"kv_transfer_params cover {num_tokens} tokens in {len(blocks)} blocks, the "
+                f"prompt has {num_prompt} tokens ({self.kv.blocks_for(num_prompt)} blocks)")
+        if not 0 <= first < vocab:
+            raise InvalidRequestError(f"first_token {first} is outside [0, {vocab})")
+        return RemoteKV(peer, blocks, lease), first
+
+    def add(self, req: Request) -> list[EngineOutput]:
+        """Queue a request; returns outputs it produced at once (a pulled request's first
+        token, sampled by the prefill engine)."""
         self.scheduler.add_request(req)
         p = req.sampling_params
         self._detok[req.request_id] = IncrementalDetokenizer(
             self.tokenizer, req.prompt_token_ids, p.stop, p.include_stop_str_in_output,
             p.skip_special_tokens) if req.detokenize else None
+        if req.remote_kv is None:
+            return []
+        first = req.output_token_ids[0]
+        status = self.scheduler.stop_status(req, first)
+        if status is not None:  # ended on its first token: nothing to pull
+            self.kvx.release_remote(req.remote_kv)
+            self.scheduler.finish_requests([req.request_id], status)
+            return [self._final_output(req, [first], self._detok_add(req, first)[0], None)]
+        out = self._token_output(req, first, None, False)
+        if out.finished:  # a stop string on the first token
+            self.kvx.release_remote(req.remote_kv)
+        return [out]
+
+    def _detok_add(self, req: Request, token: int):
+        detok = self._detok.get(req.request_id)
+        return detok.add(token) if detok is not None else ("", None)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int],
                     params: SamplingParams, priority: int = 0) -> Request:
@@ -113,9 +167,20 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests()
 
     # -- the step --------------------------------------------------------------------------
+    @property
+    def needs_polling(self) -> bool:
+        """True while KV pulls or leases advance without model steps."""
+        return self.kvx is not None and (self.scheduler.needs_polling
+                                         or bool(self.kvx.transfers))
+
     def step(self) -> list[EngineOutput]:
+        outputs = []
+        if self.kvx is not None:
+            outputs += [self._final_output(r, [], "", None) for r in self.kvx.poll()]
         sched = self.scheduler.schedule()
-        outputs = [self._final_output(r, [], "", None) for r in self.scheduler.drain_rejected()]
+        if self.kvx is not None:
+            self.kvx.start_pulls(self.kv.get_block_ids)
+        outputs += [self._final_output(r, [], "", None) for r in self.scheduler.drain_rejected()]
         if sched.is_empty:
             return outputs
         self.stats.steps_total += 1
@@ -136,8 +201,7 @@ class EngineCore:
         return outputs
 
     def _token_output(self, req: Request, token: int, lp, finished: bool) -> EngineOutput:
-        detok = self._detok.get(req.request_id)
-        text, matched = detok.add(token) if detok is not None else ("", None)
+        text, matched = self._detok_add(req, token)
         if matched is not None and not finished:
             self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
             req.stop_reason = matched
@@ -156,10 +220,15 @@ class EngineCore:
         self.runner.sampler.release(req.request_id)
         queued = (None if req.first_scheduled_time is None
                   else req.first_scheduled_time - req.arrival_time)
+        params = None
+        if req.request_id in self.scheduler.held:
+            params = self.kvx.lease(req, self.kv.get_block_ids(req.request_id),
+                                    req.output_token_ids[-1])
         return EngineOutput(req.request_id, tokens, text, lps,
                             finish_reason=req.status.finish_reason, stop_reason=req.stop_reason,
                             num_prompt_tokens=req.num_prompt_tokens,
-                            num_cached_tokens=req.num_cached_tokens, queue_time=queued)
+                            num_cached_tokens=req.num_cached_tokens, queue_time=queued,
+                            kv_transfer_params=params)
 
     # -- introspection ---------------------------------------------------------------------
     @property
@@ -187,3 +256,7 @@ class EngineCore:
 
     def check_integrity(self) -> None:
         self.kv.check_integrity()
+
+    def close(self) -> None:
+        if self.kvx is not None:
+            self.kvx.close()

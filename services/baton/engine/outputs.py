@@ -21,6 +21,7 @@ class EngineOutput:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
     queue_time: float | None = None  # arrival -> first scheduled, on the final output
+    kv_transfer_params: dict | None = None  # prefill role: where a decode pod pulls the KV
 
     @property
     def finished(self) -> bool:
@@ -70,6 +71,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     num_cached_tokens: int = 0
     queue_time: float | None = None
+    kv_transfer_params: dict | None = None
 
     @property
     def finished(self) -> bool:

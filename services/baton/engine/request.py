@@ -35,6 +35,16 @@ _FINISH_REASONS = {
 }
 
 
+@dataclass(frozen=True)
+class RemoteKV:
+    """Where a decode request's prompt KV lives: a holder's endpoint (as a dict), its block
+    ids for the prompt, and the lease under which it keeps them."""
+
+    peer: dict
+    block_ids: list[int]
+    lease_id: str
+
+
 @dataclass(eq=False)
 class Request:
     """A prompt, the tokens generated so far and how many of all of them have KV in the cache.
@@ -59,6 +69,8 @@ class Request:
     stop_reason: int | str | None = None
     block_hashes: list[int] = field(default_factory=list)
     detokenize: bool = True
+    hold_kv: bool = False  # prefill role: keep the blocks under a lease when it ends
+    remote_kv: RemoteKV | None = None  # decode role: pull the prompt's KV, don't compute it
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -60,11 +60,14 @@ class KVCacheManager:
 
     # -- mutations -------------------------------------------------------------------------
     def allocate_slots(self, request: Request, num_new_tokens: int,
-                       new_computed_blocks: list[KVBlock] | None = None) -> list[KVBlock] | None:
+                       new_computed_blocks: list[KVBlock] | None = None,
+                       publish: bool = True) -> list[KVBlock] | None:
         """Make room for `num_new_tokens` more tokens after the computed ones.
 
         `new_computed_blocks` are prefix-cache hits taken at admission. Returns the newly
         allocated blocks, or None (nothing changed) when the pool cannot hold them.
+        `publish=False` keeps the new blocks out of the prefix cache (their KV arrives
+        later, from another engine); `publish()` adds them once it has.
         """
         computed = new_computed_blocks or []
         held = self._blocks.get(request.request_id, [])
@@ -79,8 +82,13 @@ class KVCacheManager:
         blocks = self._blocks.setdefault(request.request_id, held)
         blocks.extend(computed)
         blocks.extend(new_blocks)
-        self._cache_full_blocks(request, blocks, total_tokens)
+        if publish:
+            self._cache_full_blocks(request, blocks, total_tokens)
         return new_blocks
+
+    def publish(self, request: Request, num_tokens: int) -> None:
+        """The KV of the first `num_tokens` tokens is now written: cache their full blocks."""
+        self._cache_full_blocks(request, self._blocks.get(request.request_id, []), num_tokens)
 
     def free(self, request: Request) -> None:
         """Release every block the request holds (tail first, so heads stay cached longer)."""

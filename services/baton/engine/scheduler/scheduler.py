@@ -38,6 +38,14 @@ class Scheduler:
         self.num_preemptions = 0
         self.prefix_hit_tokens = 0  # prompt tokens served from the prefix cache at admission
         self._rejected: list[Request] = []  # ended inside schedule(): can never fit the pool
+        # Disaggregation. Decode side: requests whose prompt KV is being pulled (blocks
+        # allocated, not yet runnable), those admitted so this step (the engine starts their
+        # pulls), and aborted ones whose pull is still writing into their blocks. Prefill
+        # side: finished requests whose blocks are leased to a puller.
+        self.remote: dict[str, Request] = {}
+        self.remote_started: list[Request] = []
+        self.zombies: dict[str, Request] = {}
+        self.held: dict[str, Request] = {}
 
     # -- bookkeeping -----------------------------------------------------------------------
     @property
@@ -69,14 +77,65 @@ class Scheduler:
             req = self.requests.get(rid)
             if req is None:
                 continue
-            if req.status == RequestStatus.RUNNING:
+            req.status, previous = status, req.status
+            if previous == RequestStatus.RUNNING:
                 self.running.remove(req)
+            elif previous == RequestStatus.WAITING_FOR_REMOTE_KV:
+                # Its pull may still be writing into its blocks: free them when it ends.
+                del self.remote[rid]
+                del self.requests[rid]
+                self.zombies[rid] = req
+                ended.append(req)
+                continue
             else:
                 self.waiting.remove(req)
-            req.status = status
             self._release(req)
             ended.append(req)
         return ended
+
+    # -- disaggregation --------------------------------------------------------------------
+    @property
+    def needs_polling(self) -> bool:
+        """Work that advances without a model step: pulls in flight, leases to expire."""
+        return bool(self.remote or self.zombies or self.held)
+
+    def take_remote_started(self) -> list[Request]:
+        started, self.remote_started = self.remote_started, []
+        return started
+
+    def finish_remote(self, req: Request, ok: bool) -> None:
+        """Its pull ended: join the running batch, or (failed) prefill locally from the
+        front of the queue, keeping the first token."""
+        del self.remote[req.request_id]
+        if ok:
+            req.num_computed_tokens = req.num_prompt_tokens
+            self.kv.publish(req, req.num_prompt_tokens)
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            return
+        self.kv.free(req)
+        req.remote_kv = None
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.WAITING
+        self.waiting.add_preempted(req)
+
+    def fail_remote(self, req: Request) -> None:
+        """Its pull failed and the policy is `fail`: end it."""
+        del self.remote[req.request_id]
+        req.status = RequestStatus.FINISHED_ABORTED
+        self._release(req)
+
+    def reap(self, request_id: str) -> None:
+        """An aborted request's pull ended: its blocks can go."""
+        req = self.zombies.pop(request_id, None)
+        if req is not None:
+            self.kv.free(req)
+
+    def release_held(self, request_id: str) -> None:
+        """A prefill's lease ended (pulled or expired): free its blocks."""
+        req = self.held.pop(request_id, None)
+        if req is not None:
+            self.kv.free(req)
 
     # -- the step --------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -132,8 +191,13 @@ class Scheduler:
         self.waiting.add_preempted(req)
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.limits.max_num_seqs:
+        while (self.waiting and budget > 0
+               and len(self.running) + len(self.remote) < self.limits.max_num_seqs):
             req = self.waiting.peek()
+            if req.remote_kv is not None and req.status == RequestStatus.WAITING:
+                if not self._admit_remote(req):
+                    return
+                continue
             computed, num_cached = self.kv.get_computed_blocks(req)
             num_new = min(req.num_tokens - num_cached, budget)
             if self.kv.allocate_slots(req, num_new, computed) is None:
@@ -148,6 +212,28 @@ class Scheduler:
             self._admit(req, num_cached)
             out.scheduled.append(ScheduledRequest(req, num_new))
             budget -= num_new
+
+    def _admit_remote(self, req: Request) -> bool:
+        """Allocate blocks for a prompt whose KV will be pulled (local prefix hits are kept
+        and not pulled); no token budget is spent. False: no room now."""
+        computed, num_cached = self.kv.get_computed_blocks(req)
+        n = req.num_prompt_tokens
+        if self.kv.allocate_slots(req, n - num_cached, computed, publish=False) is None:
+            if not self.running and not self.remote:
+                self.waiting.pop()
+                self._finish(req, RequestStatus.FINISHED_LENGTH_CAPPED)
+                self._rejected.append(req)
+                return True
+            return False
+        self.waiting.pop()
+        self.prefix_hit_tokens += num_cached
+        req.num_cached_tokens = num_cached
+        req.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        if req.first_scheduled_time is None:
+            req.first_scheduled_time = time.monotonic()
+        self.remote[req.request_id] = req
+        self.remote_started.append(req)
+        return True
 
     def _admit(self, req: Request, num_cached: int) -> None:
         if req.status == RequestStatus.WAITING:
@@ -173,14 +259,19 @@ class Scheduler:
             if token is None:
                 continue
             req.output_token_ids.append(token)
-            status = self._stop_status(req, token)
+            status = self.stop_status(req, token)
             if status is not None:
                 self.running.remove(req)
-                self._finish(req, status)
+                if req.hold_kv:  # a prefill: its blocks wait for the decode pod's pull
+                    req.status = status
+                    del self.requests[req.request_id]
+                    self.held[req.request_id] = req
+                else:
+                    self._finish(req, status)
                 finished.append(req)
         return finished
 
-    def _stop_status(self, req: Request, token: int) -> RequestStatus | None:
+    def stop_status(self, req: Request, token: int) -> RequestStatus | None:
         params = req.sampling_params
         if req.num_output_tokens >= params.min_tokens:
             if token == req.eos_token_id and not params.ignore_eos:

@@ -1,0 +1,173 @@
+"""Prefill engine -> KV pull -> decode engine, in one process over the local transport, on
+the real model: the tokens equal colocated generation, and every failure path frees blocks."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from baton import SamplingParams
+from baton.engine.config import EngineConfig
+from baton.engine.core import EngineCore, InvalidRequestError
+from tests.conftest import make_text
+
+pytestmark = pytest.mark.slow
+
+N = 12
+
+
+def engine(role: str, **kw) -> EngineCore:
+    cfg = EngineConfig(dtype="float32", num_kv_blocks=128, kv_transport="local",
+                       engine_id=f"{role}-{time.monotonic_ns()}", **kw)
+    return EngineCore(cfg)
+
+
+@pytest.fixture(scope="module")
+def engines():
+    p, d, c = engine("prefill"), engine("decode"), EngineCore(EngineConfig(
+        dtype="float32", num_kv_blocks=128))
+    yield p, d, c
+    p.close()
+    d.close()
+
+
+def run(core: EngineCore, timeout: float = 60.0):
+    outs = []
+    deadline = time.monotonic() + timeout
+    while (core.has_unfinished_requests() or core.needs_polling) and time.monotonic() < deadline:
+        outs += core.step()
+        time.sleep(0.001)
+    return outs
+
+
+def prefill(p: EngineCore, rid: str, ids: list[int]):
+    req = p.make_request(rid, ids, SamplingParams(temperature=0, max_tokens=1), hold_kv=True)
+    p.add(req)
+    final = [o for o in run_until_finished(p, rid)][-1]
+    assert final.kv_transfer_params is not None
+    return final.kv_transfer_params
+
+
+def run_until_finished(core: EngineCore, rid: str):
+    while True:
+        for o in core.step():
+            if o.request_id == rid:
+                yield o
+                if o.finished:
+                    return
+
+
+def decode(d: EngineCore, rid: str, ids: list[int], params: dict, n: int = N):
+    req = d.make_request(rid, ids, SamplingParams(temperature=0, max_tokens=n),
+                         kv_transfer_params=params)
+    outs = d.add(req) + run(d)
+    return [t for o in outs if o.request_id == rid for t in o.new_token_ids], outs
+
+
+def colocated(c: EngineCore, rid: str, ids: list[int], n: int = N) -> list[int]:
+    c.add_request(rid, ids, SamplingParams(temperature=0, max_tokens=n))
+    return [t for o in run(c) if o.request_id == rid for t in o.new_token_ids]
+
+
+def assert_no_blocks(*cores: EngineCore) -> None:
+    for core in cores:
+        deadline = time.monotonic() + 5
+        while core.kv.num_used_blocks and time.monotonic() < deadline:
+            core.step()
+            time.sleep(0.01)
+        assert core.kv.num_used_blocks == 0
+        core.check_integrity()
+
+
+@pytest.mark.parametrize("text_len", [1, 3])
+def test_pulled_decode_equals_colocated(engines, tokenizer, text_len):
+    p, d, c = engines
+    ids = tokenizer.encode(make_text(text_len) + "\nSummary:")
+    params = prefill(p, f"p{text_len}", ids)
+    assert p.kv.num_used_blocks == len(params["block_ids"])  # held under the lease
+    tokens, outs = decode(d, f"d{text_len}", ids, params)
+    assert tokens == colocated(c, f"c{text_len}", ids)
+    assert d.kvx.stats.transfers >= 1 and d.kvx.stats.bytes > 0
+    assert_no_blocks(p, d)
+
+
+def test_decode_prefix_hits_are_not_pulled(engines, tokenizer):
+    p, d, c = engines
+    ids = tokenizer.encode(make_text(4, 1) + "\nQuestion:")
+    first, _ = decode(d, "hit-a", ids, prefill(p, "hit-pa", ids))
+    bytes_before = d.kvx.stats.bytes
+    again, outs = decode(d, "hit-b", ids, prefill(p, "hit-pb", ids))
+    assert again == first
+    final = [o for o in outs if o.request_id == "hit-b" and o.finished][-1]
+    assert final.num_cached_tokens >= 16 * (len(ids) // 16 - 1)
+    pulled = d.kvx.stats.bytes - bytes_before
+    assert pulled < d.runner.bytes_per_block * 2  # only the tail block(s)
+    assert_no_blocks(p, d)
+
+
+def test_expired_lease_recomputes_locally(tokenizer):
+    p, d, c = engine("prefill", kv_lease_ttl_s=0.05), engine("decode"), None
+    try:
+        ids = tokenizer.encode(make_text(2, 2))
+        params = prefill(p, "x", ids)
+        time.sleep(0.2)
+        p.step()  # the lease expires: the prefill's blocks are freed
+        assert p.kv.num_used_blocks == 0
+        tokens, _ = decode(d, "y", ids, params)
+        assert d.kvx.stats.failures == 1 and d.kvx.stats.fallbacks == {"transfer_failed": 1}
+        ref = EngineCore(EngineConfig(dtype="float32", num_kv_blocks=128))
+        assert tokens == colocated(ref, "z", ids)
+        assert_no_blocks(p, d)
+    finally:
+        p.close()
+        d.close()
+
+
+def test_failed_pull_with_fail_policy_ends_the_request(tokenizer):
+    p, d = engine("prefill", kv_lease_ttl_s=0.05), engine("decode", kv_failure_policy="fail")
+    try:
+        ids = tokenizer.encode(make_text(2, 3))
+        params = prefill(p, "x", ids)
+        time.sleep(0.2)
+        p.step()
+        tokens, outs = decode(d, "y", ids, params)
+        final = [o for o in outs if o.finished][-1]
+        assert final.finish_reason == "abort" and "KV transfer failed" in str(final.stop_reason)
+        assert len(tokens) == 1  # only the prefill's first token
+        assert_no_blocks(p, d)
+    finally:
+        p.close()
+        d.close()
+
+
+def test_abort_while_pulling_and_first_token_stop(engines, tokenizer):
+    p, d, _ = engines
+    ids = tokenizer.encode(make_text(3, 4))
+    params = prefill(p, "ab-p", ids)
+    req = d.make_request("ab-d", ids, SamplingParams(temperature=0, max_tokens=50),
+                         kv_transfer_params=params)
+    d.add(req)
+    d.step()  # admitted: the pull starts
+    d.abort_requests(["ab-d"])
+    run(d)
+    assert_no_blocks(p, d)
+    # max_tokens=1: the first token ends it; the holder's lease is released without a pull.
+    params = prefill(p, "one-p", ids)
+    req = d.make_request("one-d", ids, SamplingParams(temperature=0, max_tokens=1),
+                         kv_transfer_params=params)
+    outs = d.add(req)
+    assert outs[-1].finished and outs[-1].new_token_ids == [params["first_token"]]
+    assert_no_blocks(p, d)
+
+
+def test_bad_transfer_params_are_rejected(engines):
+    _, d, c = engines
+    with pytest.raises(InvalidRequestError, match="malformed"):
+        d.make_request("b", [1, 2, 3], SamplingParams(), kv_transfer_params={"x": 1})
+    with pytest.raises(InvalidRequestError, match="cover"):
+        d.make_request("b", [1, 2, 3], SamplingParams(), kv_transfer_params={
+            "block_ids": [1, 2], "first_token": 5, "endpoint": {}, "lease_id": "l",
+            "num_tokens": 3})
+    with pytest.raises(InvalidRequestError, match="no KV transport"):
+        c.make_request("b", [1, 2, 3], SamplingParams(), hold_kv=True)
