@@ -59,12 +59,24 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--served-model-name", default=None)
     g.add_argument("--max-waiting", type=int, default=256,
                    help="requests waiting to be scheduled before new ones get 429")
+    g.add_argument("--kv-transport", "--transport", default=None,
+                   choices=["tcp", "local", "none"],
+                   help="KV transfer transport (default: tcp for prefill/decode roles)")
+    g.add_argument("--kv-lease-ttl", type=float, default=30.0)
+    g.add_argument("--kv-transfer-timeout", type=float, default=30.0)
+    g.add_argument("--kv-failure-policy", default="recompute", choices=["recompute", "fail"])
 
 
 def _engine_config(args):
     from baton.engine.config import EngineConfig
 
+    role = getattr(args, "role", "both")
+    transport = args.kv_transport or ("tcp" if role != "both" else "none")
     return EngineConfig(
+        kv_transport=None if transport == "none" else transport,
+        engine_id=f"{role}-{args.port}" if hasattr(args, "port") else None,
+        kv_lease_ttl_s=args.kv_lease_ttl, kv_transfer_timeout_s=args.kv_transfer_timeout,
+        kv_failure_policy=args.kv_failure_policy,
         model=args.model, dtype=args.dtype, block_size=args.block_size,
         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks,
@@ -113,13 +125,16 @@ def _router_parser(sub) -> None:
     p.add_argument("--first-byte-timeout", type=float, default=600.0)
     p.add_argument("--idle-timeout", type=float, default=120.0)
     p.add_argument("--request-timeout", type=float, default=1800.0)
+    p.add_argument("--disagg-min-prefill-tokens", type=int, default=256,
+                   help="remote prefill for prompts at least this long (estimated)")
+    p.add_argument("--prefill-timeout", type=float, default=60.0)
     _common(p, "router")
     p.set_defaults(run=_router)
 
 
 def _router(args) -> int:
     from baton.router.app import RouterSettings, run
-    from baton.router.proxy import ProxySettings
+    from baton.router.proxy import DisaggSettings, ProxySettings
 
     weights = None
     if args.weights:
@@ -137,7 +152,8 @@ def _router(args) -> int:
                             connect_timeout_s=args.connect_timeout,
                             first_byte_timeout_s=args.first_byte_timeout,
                             idle_timeout_s=args.idle_timeout,
-                            request_timeout_s=args.request_timeout))
+                            request_timeout_s=args.request_timeout),
+        disagg=DisaggSettings(args.disagg_min_prefill_tokens, args.prefill_timeout))
     run(settings, args.host, args.port)
     return 0
 
@@ -157,6 +173,10 @@ def _up_parser(sub) -> None:
     p.add_argument("--port", type=int, default=8000, help="the router's port; workers take "
                                                           "the next ones")
     p.add_argument("--workers", type=int, default=2, help="colocated (role=both) workers")
+    p.add_argument("--prefill", type=int, default=0,
+                   help="prefill workers (with --decode: a disaggregated cluster)")
+    p.add_argument("--decode", type=int, default=0, help="decode workers")
+    p.add_argument("--disagg-min-prefill-tokens", type=int, default=256)
     p.add_argument("--policy", default="load", choices=["load", "round_robin", "random"])
     p.add_argument("--ready-timeout", type=float, default=600.0)
     _engine_args(p)

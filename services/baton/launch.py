@@ -39,11 +39,23 @@ class Cluster:
     router_args: list[str] = field(default_factory=list)
     ready_timeout_s: float = 600.0
     log_level: str = "info"
+    num_prefill: int = 0  # > 0: disaggregated, num_prefill + num_decode workers
+    num_decode: int = 0
 
     def __post_init__(self) -> None:
+        if self.num_prefill or self.num_decode:
+            if self.num_prefill < 1 or self.num_decode < 1:
+                raise ValueError("--prefill and --decode must both be >= 1")
+            self.num_workers = self.num_prefill + self.num_decode
         if self.num_workers < 1:
             raise ValueError(f"--workers={self.num_workers} must be >= 1")
         self.procs: list[tuple[str, subprocess.Popen]] = []
+
+    @property
+    def roles(self) -> list[str]:
+        if not self.num_prefill:
+            return ["both"] * self.num_workers
+        return ["prefill"] * self.num_prefill + ["decode"] * self.num_decode
 
     @classmethod
     def from_args(cls, args) -> Cluster:
@@ -61,8 +73,12 @@ class Cluster:
                 worker_args += [flag, str(value)]
         if args.no_prefix_caching:
             worker_args.append("--no-prefix-caching")
-        return cls(args.host, args.port, args.workers, worker_args,
-                   ["--policy", args.policy], args.ready_timeout, args.log_level)
+        if args.kv_transport:
+            worker_args += ["--kv-transport", args.kv_transport]
+        router_args = ["--policy", args.policy, "--disagg-min-prefill-tokens",
+                       str(args.disagg_min_prefill_tokens)]
+        return cls(args.host, args.port, args.workers, worker_args, router_args,
+                   args.ready_timeout, args.log_level, args.prefill, args.decode)
 
     @property
     def router_url(self) -> str:
@@ -97,10 +113,10 @@ class Cluster:
     def start(self, stop: _StopSignal | None = None) -> None:
         threads = max(1, (os.cpu_count() or 1) // self.num_workers)
         extra = [] if "--num-threads" in self.worker_args else ["--num-threads", str(threads)]
-        for i, url in enumerate(self.worker_urls):
-            self._spawn(f"worker-{i + 1}", [
-                "serve", "--host", self.host, "--port", str(self.port + 1 + i),
-                *self.worker_args, *extra])
+        for i, (url, role) in enumerate(zip(self.worker_urls, self.roles)):
+            name = f"worker-{i + 1}" if role == "both" else f"{role}-{i + 1}"
+            self._spawn(name, ["serve", "--host", self.host, "--port", str(self.port + 1 + i),
+                               "--role", role, *self.worker_args, *extra])
         for url, (name, proc) in zip(self.worker_urls, self.procs):
             self._wait_ready(name, proc, url, stop)
         self._spawn("router", ["router", "--host", self.host, "--port", str(self.port),
@@ -142,7 +158,7 @@ class Cluster:
         model = _model_name(self.router_url)
         url = self.router_url
         print(f"""
-Baton is up: router {url} -> workers {", ".join(self.worker_urls)}
+Baton is up: router {url} -> {", ".join(f"{r} {u}" for r, u in zip(self.roles, self.worker_urls))}
 Model: {model}
 
   curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\

@@ -61,6 +61,9 @@ class WorkerMetrics:
                                 ["reason"], registry=r)
         for reason in ("stop", "length", "abort"):
             self.requests.labels(reason)
+        self.kv_transfer_seconds = Histogram(
+            "baton:kv_transfer_seconds", "Duration of KV pulls (decode side).",
+            buckets=HOP_BUCKETS, registry=r)
         if snapshot is not None:
             r.register(EngineCollector(snapshot))
 
@@ -78,6 +81,9 @@ ENGINE_SERIES = {
     "baton:prefix_cache_hit_tokens_total": ("counter", "Prompt tokens served from the "
                                             "prefix cache."),
     "baton:preemptions_total": ("counter", "Requests preempted (their KV recomputed later)."),
+    "baton:kv_transfer_bytes_total": ("counter", "KV bytes pulled from prefill workers."),
+    "baton:kv_transfer_failures_total": ("counter", "KV pulls that failed."),
+    "baton:kv_leases_held": ("gauge", "Prefilled requests whose blocks wait for a pull."),
 }
 
 
@@ -90,6 +96,13 @@ class EngineCollector(Collector):
 
     def collect(self) -> Iterable:
         values = self._snapshot()
+        fallbacks = values.pop("fallbacks", None)
+        if fallbacks is not None:
+            family = CounterMetricFamily("baton:fallbacks", "Requests that fell back to local "
+                                         "prefill, by reason.", labels=["reason"])
+            for reason, count in sorted(fallbacks.items()):
+                family.add_metric([reason], count)
+            yield family
         for name, (kind, doc) in ENGINE_SERIES.items():
             if name not in values:
                 continue
@@ -114,6 +127,12 @@ class RouterMetrics:
                                        ["upstream", "reason"], registry=r)
         self.retries = Counter("baton:router_retries", "Requests retried on another worker.",
                                registry=r)
+        self.disagg_decisions = Counter(
+            "baton:disagg_decisions", "Routing decisions: remote prefill or local prefill.",
+            ["decision"], registry=r)
+        self.fallbacks = Counter("baton:fallbacks", "Requests that fell back to local "
+                                 "prefill on the decode pod, by reason.", ["reason"],
+                                 registry=r)
         self.upstream_healthy = Gauge("baton:router_upstream_healthy",
                                       "1 when the upstream passes its health checks.",
                                       ["upstream"], registry=r)

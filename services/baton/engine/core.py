@@ -252,7 +252,12 @@ class EngineCore:
             "baton:generation_tokens_total": self.stats.generation_tokens_total,
             "baton:prefix_cache_hit_tokens_total": self.scheduler.prefix_hit_tokens,
             "baton:preemptions_total": self.stats.preemptions_total,
-        }
+        } | ({} if self.kvx is None else {
+            "baton:kv_transfer_bytes_total": self.kvx.stats.bytes,
+            "baton:kv_transfer_failures_total": self.kvx.stats.failures,
+            "baton:kv_leases_held": len(self.scheduler.held),
+            "fallbacks": dict(self.kvx.stats.fallbacks),
+        })
 
     def check_integrity(self) -> None:
         self.kv.check_integrity()

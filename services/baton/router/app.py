@@ -27,7 +27,7 @@ from baton.common.errors import OpenAIError
 from baton.common.metrics import CONTENT_TYPE, RouterMetrics, render
 from baton.common.protocol import ChatCompletionRequest, CompletionRequest, parse_request
 from baton.router.discovery import BreakerSettings, StaticDiscovery
-from baton.router.proxy import Proxy, ProxySettings
+from baton.router.proxy import DisaggSettings, Proxy, ProxySettings
 from baton.router.scheduling.pipeline import RoutingPipeline
 
 log = logging.getLogger("baton.router")
@@ -42,6 +42,7 @@ class RouterSettings:
     check_interval_s: float = 1.0
     breaker: BreakerSettings = field(default_factory=BreakerSettings)
     proxy: ProxySettings = field(default_factory=ProxySettings)
+    disagg: DisaggSettings = field(default_factory=DisaggSettings)
 
     def __post_init__(self) -> None:
         if not self.workers:
@@ -70,7 +71,7 @@ class Router:
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60)
         session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
         self.proxy = Proxy(session, self.discovery, self.pipeline, self.metrics,
-                           self.settings.proxy)
+                           self.settings.proxy, self.settings.disagg)
         await self.discovery.start(session)
         await self.discovery.wait_first_round(timeout=2.0)
         yield
@@ -108,12 +109,13 @@ class Router:
         return web.json_response({"object": "list", "data": list(seen.values())})
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._relay(request, "/v1/chat/completions", ChatCompletionRequest)
+        return await self._relay(request, "/v1/chat/completions", ChatCompletionRequest, "chat")
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._relay(request, "/v1/completions", CompletionRequest)
+        return await self._relay(request, "/v1/completions", CompletionRequest, "completions")
 
-    async def _relay(self, request: web.Request, path: str, model_cls) -> web.StreamResponse:
+    async def _relay(self, request: web.Request, path: str, model_cls,
+                     api: str) -> web.StreamResponse:
         try:
             body = await request.read()
             req = parse_request(model_cls, body)
@@ -123,8 +125,9 @@ class Router:
                                        f"{sorted(known)}", param="model",
                                   code="model_not_found")
             rid = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+            generate = await self.proxy.remote_prefill(api, req, body, rid, req.model)
             response = await self.proxy.forward(request, path, body, rid, req.model,
-                                                req.stream)
+                                                req.stream, generate)
         except OpenAIError as err:
             response = _error(err)
         self.metrics.requests.labels(str(response.status)).inc()

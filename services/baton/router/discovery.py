@@ -31,6 +31,7 @@ class Endpoint:
     waiting: int = 0
     kv_blocks_used: int = 0
     kv_blocks_total: int = 0
+    max_waiting: int | None = None
     inflight: int = 0  # requests this router has open there now
     consecutive_failures: int = 0
     open_until: float = 0.0  # circuit breaker: excluded from routing until then
@@ -113,6 +114,7 @@ class StaticDiscovery:
         ep.running, ep.waiting = int(report["running"]), int(report["waiting"])
         ep.kv_blocks_used = int(report["kv_blocks_used"])
         ep.kv_blocks_total = int(report["kv_blocks_total"])
+        ep.max_waiting = report.get("max_waiting")
         if not was:
             log.info("worker %s is ready (model %s, role %s)", ep.url, ep.model, ep.role)
 

@@ -30,7 +30,7 @@ from baton.common.errors import OpenAIError
 from baton.common.metrics import RouterMetrics
 from baton.router.discovery import Endpoint, StaticDiscovery
 from baton.router.scheduling.context import RoutingContext
-from baton.router.scheduling.pipeline import RoutingPipeline
+from baton.router.scheduling.pipeline import PREFILL_FILTERS, RoutingPipeline
 
 log = logging.getLogger("baton.router")
 
@@ -53,6 +53,34 @@ class ProxySettings:
                 raise ValueError(f"ProxySettings.{name} must be > 0")
 
 
+@dataclass(frozen=True)
+class DisaggSettings:
+    """Remote prefill when the prompt is at least `min_prefill_tokens` long (estimated: the
+    router does not tokenise; ~4 characters a token) and a prefill worker is healthy and
+    not saturated; `n` > 1 and several prompts stay local."""
+
+    min_prefill_tokens: int = 256
+    prefill_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.min_prefill_tokens < 0 or self.prefill_timeout_s <= 0:
+            raise ValueError("DisaggSettings: min_prefill_tokens >= 0, prefill_timeout_s > 0")
+
+
+def estimate_prompt_tokens(api: str, req) -> int | None:
+    """A rough token count for the decision, or None when the request cannot be split."""
+    if req.n != 1:
+        return None
+    if api == "chat":
+        chars = sum(len(m.content) if isinstance(m.content, str)
+                    else sum(len(p.text) for p in m.content) for m in req.messages)
+        return chars // 4 + 8 * len(req.messages)
+    prompts = req.prompts()
+    if len(prompts) != 1:
+        return None
+    return len(prompts[0]) // 4 if isinstance(prompts[0], str) else len(prompts[0])
+
+
 class _Retryable(Exception):
     def __init__(self, reason: str, response: web.Response | None = None) -> None:
         super().__init__(reason)
@@ -63,16 +91,69 @@ class _Retryable(Exception):
 class Proxy:
     def __init__(self, session: aiohttp.ClientSession, discovery: StaticDiscovery,
                  pipeline: RoutingPipeline, metrics: RouterMetrics,
-                 settings: ProxySettings) -> None:
+                 settings: ProxySettings, disagg: DisaggSettings | None = None) -> None:
         self.session = session
         self.discovery = discovery
         self.pipeline = pipeline
         self.metrics = metrics
         self.settings = settings
+        self.disagg = disagg or DisaggSettings()
+        self.prefill_pipeline = RoutingPipeline(filters=PREFILL_FILTERS,
+                                                scorers={"queue": 1.0}, picker="max_score")
         self._timeout = aiohttp.ClientTimeout(total=None, connect=settings.connect_timeout_s)
 
+    async def remote_prefill(self, api: str, req, body: bytes, request_id: str,
+                             model: str) -> bytes | None:
+        """Decide, and when remote, run the prefill: returns the body for the decode pod's
+        /internal/generate, or None to prefill on the decode pod (the fallback)."""
+        endpoints = self.discovery.all()
+        if not any(e.role == "prefill" for e in endpoints):
+            return None  # a colocated deployment: nothing to decide
+        tokens = estimate_prompt_tokens(api, req)
+        if tokens is None or tokens < self.disagg.min_prefill_tokens:
+            self.metrics.disagg_decisions.labels("local").inc()
+            return None
+        ep = self.prefill_pipeline.pick(endpoints, RoutingContext(model=model, role="prefill"))
+        if ep is None:
+            self.metrics.disagg_decisions.labels("local").inc()
+            self.metrics.fallbacks.labels("no_prefill_worker").inc()
+            return None
+        payload = json.dumps({"api": api, "request": json.loads(body)}).encode()
+        ep.inflight += 1
+        try:
+            async with asyncio.timeout(self.disagg.prefill_timeout_s):
+                async with self.session.post(
+                        ep.url + "/internal/prefill", data=payload, timeout=self._timeout,
+                        headers={"Content-Type": "application/json",
+                                 "X-Request-Id": request_id + "-prefill"}) as resp:
+                    answer = await resp.json() if resp.status == 200 else None
+                    status = resp.status
+        except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as err:
+            self.discovery.record_failure(ep)
+            self.metrics.fallbacks.labels("prefill_failed").inc()
+            self.metrics.disagg_decisions.labels("local").inc()
+            log.warning("request %s: prefill on %s failed (%r); prefilling on decode",
+                        request_id, ep.url, err)
+            return None
+        finally:
+            ep.inflight -= 1
+        if answer is None:
+            if status >= 500:
+                self.discovery.record_failure(ep)
+            self.metrics.fallbacks.labels("prefill_error").inc()
+            self.metrics.disagg_decisions.labels("local").inc()
+            return None
+        self.discovery.record_success(ep)
+        self.metrics.disagg_decisions.labels("remote").inc()
+        return json.dumps({"api": api, "request": json.loads(body),
+                           "prompt_token_ids": answer["prompt_token_ids"],
+                           "kv_transfer_params": answer["kv_transfer_params"]}).encode()
+
     async def forward(self, request: web.Request, path: str, body: bytes, request_id: str,
-                      model: str, stream: bool) -> web.StreamResponse:
+                      model: str, stream: bool, generate_body: bytes | None = None
+                      ) -> web.StreamResponse:
+        """`generate_body`: the remote-prefill result; decode workers get it on
+        /internal/generate, colocated ones the original request."""
         s = self.settings
         loop = asyncio.get_running_loop()
         deadline = loop.time() + s.request_timeout_s
@@ -88,9 +169,12 @@ class Proxy:
                 await asyncio.sleep(min(s.backoff_s * 2 ** (attempt - 1),
                                         max(deadline - loop.time(), 0)))
             ep.inflight += 1
+            remote = generate_body is not None and ep.role == "decode"
             try:
-                return await self._attempt(client, ep, path, body, request_id, stream,
-                                           deadline)
+                return await self._attempt(client, ep,
+                                           "/internal/generate" if remote else path,
+                                           generate_body if remote else body, request_id,
+                                           stream, deadline)
             except _Retryable as err:
                 last = err
                 ctx.tried.add(ep.url)

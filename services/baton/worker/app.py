@@ -124,6 +124,11 @@ def build_app(settings: WorkerSettings, state: WorkerState | None = None) -> Fas
 
     @app.get("/metrics")
     async def metrics():
+        kvx = state.engine.core.kvx if state.engine is not None else None
+        if kvx is not None:  # durations the engine thread recorded since the last scrape
+            seconds = kvx.stats.seconds
+            while seconds:
+                state.metrics.kv_transfer_seconds.observe(seconds.pop())
         return Response(render(state.metrics.registry), media_type=CONTENT_TYPE)
 
     @app.get("/load")
@@ -147,30 +152,42 @@ def build_app(settings: WorkerSettings, state: WorkerState | None = None) -> Fas
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        serving = state.require_serving()
         req = parse_request(ChatCompletionRequest, await request.body())
-        serving.check_model(req.model)
-        params = req.to_sampling_params()
-        prompt = serving.chat_prompt(req)
-        rid = request.headers.get("x-request-id") or new_id("chatcmpl")
-        jobs = serving.make_jobs(rid, [prompt], params, "messages")
-        return await _respond(request, serving, jobs,
-                              lambda: openai_api.chat(serving, req, jobs, rid), req.stream)
+        return await serve_openai(request, state, "chat", req)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        serving = state.require_serving()
         req = parse_request(CompletionRequest, await request.body())
-        serving.check_model(req.model)
-        params = req.to_sampling_params()
-        prompts = serving.completion_prompts(req)
-        rid = request.headers.get("x-request-id") or new_id("cmpl")
-        jobs = serving.make_jobs(rid, prompts, params, "prompt")
-        return await _respond(request, serving, jobs,
-                              lambda: openai_api.completion(serving, req, jobs, prompts, rid),
-                              req.stream)
+        return await serve_openai(request, state, "completions", req)
 
+    if settings.role != "both":
+        from baton.worker.internal import install_internal_routes
+
+        install_internal_routes(app, state)
     return app
+
+
+def prompts_of(serving: OpenAIServing, api: str, req) -> list[list[int]]:
+    return [serving.chat_prompt(req)] if api == "chat" else serving.completion_prompts(req)
+
+
+async def serve_openai(request: Request, state: WorkerState, api: str, req,
+                       prompts: list[list[int]] | None = None, kv: dict | None = None):
+    """Answer one OpenAI request: its prompts (tokenised here unless given), `n` samples,
+    streamed or whole; `kv` carries the decode role's `kv_transfer_params`."""
+    serving = state.require_serving()
+    serving.check_model(req.model)
+    params = req.to_sampling_params()
+    prompts = prompts if prompts is not None else prompts_of(serving, api, req)
+    rid = request.headers.get("x-request-id") or new_id(
+        "chatcmpl" if api == "chat" else "cmpl")
+    jobs = serving.make_jobs(rid, prompts, params, "messages" if api == "chat" else "prompt",
+                             kv)
+    if api == "chat":
+        make_body = lambda: openai_api.chat(serving, req, jobs, rid)  # noqa: E731
+    else:
+        make_body = lambda: openai_api.completion(serving, req, jobs, prompts, rid)  # noqa: E731
+    return await _respond(request, serving, jobs, make_body, req.stream)
 
 
 async def _respond(request: Request, serving: OpenAIServing, jobs, make_body, stream: bool):

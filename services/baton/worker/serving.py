@@ -13,7 +13,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from baton.common.errors import OpenAIError
 from baton.common.metrics import WorkerMetrics
@@ -36,6 +36,7 @@ class Delta:
     logprobs: list[TokenLogprobs] | None
     finish_reason: str | None
     num_cached_tokens: int = 0
+    kv_transfer_params: dict | None = None
 
 
 @dataclass
@@ -48,6 +49,7 @@ class Job:
     params: SamplingParams
     stream: asyncio.Queue | None = None  # set once queued in the engine
     arrival: float = 0.0
+    kv: dict = field(default_factory=dict)  # hold_kv / kv_transfer_params (disaggregation)
 
 
 class OpenAIServing:
@@ -82,7 +84,7 @@ class OpenAIServing:
         return out
 
     def make_jobs(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
-                  param: str) -> list[Job]:
+                  param: str, kv: dict | None = None) -> list[Job]:
         """Validate every prompt against the context window, then check the waiting queue.
         Nothing is queued when anything is wrong."""
         for ids in prompts:
@@ -98,11 +100,13 @@ class OpenAIServing:
                                        f"max_tokens {params.max_tokens} exceed it",
                                   param="max_tokens", code="context_length_exceeded")
         children = child_params(params)
-        jobs = [Job(p * len(children) + i, f"{request_id}-{p * len(children) + i}", ids, c)
+        jobs = [Job(p * len(children) + i, f"{request_id}-{p * len(children) + i}", ids, c,
+                    kv=dict(kv or {}))
                 for p, ids in enumerate(prompts) for i, c in enumerate(children)]
         for job in jobs:
             try:
-                self.engine.core.make_request(job.request_id, job.prompt_ids, job.params)
+                self.engine.core.make_request(job.request_id, job.prompt_ids, job.params,
+                                              **job.kv)
             except InvalidRequestError as err:
                 raise OpenAIError(400, str(err), param=param) from None
         return jobs
@@ -124,7 +128,7 @@ class OpenAIServing:
             for job in jobs:
                 job.arrival = time.monotonic()
                 job.stream = self.engine.add_request(job.request_id, job.prompt_ids,
-                                                     job.params)
+                                                     job.params, **job.kv)
         except Exception:
             self.abort(jobs)
             raise
@@ -193,7 +197,7 @@ class OpenAIServing:
                     if out.queue_time is not None:
                         m.queue_time.observe(out.queue_time)
                 yield Delta(job.index, c.delta_text, c.delta_token_ids, c.delta_logprobs,
-                            c.finish_reason, out.num_cached_tokens)
+                            c.finish_reason, out.num_cached_tokens, out.kv_transfer_params)
         finally:
             if not finished:  # client gone or engine error: the engine aborts it
                 m.requests.labels("abort").inc()

@@ -28,7 +28,9 @@ def test_filters():
     assert FILTERS["model"]([a, c], ctx) == [a]
     assert FILTERS["model"]([a, c], RoutingContext(model=None)) == [a, c]
     assert FILTERS["role"]([a, d], ctx) == [a]
-    assert FILTERS["role"]([a, d], RoutingContext(role="prefill")) == [a, d]
+    assert FILTERS["role"]([a, d], RoutingContext(role="prefill")) == [d]
+    full = ep("full", waiting=8, max_waiting=8)
+    assert FILTERS["not_saturated"]([a, full], ctx) == [a]
     assert FILTERS["not_tried"]([a, c], ctx) == [c]
     e = ep("e", open_until=time.monotonic() + 60)
     assert FILTERS["circuit"]([a, e], ctx) == [a]

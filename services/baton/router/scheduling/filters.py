@@ -38,8 +38,17 @@ def model(endpoints: list[Endpoint], ctx: RoutingContext) -> list[Endpoint]:
 
 @register("role")
 def role(endpoints: list[Endpoint], ctx: RoutingContext) -> list[Endpoint]:
-    """Endpoints that can run this request's phase (`both` serves every phase)."""
-    return [e for e in endpoints if e.role == "both" or e.role == ctx.role]
+    """Endpoints that can run this request's phase: decoding (or a whole request) runs on
+    `decode` or colocated `both` workers; a remote prefill only on `prefill` workers."""
+    if ctx.role == "prefill":
+        return [e for e in endpoints if e.role == "prefill"]
+    return [e for e in endpoints if e.role in ("both", "decode")]
+
+
+@register("not_saturated")
+def not_saturated(endpoints: list[Endpoint], ctx: RoutingContext) -> list[Endpoint]:
+    """Workers whose waiting queue has room (per their last report)."""
+    return [e for e in endpoints if e.max_waiting is None or e.waiting < e.max_waiting]
 
 
 @register("not_tried")
