@@ -106,8 +106,8 @@ class OpenAIStreamClient:
                         continue
                     data = line[5:].strip()
                     if data == b"[DONE]":
-                        done = True
-                        break
+                        done = True  # read on to the end so the connection can be reused
+                        continue
                     event = json.loads(data)
                     if "error" in event:
                         rec.error = json.dumps(event["error"])[:500]

@@ -6,9 +6,8 @@ setting, then the results side by side.
 - `chunk-sweep`: continuous batching with different token budgets per step
   (`--chunk-sizes`); a budget as large as the longest prompt is "chunking off": a long
   prefill then fills whole steps and the running decodes wait (watch ITL p99).
-
-Colocated vs disaggregated needs the prefill/decode roles, which do not exist yet; it is not
-offered until they do.
+- `colocated-vs-disaggregated`: one colocated worker with all the cores against one prefill
+  and one decode worker splitting them (KV over tcp; `--disagg-min-prefill-tokens`).
 """
 
 from __future__ import annotations
@@ -23,6 +22,7 @@ from baton_loadtest.spec import WorkloadSpec
 SCENARIOS = {
     "static-vs-continuous": "the engine's static policy vs continuous batching",
     "chunk-sweep": "continuous batching at several per-step token budgets",
+    "colocated-vs-disaggregated": "one colocated worker vs prefill + decode workers",
 }
 
 
@@ -45,12 +45,18 @@ def _free(port: int) -> bool:
             return False
 
 
-def variants(args) -> list[tuple[str, list[str]]]:
+def variants(args) -> list[tuple[str, list[str], dict]]:
+    """(name, worker flags, Cluster keyword arguments) per variant."""
+    workers = {"num_workers": args.workers}
     if args.scenario == "static-vs-continuous":
-        return [("static", ["--scheduling-policy", "static"]),
-                ("continuous", ["--scheduling-policy", "fcfs"])]
+        return [("static", ["--scheduling-policy", "static"], workers),
+                ("continuous", ["--scheduling-policy", "fcfs"], workers)]
+    if args.scenario == "colocated-vs-disaggregated":
+        return [("colocated", [], {"num_workers": 1}),
+                ("disaggregated", [], {"num_prefill": 1, "num_decode": 1, "router_args": [
+                    "--disagg-min-prefill-tokens", str(args.disagg_min_prefill_tokens)]})]
     sizes = [int(x) for x in args.chunk_sizes.split(",")]
-    return [(f"budget_{n}", ["--max-num-batched-tokens", str(n)]) for n in sizes]
+    return [(f"budget_{n}", ["--max-num-batched-tokens", str(n)], workers) for n in sizes]
 
 
 def cmd_scenario(args, run_once, load_tokenizer) -> int:
@@ -61,10 +67,10 @@ def cmd_scenario(args, run_once, load_tokenizer) -> int:
     tok = load_tokenizer(None)
     slo = report.SLO(args.slo_ttft, args.slo_itl, args.slo_e2e)
     results: list[tuple[str, dict]] = []
-    for name, flags in variants(args):
-        port = _free_port_run(args.workers + 1)
-        cluster = Cluster(port=port, num_workers=args.workers,
-                          worker_args=["--dtype", args.dtype, *flags], log_level="warning")
+    for name, flags, shape in variants(args):
+        port = _free_port_run(8)
+        cluster = Cluster(port=port, worker_args=["--dtype", args.dtype, *flags],
+                          log_level="warning", **shape)
         print(f"== {name}: baton up {' '.join(flags)}", flush=True)
         try:
             cluster.start()
@@ -94,4 +100,6 @@ def add_parser(sub, workload_args, run_once, load_tokenizer) -> None:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--chunk-sizes", default="64,256,8192",
                    help="chunk-sweep: per-step token budgets")
+    p.add_argument("--disagg-min-prefill-tokens", type=int, default=256,
+                   help="colocated-vs-disaggregated: the router's remote-prefill threshold")
     p.set_defaults(fn=lambda args: cmd_scenario(args, run_once, load_tokenizer))

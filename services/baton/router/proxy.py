@@ -268,7 +268,10 @@ class Proxy:
                 502, f"the worker failed mid-stream: {type(err).__name__}",
                 code="upstream_failed"))
             return
-        await out.write_eof()
+        try:
+            await out.write_eof()
+        except ConnectionResetError:
+            pass  # the client left after the last event ([DONE]); nothing is lost
 
 
 class _ClientSide:
