@@ -60,7 +60,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-waiting", type=int, default=256,
                    help="requests waiting to be scheduled before new ones get 429")
     g.add_argument("--kv-transport", "--transport", default=None,
-                   choices=["tcp", "local", "none"],
+                   choices=["tcp", "gloo", "nccl", "local", "none"],
                    help="KV transfer transport (default: tcp for prefill/decode roles)")
     g.add_argument("--kv-lease-ttl", type=float, default=30.0)
     g.add_argument("--kv-transfer-timeout", type=float, default=30.0)

@@ -1,9 +1,10 @@
 """KV block transfer between engines (DESIGN.md §5): the contract in `base.py`, transports
-`local` (in-process) and `tcp` (no dependency), chosen by name with `make_transport`."""
+`local` (in-process), `tcp` (no dependency) and `gloo` / `nccl` (torch.distributed pair
+groups), chosen by name with `make_transport`."""
 
 from __future__ import annotations
 
-TRANSPORTS = ("local", "tcp")
+TRANSPORTS = ("local", "tcp", "gloo")
 
 
 def make_transport(name: str, **kwargs):
@@ -15,4 +16,8 @@ def make_transport(name: str, **kwargs):
         from baton.kv_transfer.tcp import TcpTransport
 
         return TcpTransport(**kwargs)
+    if name in ("gloo", "nccl"):
+        from baton.kv_transfer.gloo import GlooTransport
+
+        return GlooTransport(backend=name, **kwargs)
     raise ValueError(f"unknown KV transport {name!r}; known: {TRANSPORTS}")

@@ -139,6 +139,9 @@ class TcpTransport(KVTransport):
     def start(self, kv_cache: torch.Tensor, engine_id: str) -> Endpoint:
         if kv_cache.device.type != "cpu":
             raise ValueError("the tcp transport moves host memory; use nixl or nccl for GPUs")
+        return self._start(kv_cache, engine_id)
+
+    def _start(self, kv_cache: torch.Tensor, engine_id: str) -> Endpoint:
         if not kv_cache.is_contiguous():
             raise ValueError("the tcp transport needs a contiguous KV cache tensor")
         self.kv_cache, self.layout = kv_cache, KVLayout.of(kv_cache)
@@ -183,9 +186,7 @@ class TcpTransport(KVTransport):
             return
         acked = False
         try:
-            views = block_views(self.kv_cache, self._cache_bytes, blocks)
-            _send_msg(conn, {"ok": True, "nbytes": sum(len(v) for v in views)})
-            _send_views(conn, views)
+            self._send_blocks(conn, blocks)
             acked = _recv_msg(conn).get("op") == "ack"
         finally:
             if acked:
@@ -193,6 +194,12 @@ class TcpTransport(KVTransport):
             else:
                 self.leases.abandon(request_id)
         _send_msg(conn, {"ok": True, "released": True})
+
+    def _send_blocks(self, conn: socket.socket, blocks: list[int]) -> None:
+        """The data phase, holder side: a header, then the blocks' bytes on `conn`."""
+        views = block_views(self.kv_cache, self._cache_bytes, blocks)
+        _send_msg(conn, {"ok": True, "nbytes": sum(len(v) for v in views)})
+        _send_views(conn, views)
 
     def hold(self, request_id: str, block_ids: list[int], ttl_s: float) -> None:
         self.leases.hold(request_id, block_ids, ttl_s)
@@ -260,7 +267,7 @@ class TcpTransport(KVTransport):
                                  "fingerprint": self.layout.fingerprint})
                 reply = _recv_msg(sock)
                 self._check(reply)
-                got = self._receive(sock, reply["nbytes"], len(src), dst, remaining, peer)
+                got = self._receive(sock, reply, len(src), dst, remaining, peer)
                 _send_msg(sock, {"op": "ack"})
                 try:  # the holder has ended the lease once this arrives
                     _recv_msg(sock)
@@ -278,9 +285,11 @@ class TcpTransport(KVTransport):
         except Exception as err:  # noqa: BLE001 - never leave a transfer hanging
             transfer._fail(TransferError(f"pulling {request_id!r} failed: {err!r}"))
 
-    def _receive(self, sock: socket.socket, nbytes: int, n: int, dst: list[int], remaining,
+    def _receive(self, sock: socket.socket, reply: dict, n: int, dst: list[int], remaining,
                  peer: Endpoint) -> int:
-        """Receive n blocks straight into our destination blocks (no staging copy)."""
+        """The data phase, puller side: n blocks straight into our destination blocks (no
+        staging copy)."""
+        nbytes = reply["nbytes"]
         views = block_views(self.kv_cache, self._cache_bytes, dst)
         want = sum(len(v) for v in views)
         if nbytes != want:

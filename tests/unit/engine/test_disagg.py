@@ -17,8 +17,8 @@ pytestmark = pytest.mark.slow
 N = 12
 
 
-def engine(role: str, **kw) -> EngineCore:
-    cfg = EngineConfig(dtype="float32", num_kv_blocks=128, kv_transport="local",
+def engine(role: str, transport: str = "local", **kw) -> EngineCore:
+    cfg = EngineConfig(dtype="float32", num_kv_blocks=128, kv_transport=transport,
                        engine_id=f"{role}-{time.monotonic_ns()}", **kw)
     return EngineCore(cfg)
 
@@ -90,6 +90,25 @@ def test_pulled_decode_equals_colocated(engines, tokenizer, text_len):
     assert tokens == colocated(c, f"c{text_len}", ids)
     assert d.kvx.stats.transfers >= 1 and d.kvx.stats.bytes > 0
     assert_no_blocks(p, d)
+
+
+@pytest.mark.parametrize("transport", ["tcp", "gloo"])
+def test_every_network_transport_gives_colocated_tokens(engines, tokenizer, transport):
+    _, _, c = engines
+    p, d = engine("prefill", transport), engine("decode", transport)
+    try:
+        ids = tokenizer.encode(make_text(2, 5) + "\nIn short:")
+        tokens, _ = decode(d, "t-d", ids, prefill(p, "t-p", ids))
+        assert tokens == colocated(c, f"t-c-{transport}", ids)
+        assert d.kvx.stats.bytes == len(prefill_blocks(ids)) * d.runner.bytes_per_block
+        assert_no_blocks(p, d)
+    finally:
+        p.close()
+        d.close()
+
+
+def prefill_blocks(ids: list[int]) -> list[int]:
+    return list(range(-(-len(ids) // 16)))
 
 
 def test_decode_prefix_hits_are_not_pulled(engines, tokenizer):

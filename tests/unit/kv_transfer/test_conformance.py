@@ -131,9 +131,9 @@ def test_unknown_blocks_and_bad_destinations(make):
 
 HOLDER = """
 import json, sys, time, torch
-from baton.kv_transfer.tcp import TcpTransport
+from baton.kv_transfer import make_transport
 kv = torch.ones(8, 2, 512, 16, 8, 64, dtype=torch.float32)  # 1 GiB
-t = TcpTransport()
+t = make_transport(sys.argv[1])
 ep = t.start(kv, "victim")
 t.hold("big", list(range(512)), 60)
 print(json.dumps(ep.to_dict()), flush=True)
@@ -143,9 +143,9 @@ time.sleep(600)
 
 @pytest.mark.parametrize("how", ["kill", "stop"])
 def test_peer_lost_mid_transfer_is_a_typed_error_in_time(how, kind):
-    if kind != "tcp":
+    if kind == "local":
         pytest.skip("the holder is another process only for network transports")
-    proc = subprocess.Popen([sys.executable, "-c", HOLDER], stdout=subprocess.PIPE)
+    proc = subprocess.Popen([sys.executable, "-c", HOLDER, kind], stdout=subprocess.PIPE)
     try:
         ep = Endpoint.from_dict(json.loads(proc.stdout.readline()))
         puller = make_transport(kind)
