@@ -62,6 +62,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-transport", "--transport", default=None,
                    choices=["tcp", "gloo", "nccl", "local", "none"],
                    help="KV transfer transport (default: tcp for prefill/decode roles)")
+    g.add_argument("--kv-host", default="127.0.0.1",
+                   help="address this worker serves KV pulls on (its pod IP in a cluster)")
     g.add_argument("--kv-lease-ttl", type=float, default=30.0)
     g.add_argument("--kv-transfer-timeout", type=float, default=30.0)
     g.add_argument("--kv-failure-policy", default="recompute", choices=["recompute", "fail"])
@@ -73,7 +75,7 @@ def _engine_config(args):
     role = getattr(args, "role", "both")
     transport = args.kv_transport or ("tcp" if role != "both" else "none")
     return EngineConfig(
-        kv_transport=None if transport == "none" else transport,
+        kv_transport=None if transport == "none" else transport, kv_host=args.kv_host,
         engine_id=f"{role}-{args.port}" if hasattr(args, "port") else None,
         kv_lease_ttl_s=args.kv_lease_ttl, kv_transfer_timeout_s=args.kv_transfer_timeout,
         kv_failure_policy=args.kv_failure_policy,

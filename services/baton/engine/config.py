@@ -37,6 +37,7 @@ class EngineConfig:
     # how long a prefill keeps blocks for a puller, how long a pull may take, and what a
     # failed pull does to its request (prefill locally, or end it).
     kv_transport: str | None = None
+    kv_host: str = "127.0.0.1"  # the address peers reach this engine's KV at (pod IP)
     engine_id: str | None = None
     kv_lease_ttl_s: float = 30.0
     kv_transfer_timeout_s: float = 30.0
