@@ -154,13 +154,11 @@ def test_peer_lost_mid_transfer_is_a_typed_error_in_time(how, kind):
         t = puller.pull(ep, "big", list(range(512)), list(range(512)), timeout_s=3.0)
         deadline = time.monotonic() + 5
         while t.poll() == TransferState.PENDING and time.monotonic() < deadline:
-            time.sleep(0.001)
-        time.sleep(0.05)
+            time.sleep(0.0005)
+        # Connected and transferring: 1 GiB takes far longer than this gap to move.
         os.kill(proc.pid, signal.SIGKILL if how == "kill" else signal.SIGSTOP)
         state = t.wait(10)
         elapsed = time.monotonic() - t0
-        if state == TransferState.DONE:
-            pytest.skip("the 1 GiB transfer finished before the holder was stopped")
         assert state == TransferState.FAILED and elapsed < 4.5
         expected = PeerUnreachableError if how == "kill" else TransferTimeoutError
         assert isinstance(t.error, expected), repr(t.error)
