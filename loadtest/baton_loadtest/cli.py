@@ -124,7 +124,7 @@ def cmd_sweep(args) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "sweep.json").write_text(json.dumps(
         {"max_good_rate": passing, "target": args.target, "rows": rows}, indent=1))
-    report.plot_sweep(rows, args.out / "sweep.png")
+    report.plot_sweep(rows, args.out / "sweep.png", args.target)
     print(f"highest rate with goodput >= {args.target:.0%} of offered: "
           f"{passing if passing is not None else 'none of the rates tried'}")
     return 0

@@ -21,7 +21,7 @@ import numpy as np
 from baton_loadtest.cli import load_tokenizer
 from baton_loadtest.client import ClientSettings
 from baton_loadtest.generator import plan
-from baton_loadtest.router_bench import _free_port, _wait_ready
+from baton_loadtest.procs import free_port, wait_ready
 from baton_loadtest.runner import run_plan
 from baton_loadtest.spec import ArrivalSpec, LengthSpec, WorkloadSpec
 
@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=4)
     args = ap.parse_args(argv)
     cpus = sorted(os.sched_getaffinity(0))
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     sim_cpus = {cpus[0]} if len(cpus) > 1 else None
     proc = subprocess.Popen(
@@ -45,7 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     if len(cpus) > 1:
         os.sched_setaffinity(0, set(cpus[1:]))  # the generator on the other core(s)
     try:
-        _wait_ready(url, proc, 30)
+        wait_ready(url, proc, 30)
         settings = ClientSettings(url, "sim", "completions")
         base = WorkloadSpec(num_requests=args.requests, prompt_tokens=LengthSpec(value=32),
                             output_tokens=LengthSpec(value=args.tokens))

@@ -123,6 +123,14 @@ def _plt():
     return plt
 
 
+def _save(plt, fig, axes, path: Path) -> None:
+    for ax in axes:
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def plot_cdfs(records: list[RequestRecord], path: Path) -> None:
     plt = _plt()
     ok = [r for r in records if r.ok]
@@ -137,10 +145,7 @@ def plot_cdfs(records: list[RequestRecord], path: Path) -> None:
         ax.set_title(f"{name} CDF")
         ax.set_xlabel("ms")
         ax.set_ylabel("fraction of samples")
-        ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    _save(plt, fig, axes, path)
 
 
 def plot_timeline(records: list[RequestRecord], path: Path) -> None:
@@ -160,26 +165,21 @@ def plot_timeline(records: list[RequestRecord], path: Path) -> None:
     ax.step(ts, level, where="post")
     ax.set_xlabel("seconds since start")
     ax.set_ylabel("requests in flight")
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    _save(plt, fig, [ax], path)
 
 
-def plot_sweep(rows: list[dict], path: Path) -> None:
+def plot_sweep(rows: list[dict], path: Path, target: float = 0.9) -> None:
     plt = _plt()
     rates = [r["offered_rate"] for r in rows]
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(rates, [r["request_throughput"] for r in rows], "o-", label="throughput")
     ax.plot(rates, [r["goodput"] for r in rows], "s-", label="goodput (SLOs met)")
-    ax.plot(rates, [0.9 * x for x in rates], ":", color="grey", label="90% of offered")
+    ax.plot(rates, [target * x for x in rates], ":", color="grey",
+            label=f"{target:.0%} of offered")
     ax.set_xlabel("offered rate (req/s)")
     ax.set_ylabel("req/s")
     ax.legend()
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    _save(plt, fig, [ax], path)
 
 
 COMPARE_KEYS = [("request_throughput", "req/s", 1), ("output_token_throughput", "out tok/s", 1),

@@ -22,36 +22,15 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import statistics
 import subprocess
 import sys
 import time
-import urllib.request
 from dataclasses import dataclass
 
 import aiohttp
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{proc.args} exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(url + "/ready", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(f"{url} not ready after {timeout}s")
+from baton_loadtest.procs import free_port, wait_ready
 
 
 @dataclass
@@ -143,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
             ap.error("--pin needs at least two CPUs")
         router_cpus, harness_cpus = {cpus[-1]}, set(cpus[:-1])
         os.sched_setaffinity(0, harness_cpus)  # this process and the upstream it spawns
-    up_port, router_port = _free_port(), _free_port()
+    up_port, router_port = free_port(), free_port()
     up_url, router_url = f"http://127.0.0.1:{up_port}", f"http://127.0.0.1:{router_port}"
     if args.upstream == "sim":
         model = "sim"
@@ -155,12 +134,12 @@ def main(argv: list[str] | None = None) -> int:
                   "--num-threads", "1", "--log-level", "warning"]
     procs = [subprocess.Popen(up_cmd)]
     try:
-        _wait_ready(up_url, procs[0], 300)
+        wait_ready(up_url, procs[0], 300)
         procs.append(subprocess.Popen([
             sys.executable, "-m", "baton.cli", "router", "--port", str(router_port),
             "--workers", up_url, "--log-level", "warning"],
             preexec_fn=(lambda: os.sched_setaffinity(0, router_cpus)) if router_cpus else None))
-        _wait_ready(router_url, procs[1], 60)
+        wait_ready(router_url, procs[1], 60)
         rows = []
         for c in (int(x) for x in args.concurrency.split(",")):
             n = args.requests or max(400, 40 * c)

@@ -12,11 +12,11 @@ setting, then the results side by side.
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 from baton_loadtest import report
 from baton_loadtest.client import ClientSettings
+from baton_loadtest.procs import free_port_run
 from baton_loadtest.spec import WorkloadSpec
 
 SCENARIOS = {
@@ -24,25 +24,6 @@ SCENARIOS = {
     "chunk-sweep": "continuous batching at several per-step token budgets",
     "colocated-vs-disaggregated": "one colocated worker vs prefill + decode workers",
 }
-
-
-def _free_port_run(n: int) -> int:
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n < 65535 and all(_free(p) for p in range(base, base + n)):
-            return base
-    raise RuntimeError("no free ports")
-
-
-def _free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False
 
 
 def variants(args) -> list[tuple[str, list[str], dict]]:
@@ -68,7 +49,7 @@ def cmd_scenario(args, run_once, load_tokenizer) -> int:
     slo = report.SLO(args.slo_ttft, args.slo_itl, args.slo_e2e)
     results: list[tuple[str, dict]] = []
     for name, flags, shape in variants(args):
-        port = _free_port_run(8)
+        port = free_port_run(8)
         cluster = Cluster(port=port, worker_args=["--dtype", args.dtype, *flags],
                           log_level="warning", **shape)
         print(f"== {name}: baton up {' '.join(flags)}", flush=True)

@@ -136,7 +136,7 @@ class Cluster:
                 raise _Aborted("interrupted while starting")
             if proc.poll() is not None:
                 raise _Aborted(f"{name} exited with code {proc.returncode} while starting")
-            if _get_status(url + "/ready") == 200:
+            if http_status(url + "/ready") == 200:
                 return
             time.sleep(0.25)
         raise TimeoutError(f"{name} at {url} was not ready after {self.ready_timeout_s:.0f}s")
@@ -190,7 +190,7 @@ class _StopSignal:
             signal.signal(s, handler)
 
 
-def _get_status(url: str) -> int | None:
+def http_status(url: str) -> int | None:
     try:
         with urllib.request.urlopen(url, timeout=2) as resp:
             return resp.status

@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,25 +17,10 @@ from pathlib import Path
 
 import pytest
 
+from baton_loadtest.procs import free_port_run  # noqa: F401 - used by the tests
+
 MODEL = "SmolLM2-135M-Instruct"
 WORKER_FLAGS = ["--dtype", "float32", "--num-kv-blocks", "384", "--max-num-seqs", "16"]
-
-
-def free_port_run(n: int) -> int:
-    """A base port with n free consecutive ports after it."""
-    for _ in range(200):
-        base = random.randint(20000, 60000)
-        ok = True
-        for p in range(base, base + n):
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", p))
-                except OSError:
-                    ok = False
-                    break
-        if ok:
-            return base
-    raise RuntimeError("no free ports")
 
 
 def http_get(url: str, timeout: float = 5.0) -> tuple[int | None, bytes]:

@@ -83,14 +83,18 @@ class AsyncEngine:
         """Validate (raises InvalidRequestError / ValueError) and queue one request; returns
         the queue its EngineOutputs arrive on. `kv`: `hold_kv` / `kv_transfer_params` for
         the prefill / decode roles (see EngineCore.make_request)."""
+        return self.submit(self.core.make_request(request_id, prompt_token_ids, params,
+                                                  priority, **kv))
+
+    def submit(self, req: Request) -> asyncio.Queue:
+        """Queue a request already built (and validated) by `core.make_request`."""
         if self.dead_error is not None:
             raise EngineDeadError(f"the engine loop died: {self.dead_error!r}")
-        if request_id in self._streams:
-            raise ValueError(f"request id {request_id!r} is already in flight")
+        if req.request_id in self._streams:
+            raise ValueError(f"request id {req.request_id!r} is already in flight")
         self.start()
-        req = self.core.make_request(request_id, prompt_token_ids, params, priority, **kv)
         stream: asyncio.Queue = asyncio.Queue()
-        self._streams[request_id] = (asyncio.get_running_loop(), stream)
+        self._streams[req.request_id] = (asyncio.get_running_loop(), stream)
         self._num_sent += 1
         self._commands.put(("add", req))
         return stream

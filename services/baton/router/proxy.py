@@ -118,7 +118,8 @@ class Proxy:
             self.metrics.disagg_decisions.labels("local").inc()
             self.metrics.fallbacks.labels("no_prefill_worker").inc()
             return None
-        payload = json.dumps({"api": api, "request": json.loads(body)}).encode()
+        original = json.loads(body)
+        payload = json.dumps({"api": api, "request": original}).encode()
         ep.inflight += 1
         try:
             async with asyncio.timeout(self.disagg.prefill_timeout_s):
@@ -145,7 +146,7 @@ class Proxy:
             return None
         self.discovery.record_success(ep)
         self.metrics.disagg_decisions.labels("remote").inc()
-        return json.dumps({"api": api, "request": json.loads(body),
+        return json.dumps({"api": api, "request": original,
                            "prompt_token_ids": answer["prompt_token_ids"],
                            "kv_transfer_params": answer["kv_transfer_params"]}).encode()
 

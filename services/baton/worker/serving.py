@@ -13,7 +13,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from baton.common.errors import OpenAIError
 from baton.common.metrics import WorkerMetrics
@@ -22,6 +22,7 @@ from baton.common.sampling_params import SamplingParams
 from baton.engine.async_engine import AsyncEngine, EngineDeadError
 from baton.engine.core import InvalidRequestError
 from baton.engine.llm import child_params
+from baton.engine.request import Request
 from baton.engine.sampler import TokenLogprobs
 from baton.engine.tokenizer import apply_chat_template
 
@@ -47,9 +48,9 @@ class Job:
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
+    request: Request  # built and validated by make_jobs, queued by admit
     stream: asyncio.Queue | None = None  # set once queued in the engine
     arrival: float = 0.0
-    kv: dict = field(default_factory=dict)  # hold_kv / kv_transfer_params (disaggregation)
 
 
 class OpenAIServing:
@@ -100,15 +101,16 @@ class OpenAIServing:
                                        f"max_tokens {params.max_tokens} exceed it",
                                   param="max_tokens", code="context_length_exceeded")
         children = child_params(params)
-        jobs = [Job(p * len(children) + i, f"{request_id}-{p * len(children) + i}", ids, c,
-                    kv=dict(kv or {}))
-                for p, ids in enumerate(prompts) for i, c in enumerate(children)]
-        for job in jobs:
-            try:
-                self.engine.core.make_request(job.request_id, job.prompt_ids, job.params,
-                                              **job.kv)
-            except InvalidRequestError as err:
-                raise OpenAIError(400, str(err), param=param) from None
+        jobs = []
+        for p, ids in enumerate(prompts):
+            for i, child in enumerate(children):
+                index = p * len(children) + i
+                rid = f"{request_id}-{index}"
+                try:
+                    req = self.engine.core.make_request(rid, ids, child, **(kv or {}))
+                except InvalidRequestError as err:
+                    raise OpenAIError(400, str(err), param=param) from None
+                jobs.append(Job(index, rid, ids, child, req))
         return jobs
 
     def admit(self, jobs: list[Job]) -> None:
@@ -127,8 +129,7 @@ class OpenAIServing:
         try:
             for job in jobs:
                 job.arrival = time.monotonic()
-                job.stream = self.engine.add_request(job.request_id, job.prompt_ids,
-                                                     job.params, **job.kv)
+                job.stream = self.engine.submit(job.request)
         except Exception:
             self.abort(jobs)
             raise

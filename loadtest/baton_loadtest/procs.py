@@ -1,0 +1,45 @@
+"""Loopback ports and readiness waits for the benchmarks and scenarios that start servers."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import time
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def free_port_run(n: int) -> int:
+    """A base port with n free consecutive ports from it."""
+    for _ in range(100):
+        base = free_port()
+        if base + n < 65535 and all(_free(p) for p in range(base, base + n)):
+            return base
+    raise RuntimeError("no free ports")
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+def wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> None:
+    """Until `url/ready` answers 200; fails at once if the process exits."""
+    from baton.launch import http_status
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{proc.args} exited with {proc.returncode}")
+        if http_status(url + "/ready") == 200:
+            return
+        time.sleep(0.2)
+    raise TimeoutError(f"{url} not ready after {timeout}s")
