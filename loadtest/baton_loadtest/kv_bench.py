@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from baton.kv_transfer import TRANSPORTS, make_transport
+from baton.kv_transfer import installed_transports, make_transport
 from baton.kv_transfer.base import Endpoint, TransferState, gather_blocks, scatter_blocks
 
 SHAPE = dict(layers=30, kv_heads=3, head_dim=64, block_size=16)
@@ -85,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--blocks", type=int, default=256)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--transports", default=",".join(t for t in TRANSPORTS if t != "local"))
+    ap.add_argument("--transports",
+                    default=",".join(t for t in installed_transports() if t != "local"))
     args = ap.parse_args(argv)
     nbytes = args.blocks * 2 * SHAPE["layers"] * SHAPE["block_size"] * SHAPE["kv_heads"] \
         * SHAPE["head_dim"] * 2

@@ -60,8 +60,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-waiting", type=int, default=256,
                    help="requests waiting to be scheduled before new ones get 429")
     g.add_argument("--kv-transport", "--transport", default=None,
-                   choices=["tcp", "gloo", "nccl", "local", "none"],
-                   help="KV transfer transport (default: tcp for prefill/decode roles)")
+                   choices=["auto", "nixl", "tcp", "gloo", "nccl", "local", "none"],
+                   help="KV transfer transport (default for prefill/decode roles: auto = "
+                        "nixl when installed, else tcp)")
     g.add_argument("--kv-host", default="127.0.0.1",
                    help="address this worker serves KV pulls on (its pod IP in a cluster)")
     g.add_argument("--kv-lease-ttl", type=float, default=30.0)
@@ -73,7 +74,11 @@ def _engine_config(args):
     from baton.engine.config import EngineConfig
 
     role = getattr(args, "role", "both")
-    transport = args.kv_transport or ("tcp" if role != "both" else "none")
+    transport = args.kv_transport or ("auto" if role != "both" else "none")
+    if transport == "auto":
+        from baton.kv_transfer import best_transport
+
+        transport = best_transport()
     return EngineConfig(
         kv_transport=None if transport == "none" else transport, kv_host=args.kv_host,
         engine_id=f"{role}-{args.port}" if hasattr(args, "port") else None,

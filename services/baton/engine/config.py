@@ -61,8 +61,9 @@ class EngineConfig:
                self.scheduling_policy, f"must be one of {SCHEDULING_POLICIES}")
         _check(self.num_threads is None or self.num_threads >= 1, "num_threads",
                self.num_threads, "must be >= 1")
-        _check(self.kv_transport in (None, "local", "tcp", "gloo", "nccl"), "kv_transport",
-               self.kv_transport, "must be None, 'local', 'tcp', 'gloo' or 'nccl'")
+        _check(self.kv_transport in (None, "local", "tcp", "gloo", "nccl", "nixl"),
+               "kv_transport", self.kv_transport,
+               "must be None, 'local', 'tcp', 'gloo', 'nccl' or 'nixl'")
         _check(self.kv_lease_ttl_s > 0, "kv_lease_ttl_s", self.kv_lease_ttl_s, "must be > 0")
         _check(self.kv_transfer_timeout_s > 0, "kv_transfer_timeout_s",
                self.kv_transfer_timeout_s, "must be > 0")

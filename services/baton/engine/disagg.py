@@ -67,8 +67,11 @@ class KVCoordinator:
             last = -(-req.num_prompt_tokens // self.block_size)
             src, dst = rk.block_ids[first:last], block_ids_of(req.request_id)[first:last]
             try:
-                t = self.transport.pull(Endpoint.from_dict(rk.peer), rk.lease_id, src, dst,
-                                        self.timeout_s)
+                peer = Endpoint.from_dict(rk.peer)
+                if peer.transport != self.transport.name:
+                    raise ValueError(f"the holder serves KV over {peer.transport}, this "
+                                     f"engine pulls over {self.transport.name}")
+                t = self.transport.pull(peer, rk.lease_id, src, dst, self.timeout_s)
             except (ValueError, KeyError, TypeError) as err:
                 t = Transfer(req.request_id, len(dst))
                 t._fail(TransferError(f"bad kv_transfer_params: {err}"))

@@ -1,10 +1,23 @@
 """KV block transfer between engines (DESIGN.md §5): the contract in `base.py`, transports
-`local` (in-process), `tcp` (no dependency) and `gloo` / `nccl` (torch.distributed pair
-groups), chosen by name with `make_transport`."""
+`local` (in-process), `tcp` (no dependency), `gloo` / `nccl` (torch.distributed pair
+groups) and `nixl` (UCX one-sided reads), chosen by name with `make_transport`."""
 
 from __future__ import annotations
 
-TRANSPORTS = ("local", "tcp", "gloo")
+import importlib.util
+
+TRANSPORTS = ("local", "tcp", "gloo", "nixl")
+
+
+def installed_transports() -> tuple[str, ...]:
+    """The transports this machine can run (`nixl` needs its optional package)."""
+    has_nixl = any(importlib.util.find_spec(m) is not None for m in ("nixl_cu12", "nixl"))
+    return tuple(t for t in TRANSPORTS if t != "nixl" or has_nixl)
+
+
+def best_transport() -> str:
+    """What `--kv-transport auto` means: NIXL when installed, else the dependency-free tcp."""
+    return "nixl" if "nixl" in installed_transports() else "tcp"
 
 
 def make_transport(name: str, **kwargs):
@@ -20,4 +33,8 @@ def make_transport(name: str, **kwargs):
         from baton.kv_transfer.gloo import GlooTransport
 
         return GlooTransport(backend=name, **kwargs)
+    if name == "nixl":
+        from baton.kv_transfer.nixl import NixlTransport
+
+        return NixlTransport(**kwargs)
     raise ValueError(f"unknown KV transport {name!r}; known: {TRANSPORTS}")

@@ -55,8 +55,9 @@ class GlooTransport(TcpTransport):
         pg = _group(store, 0, _SETUP, self.backend)
         pg.send([data], 1, 0).wait(_SETUP)
 
-    def _receive(self, sock: socket.socket, reply: dict, n: int, dst: list[int], remaining,
-                 peer: Endpoint) -> int:
+    def _receive(self, sock: socket.socket, reply: dict, src: list[int], dst: list[int],
+                 remaining, peer: Endpoint) -> int:
+        n = len(src)
         if n == 0:
             return 0
         lay = self.layout

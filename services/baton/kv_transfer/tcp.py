@@ -267,7 +267,7 @@ class TcpTransport(KVTransport):
                                  "fingerprint": self.layout.fingerprint})
                 reply = _recv_msg(sock)
                 self._check(reply)
-                got = self._receive(sock, reply, len(src), dst, remaining, peer)
+                got = self._receive(sock, reply, src, dst, remaining, peer)
                 _send_msg(sock, {"op": "ack"})
                 try:  # the holder has ended the lease once this arrives
                     _recv_msg(sock)
@@ -285,10 +285,10 @@ class TcpTransport(KVTransport):
         except Exception as err:  # noqa: BLE001 - never leave a transfer hanging
             transfer._fail(TransferError(f"pulling {request_id!r} failed: {err!r}"))
 
-    def _receive(self, sock: socket.socket, reply: dict, n: int, dst: list[int], remaining,
-                 peer: Endpoint) -> int:
-        """The data phase, puller side: n blocks straight into our destination blocks (no
-        staging copy)."""
+    def _receive(self, sock: socket.socket, reply: dict, src: list[int], dst: list[int],
+                 remaining, peer: Endpoint) -> int:
+        """The data phase, puller side: the peer's `src` blocks straight into our `dst`
+        blocks (no staging copy)."""
         nbytes = reply["nbytes"]
         views = block_views(self.kv_cache, self._cache_bytes, dst)
         want = sum(len(v) for v in views)

@@ -3,6 +3,7 @@ the real model: the tokens equal colocated generation, and every failure path fr
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
@@ -10,6 +11,7 @@ import pytest
 from baton import SamplingParams
 from baton.engine.config import EngineConfig
 from baton.engine.core import EngineCore, InvalidRequestError
+from baton.kv_transfer import installed_transports
 from tests.conftest import make_text
 
 pytestmark = pytest.mark.slow
@@ -92,8 +94,12 @@ def test_pulled_decode_equals_colocated(engines, tokenizer, text_len):
     assert_no_blocks(p, d)
 
 
-@pytest.mark.parametrize("transport", ["tcp", "gloo"])
+@pytest.mark.parametrize("transport", ["tcp", "gloo", "nixl"])
 def test_every_network_transport_gives_colocated_tokens(engines, tokenizer, transport):
+    if transport not in installed_transports():
+        if os.environ.get("BATON_REQUIRE_NIXL") == "1":
+            pytest.fail(f"{transport} is not installed but BATON_REQUIRE_NIXL=1")
+        pytest.skip(f"the {transport} transport's package is not installed")
     _, _, c = engines
     p, d = engine("prefill", transport), engine("decode", transport)
     try:

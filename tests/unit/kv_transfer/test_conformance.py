@@ -13,7 +13,7 @@ import uuid
 import pytest
 import torch
 
-from baton.kv_transfer import TRANSPORTS, make_transport
+from baton.kv_transfer import TRANSPORTS, installed_transports, make_transport
 from baton.kv_transfer.base import (Endpoint, LayoutMismatchError, LeaseExpiredError,
                                     PeerUnreachableError, TransferError,
                                     TransferState, TransferTimeoutError)
@@ -27,6 +27,10 @@ def cache(layers=4, blocks=16, bs=4, kvh=2, d=8, dtype=torch.float32, fill=True)
 
 @pytest.fixture(params=TRANSPORTS)
 def kind(request):
+    if request.param not in installed_transports():
+        if os.environ.get("BATON_REQUIRE_NIXL") == "1":
+            pytest.fail(f"{request.param} is not installed but BATON_REQUIRE_NIXL=1")
+        pytest.skip(f"the {request.param} transport's package is not installed")
     return request.param
 
 
@@ -61,6 +65,18 @@ def test_remapped_blocks_all_layers(make, dtype):
     assert not dst_kv[:, :, untouched].any()
     assert holder.released() == [("r1", "pulled")]
     assert holder.released() == []  # exactly once
+
+
+def test_runs_of_consecutive_blocks_differ_on_each_side(make):
+    src_kv, dst_kv = cache(), cache(fill=False)
+    holder, ep = make(src_kv)
+    puller, _ = make(dst_kv)
+    src, dst = [3, 4, 5, 6, 9, 10], [12, 13, 1, 2, 3, 7]
+    holder.hold("r", src, 30)
+    t = puller.pull(ep, "r", src, dst, timeout_s=10)
+    assert t.wait(10) == TransferState.DONE, t.error
+    assert torch.equal(dst_kv[:, :, dst], src_kv[:, :, src])
+    assert t.bytes == len(src) * ep.layout.bytes_per_block
 
 
 def test_two_concurrent_peers(make):

@@ -1,0 +1,218 @@
+"""NIXL transport: one-sided RDMA-style READs of the holder's blocks (UCX backend).
+
+The control plane is the tcp transport's (hello with the layout fingerprint, pull, ack,
+leases); the data moves through NIXL: each side registers its whole KV cache tensor with
+its agent once, a puller loads the holder's agent metadata on its first hello (and again if
+the holder restarts under the same address: the pull reply names the holder's agent), and
+for a pull the holder only confirms the lease; the puller then posts one READ with a
+descriptor per (layer, K/V, run of consecutive blocks) on both sides and polls it to DONE,
+straight from the holder's cache into its own destination blocks; its `ack` ends the lease.
+
+DRAM on CPU machines, VRAM on GPUs (the descriptors carry the cache's device). The wheel is
+`nixl-cu12` (module `nixl_cu12`); GPU images may ship it as `nixl`.
+"""
+
+from __future__ import annotations
+
+import base64
+import logging
+import os
+import select
+import socket
+import threading
+import time
+import uuid
+
+import torch
+
+from baton.kv_transfer.base import (Endpoint, PeerUnreachableError, TransferError,
+                                    TransferTimeoutError)
+from baton.kv_transfer.tcp import TcpTransport, _recv_msg, _send_msg
+
+_POLL_S = 0.0002
+
+
+def _import_nixl():
+    os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # its INFO lines go to stdout
+    for module in ("nixl_cu12._api", "nixl._api"):
+        try:
+            return __import__(module, fromlist=["nixl_agent", "nixl_agent_config"])
+        except ImportError:
+            continue
+    raise RuntimeError("the nixl KV transport needs the NIXL Python package: "
+                       "`pip install nixl-cu12==1.5.1` (or use --kv-transport tcp)")
+
+
+def paired_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
+    """(src start, dst start, length): stretches where both sides' ids run consecutively,
+    so the two descriptor lists pair one to one."""
+    runs: list[list[int]] = []
+    for s, d in zip(src, dst):
+        if runs and s == runs[-1][0] + runs[-1][2] and d == runs[-1][1] + runs[-1][2]:
+            runs[-1][2] += 1
+        else:
+            runs.append([s, d, 1])
+    return [(s, d, n) for s, d, n in runs]
+
+
+class NixlTransport(TcpTransport):
+    name = "nixl"
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, max_pulls: int = 8) -> None:
+        super().__init__(host, port, max_pulls)
+        if host in ("127.0.0.1", "localhost", "::1"):
+            os.environ.setdefault("UCX_NET_DEVICES", "lo")  # loopback only, read at agent init
+        self._nixl = _import_nixl()
+        logging.getLogger("nixl").setLevel(logging.WARNING)
+        self.agent = None
+        self._peers: dict[str, tuple[str, int, int]] = {}  # address -> (agent, base, blocks)
+        self._peers_lock = threading.Lock()
+        self._progress_lock = threading.Lock()
+
+    # -- both sides ------------------------------------------------------------------------
+    def start(self, kv_cache: torch.Tensor, engine_id: str) -> Endpoint:
+        self.agent_name = f"{engine_id}-{uuid.uuid4().hex[:8]}"
+        # Pull threads and the holder's serving threads share the agent: NIXL must lock.
+        config = self._nixl.nixl_agent_config(
+            enable_prog_thread=False, backends=["UCX"],
+            sync_mode=self._nixl.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
+        self.agent = self._nixl.nixl_agent(self.agent_name, config)
+        if not kv_cache.is_contiguous():
+            raise ValueError("the nixl transport needs a contiguous KV cache tensor")
+        self._registered = self.agent.register_memory([kv_cache])
+        self._mem = "VRAM" if kv_cache.is_cuda else "DRAM"
+        self._device = kv_cache.get_device() if kv_cache.is_cuda else 0
+        return self._start(kv_cache, engine_id)
+
+    def _descs(self, base: int, num_blocks: int, runs: list[tuple[int, int]]
+               ) -> list[tuple[int, int, int]]:
+        """(address, length, device) per (layer, K/V, run of consecutive blocks), for a
+        cache laid out like ours with `num_blocks` blocks starting at `base`."""
+        layers2 = self.kv_cache.shape[0] * 2
+        seg = self.layout.bytes_per_block // layers2
+        return [(base + (lk * num_blocks + start) * seg, n * seg, self._device)
+                for lk in range(layers2) for start, n in runs]
+
+    # -- holder ----------------------------------------------------------------------------
+    def _serve(self, conn: socket.socket) -> None:
+        # `hello` also hands out our agent metadata and where our cache starts.
+        with conn:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn.settimeout(60)
+            try:
+                req = _recv_msg(conn)
+                if req.get("fingerprint") != self.layout.fingerprint:
+                    _send_msg(conn, {"ok": False, "kind": "layout", "error":
+                                     f"layout mismatch: holder has {self.layout}"})
+                    return
+                if req["op"] == "hello":
+                    md = base64.b64encode(self.agent.get_agent_metadata()).decode()
+                    _send_msg(conn, {"ok": True, "agent": self.agent_name, "metadata": md,
+                                     "base": self.kv_cache.data_ptr(),
+                                     "blocks": self.kv_cache.shape[2]})
+                elif req["op"] == "pull":
+                    self._serve_pull(conn, req["request_id"], req["src"])
+            except (OSError, ValueError, KeyError):
+                return
+
+    def _send_blocks(self, conn: socket.socket, blocks: list[int]) -> None:
+        # The puller READs the blocks itself; we say the lease is taken and by whom, then
+        # drive our agent's progress until the puller's ack arrives (no progress thread:
+        # it would spin a core forever; this spins only while a pull is in flight).
+        _send_msg(conn, {"ok": True, "nbytes": len(blocks) * self.layout.bytes_per_block,
+                         "agent": self.agent_name})
+        deadline = time.monotonic() + (conn.gettimeout() or 60)
+        while not select.select([conn], [], [], 0)[0]:
+            if time.monotonic() > deadline:
+                raise TimeoutError("the puller never acknowledged")
+            self._progress()
+            time.sleep(_POLL_S)
+
+    def _progress(self) -> None:
+        with self._progress_lock:
+            self.agent.get_new_notifs()  # runs the backend's progress engine
+
+    # -- puller ----------------------------------------------------------------------------
+    def connect(self, peer: Endpoint, timeout_s: float = 5.0) -> None:
+        super().connect(peer, timeout_s)  # layout check and reachability
+        if peer.address not in self._peers:
+            self._handshake(peer, timeout_s)
+
+    def _handshake(self, peer: Endpoint, timeout_s: float) -> tuple[str, int, int]:
+        with self._open(peer, timeout_s) as sock:
+            try:
+                sock.settimeout(timeout_s)
+                _send_msg(sock, {"op": "hello", "fingerprint": self.layout.fingerprint})
+                reply = _recv_msg(sock)
+            except TimeoutError:
+                raise TransferTimeoutError(f"NIXL handshake with {peer.address} timed out") \
+                    from None
+            except (OSError, ValueError) as err:
+                raise PeerUnreachableError(f"NIXL handshake with {peer.address} failed: "
+                                           f"{err}") from None
+        self._check(reply)
+        with self._peers_lock:
+            old = self._peers.get(peer.address)
+            if old is not None and old[0] != reply["agent"]:
+                try:  # the holder restarted: forget its old agent
+                    self.agent.remove_remote_agent(old[0])
+                except Exception:  # noqa: BLE001 - already gone
+                    pass
+            name = self.agent.add_remote_agent(base64.b64decode(reply["metadata"]))
+            name = name.decode() if isinstance(name, bytes) else name
+            self._peers[peer.address] = (name, int(reply["base"]), int(reply["blocks"]))
+            return self._peers[peer.address]
+
+    def _receive(self, sock: socket.socket, reply: dict, src: list[int], dst: list[int],
+                 remaining, peer: Endpoint) -> int:
+        n = len(src)
+        if n == 0:
+            return 0
+        known = self._peers.get(peer.address)
+        if known is None or known[0] != reply.get("agent"):
+            known = self._handshake(peer, remaining())
+        agent, base, peer_blocks = known
+        runs = paired_runs(src, dst)
+        local = self.agent.get_xfer_descs(
+            self._descs(self.kv_cache.data_ptr(), self.kv_cache.shape[2],
+                        [(d, k) for _, d, k in runs]), self._mem)
+        remote = self.agent.get_xfer_descs(
+            self._descs(base, peer_blocks, [(s, k) for s, _, k in runs]), self._mem)
+        try:
+            handle = self.agent.initialize_xfer("READ", local, remote, agent)
+        except Exception as err:  # noqa: BLE001 - nixl raises its own types
+            raise PeerUnreachableError(f"NIXL cannot read from {peer.address}: {err}") from None
+        try:
+            state = self.agent.transfer(handle)
+            while state == "PROC":
+                remaining()  # raises TransferTimeoutError past the deadline
+                time.sleep(_POLL_S)
+                state = self.agent.check_xfer_state(handle)
+            if state != "DONE":
+                raise PeerUnreachableError(f"NIXL READ from {peer.address} failed ({state})")
+        except TransferError:
+            raise
+        except Exception as err:  # noqa: BLE001 - a dead peer surfaces as nixl errors
+            raise PeerUnreachableError(f"NIXL READ from {peer.address} failed: {err}") \
+                from None
+        finally:
+            try:
+                self.agent.release_xfer_handle(handle)
+            except Exception:  # noqa: BLE001 - an aborted handle may refuse; it is freed later
+                pass
+        return n * self.layout.bytes_per_block
+
+    def close(self) -> None:
+        super().close()
+        if self.agent is not None:
+            for name, _, _ in list(self._peers.values()):
+                try:
+                    self.agent.remove_remote_agent(name)
+                except Exception:  # noqa: BLE001
+                    pass
+            try:
+                self.agent.deregister_memory(self._registered)
+            except Exception:  # noqa: BLE001
+                pass
+            self.agent = None  # the agent and its UCX workers go with the last reference
+
