@@ -20,7 +20,9 @@ from dataclasses import dataclass, field
 from baton.engine.request import RemoteKV, Request
 from baton.engine.scheduler.scheduler import Scheduler
 from baton.kv_transfer import make_transport
-from baton.kv_transfer.base import Endpoint, Transfer, TransferError, TransferState
+from baton.kv_transfer.base import (Endpoint, LeaseExpiredError, PeerUnreachableError,
+                                    Transfer, TransferError, TransferState,
+                                    TransferTimeoutError)
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +112,7 @@ class KVCoordinator:
             log.warning("pulling the KV of %s failed (%s); policy %s", rid, t.error,
                         self.failure_policy)
             if self.failure_policy == "recompute":
-                self.stats.fallback("transfer_failed")
+                self.stats.fallback(fallback_reason(t.error))
                 sched.finish_remote(req, False)
             else:
                 req.stop_reason = f"KV transfer failed: {t.error}"
@@ -120,3 +122,13 @@ class KVCoordinator:
 
     def close(self) -> None:
         self.transport.close()
+
+
+def fallback_reason(error: TransferError | None) -> str:
+    """The `baton:fallbacks_total` reason of a failed pull."""
+    for kind, reason in ((TransferTimeoutError, "transfer_timeout"),
+                         (PeerUnreachableError, "kv_peer_lost"),
+                         (LeaseExpiredError, "lease_expired")):
+        if isinstance(error, kind):
+            return reason
+    return "transfer_failed"

@@ -3,9 +3,9 @@
 An attempt fails over to another worker (never the same one twice) when nothing has reached
 the client yet: connection refused or reset, a timeout before the response headers, a 5xx,
 a 429 (that worker's queue is full), or a stream that ends before its first byte. Once the
-first bytes are relayed the stream is committed: an upstream failure after that ends it with
-an in-band error event and `[DONE]`. A 4xx other than 429 is the client's error and is
-relayed as is.
+first bytes are relayed the stream is committed: a decode pod that fails after that has its
+stream resumed on another decode pod (`resume.py`); otherwise it ends with an in-band error
+event and `[DONE]`. A 4xx other than 429 is the client's error and is relayed as is.
 
 Deadlines: `connect_timeout_s` to open a connection, `first_byte_timeout_s` for the response
 headers and first chunk, `idle_timeout_s` between chunks, and `request_timeout_s` for the
@@ -29,6 +29,7 @@ from aiohttp import web
 from baton.common.errors import OpenAIError
 from baton.common.metrics import RouterMetrics
 from baton.router.discovery import Endpoint, StaticDiscovery
+from baton.router.resume import DecodeCall, StreamTracker
 from baton.router.scheduling.context import RoutingContext
 from baton.router.scheduling.pipeline import PREFILL_FILTERS, RoutingPipeline
 
@@ -81,6 +82,14 @@ def estimate_prompt_tokens(api: str, req) -> int | None:
     return len(prompts[0]) // 4 if isinstance(prompts[0], str) else len(prompts[0])
 
 
+class _Interrupted(Exception):
+    """A decode pod's stream broke after bytes reached the client; it can be resumed."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
 class _Retryable(Exception):
     def __init__(self, reason: str, response: web.Response | None = None) -> None:
         super().__init__(reason)
@@ -103,9 +112,20 @@ class Proxy:
         self._timeout = aiohttp.ClientTimeout(total=None, connect=settings.connect_timeout_s)
 
     async def remote_prefill(self, api: str, req, body: bytes, request_id: str,
-                             model: str) -> bytes | None:
-        """Decide, and when remote, run the prefill: returns the body for the decode pod's
-        /internal/generate, or None to prefill on the decode pod (the fallback)."""
+                             model: str) -> DecodeCall | None:
+        """Decide, and when remote, run the prefill: returns what a decode pod gets, with
+        the prompt's ids and `kv_transfer_params` when a prefill pod ran, without them to
+        prefill on the decode pod (the fallback); None without decode pods (colocated)."""
+        if not any(e.role == "decode" for e in self.discovery.all()):
+            return None
+        call = DecodeCall(api, json.loads(body))
+        found = await self._prefill(api, req, call.request, request_id, model)
+        if found is not None:
+            call.prompt_token_ids, call.kv_transfer_params = found
+        return call
+
+    async def _prefill(self, api: str, req, original: dict, request_id: str,
+                       model: str) -> tuple[list[int], dict] | None:
         endpoints = self.discovery.all()
         if not any(e.role == "prefill" for e in endpoints):
             return None  # a colocated deployment: nothing to decide
@@ -118,7 +138,6 @@ class Proxy:
             self.metrics.disagg_decisions.labels("local").inc()
             self.metrics.fallbacks.labels("no_prefill_worker").inc()
             return None
-        original = json.loads(body)
         payload = json.dumps({"api": api, "request": original}).encode()
         ep.inflight += 1
         try:
@@ -146,22 +165,22 @@ class Proxy:
             return None
         self.discovery.record_success(ep)
         self.metrics.disagg_decisions.labels("remote").inc()
-        return json.dumps({"api": api, "request": original,
-                           "prompt_token_ids": answer["prompt_token_ids"],
-                           "kv_transfer_params": answer["kv_transfer_params"]}).encode()
+        return answer["prompt_token_ids"], answer["kv_transfer_params"]
 
     async def forward(self, request: web.Request, path: str, body: bytes, request_id: str,
-                      model: str, stream: bool, generate_body: bytes | None = None
+                      model: str, stream: bool, decode: DecodeCall | None = None
                       ) -> web.StreamResponse:
-        """`generate_body`: the remote-prefill result; decode workers get it on
-        /internal/generate, colocated ones the original request."""
+        """Colocated workers get the client's request on `path`; decode pods get `decode`
+        on /internal/generate, and a stream they drop moves to another decode pod."""
         s = self.settings
         loop = asyncio.get_running_loop()
         deadline = loop.time() + s.request_timeout_s
         ctx = RoutingContext(model=model)
         client = _ClientSide(request)
+        tracker = StreamTracker(decode) if decode is not None and decode.resumable else None
         last: _Retryable | None = None
-        for attempt in range(s.max_attempts):
+        attempt = 0
+        while attempt < s.max_attempts:
             ep = self.pipeline.pick(self.discovery.all(), ctx)
             if ep is None:
                 break
@@ -169,20 +188,39 @@ class Proxy:
                 self.metrics.retries.inc()
                 await asyncio.sleep(min(s.backoff_s * 2 ** (attempt - 1),
                                         max(deadline - loop.time(), 0)))
+            attempt += 1
             ep.inflight += 1
-            remote = generate_body is not None and ep.role == "decode"
+            internal = decode is not None and ep.role == "decode"
+            if internal and tracker is not None and tracker.resumes:
+                payload = tracker.continuation()
+            else:
+                payload = decode.body() if internal else body
             try:
-                return await self._attempt(client, ep,
-                                           "/internal/generate" if remote else path,
-                                           generate_body if remote else body, request_id,
-                                           stream, deadline)
+                return await self._attempt(client, ep, "/internal/generate" if internal
+                                           else path, payload, request_id, stream, deadline,
+                                           tracker if internal else None)
             except _Retryable as err:
                 last = err
                 ctx.tried.add(ep.url)
                 self.metrics.upstream_errors.labels(ep.url, err.reason).inc()
                 log.warning("request %s: worker %s failed (%s); %s", request_id, ep.url,
-                            err.reason, "retrying" if attempt + 1 < s.max_attempts
+                            err.reason, "retrying" if attempt < s.max_attempts
                             else "giving up")
+            except _Interrupted as err:
+                ctx.tried.add(ep.url)
+                ctx.role = "resume"  # only decode pods can take the stream over
+                self.metrics.upstream_errors.labels(ep.url, "mid-stream").inc()
+                if tracker.exhausted:
+                    await client.out.write(tracker.closing_events())
+                    await client.out.write_eof()
+                    return client.out
+                tracker.resumes += 1
+                attempt = 0  # a fresh set of attempts for the continuation
+                self.metrics.fallbacks.labels("decode_lost").inc()
+                log.warning("request %s: decode pod %s failed mid-stream (%s) after %d "
+                            "tokens; resuming on another decode pod", request_id, ep.url,
+                            err.reason, len(tracker.sent))
+                last = _Retryable(err.reason)
             finally:
                 ep.inflight -= 1
         if last is not None and last.response is not None and client.out is None:
@@ -198,7 +236,8 @@ class Proxy:
         return await client.fail_in_band(error)  # 200 and headers already went out
 
     async def _attempt(self, client: _ClientSide, ep: Endpoint, path: str, body: bytes,
-                       request_id: str, stream: bool, deadline: float) -> web.StreamResponse:
+                       request_id: str, stream: bool, deadline: float,
+                       tracker: StreamTracker | None = None) -> web.StreamResponse:
         """One try on one worker; raises _Retryable while no body byte reached the client.
         For a stream, the client gets its 200 and headers as soon as the worker sends its
         own (so the first token is not held up by header processing); the body is still
@@ -240,7 +279,7 @@ class Proxy:
                 resp.release()
         self.discovery.record_success(ep)
         try:
-            await self._relay(client, ep, resp, first, deadline)
+            await self._relay(client, ep, resp, first, deadline, tracker)
         except BaseException:
             resp.close()  # drops the connection: the worker sees it and aborts the request
             raise
@@ -248,21 +287,26 @@ class Proxy:
         return client.out
 
     async def _relay(self, client: _ClientSide, ep: Endpoint, resp: aiohttp.ClientResponse,
-                     first: bytes, deadline: float) -> None:
+                     first: bytes, deadline: float, tracker: StreamTracker | None) -> None:
         out = client.out
-        await out.write(first)
+        write = out.write if tracker is None else _tracked(out, tracker)
         loop = asyncio.get_running_loop()
         idle = self.settings.idle_timeout_s
         try:
+            await write(first)
             async with asyncio.timeout_at(min(loop.time() + idle, deadline)) as timer:
                 read = resp.content.readany
                 while chunk := await read():
-                    await out.write(chunk)
+                    await write(chunk)
                     timer.reschedule(min(loop.time() + idle, deadline))
+            if tracker is not None and not tracker.finished:
+                raise aiohttp.ClientPayloadError("the stream ended without [DONE]")
         except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError,
                 aiohttp.ClientOSError, TimeoutError) as err:
             if client.gone:
                 raise  # the client is gone too; nothing to tell
+            if tracker is not None and tracker.can_resume and loop.time() < deadline:
+                raise _Interrupted(type(err).__name__) from None
             self.metrics.upstream_errors.labels(ep.url, "mid-stream").inc()
             log.warning("worker %s failed mid-stream: %r", ep.url, err)
             await client.fail_in_band(OpenAIError(
@@ -273,6 +317,14 @@ class Proxy:
             await out.write_eof()
         except ConnectionResetError:
             pass  # the client left after the last event ([DONE]); nothing is lost
+
+
+def _tracked(out: web.StreamResponse, tracker: StreamTracker):
+    async def write(chunk: bytes) -> None:
+        public = tracker.feed(chunk)
+        if public:
+            await out.write(public)
+    return write
 
 
 class _ClientSide:

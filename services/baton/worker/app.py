@@ -172,9 +172,11 @@ def prompts_of(serving: OpenAIServing, api: str, req) -> list[list[int]]:
 
 
 async def serve_openai(request: Request, state: WorkerState, api: str, req,
-                       prompts: list[list[int]] | None = None, kv: dict | None = None):
+                       prompts: list[list[int]] | None = None, kv: dict | None = None,
+                       internal: openai_api.Internal = openai_api.PUBLIC):
     """Answer one OpenAI request: its prompts (tokenised here unless given), `n` samples,
-    streamed or whole; `kv` carries the decode role's `kv_transfer_params`."""
+    streamed or whole; `kv` carries the decode role's `kv_transfer_params`, `internal` what
+    a router asked of /internal/generate."""
     serving = state.require_serving()
     serving.check_model(req.model)
     params = req.to_sampling_params()
@@ -184,9 +186,10 @@ async def serve_openai(request: Request, state: WorkerState, api: str, req,
     jobs = serving.make_jobs(rid, prompts, params, "messages" if api == "chat" else "prompt",
                              kv)
     if api == "chat":
-        make_body = lambda: openai_api.chat(serving, req, jobs, rid)  # noqa: E731
+        make_body = lambda: openai_api.chat(serving, req, jobs, rid, internal)  # noqa: E731
     else:
-        make_body = lambda: openai_api.completion(serving, req, jobs, prompts, rid)  # noqa: E731
+        make_body = lambda: openai_api.completion(  # noqa: E731
+            serving, req, jobs, prompts, rid, internal)
     return await _respond(request, serving, jobs, make_body, req.stream)
 
 

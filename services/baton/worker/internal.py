@@ -4,9 +4,13 @@ they are not part of the OpenAI surface and the router does not expose them.
     POST /internal/prefill   {"api": "chat"|"completions", "request": <OpenAI body>}
       -> {"prompt_token_ids": [...], "kv_transfer_params": {...}}
     POST /internal/generate  {"api": ..., "request": <OpenAI body>, "prompt_token_ids": [...],
-                              "kv_transfer_params": {...} | null}
+                              "kv_transfer_params": {...} | null, "return_token_ids": bool,
+                              "resume": {"prompt_tokens", "completion_tokens",
+                                         "text_offset", "created"} | null}
       -> the OpenAI answer (streamed or whole); without kv_transfer_params the decode pod
-         prefills locally.
+         prefills locally. `return_token_ids` adds `token_ids` to every streamed choice and
+         `prompt_token_ids` to the first event; `resume` continues a stream another decode
+         pod started (its prompt is the original prompt + the tokens already sent).
 
 A prefill samples the first token with the request's own sampling settings (greedy stays
 greedy, a seed is used) but never stops on it: stop conditions are the decode pod's, which
@@ -23,6 +27,7 @@ from fastapi import FastAPI, Request
 
 from baton.common.errors import OpenAIError
 from baton.common.protocol import ChatCompletionRequest, CompletionRequest, parse_request
+from baton.worker.openai_api import Internal
 from baton.worker.serving import engine_error, new_id
 
 MODELS = {"chat": ChatCompletionRequest, "completions": CompletionRequest}
@@ -37,6 +42,24 @@ def _parse(body: bytes) -> tuple[str, object, dict]:
         raise OpenAIError(400, "an internal request needs {'api': 'chat'|'completions', "
                                "'request': {...}}") from None
     return api, parse_request(model, json.dumps(msg.get("request")).encode()), msg
+
+
+def _internal(msg: dict, ids: list[int] | None) -> Internal:
+    resume = msg.get("resume")
+    if resume is None:
+        return Internal(return_token_ids=msg.get("return_token_ids") is True)
+    try:
+        prompt_tokens = int(resume["prompt_tokens"])
+        sent = int(resume.get("completion_tokens", 0))
+        internal = Internal(True, prompt_tokens, sent, int(resume.get("text_offset", 0)),
+                            int(resume["created"]) if resume.get("created") else None)
+    except (KeyError, TypeError, ValueError):
+        raise OpenAIError(400, "resume needs integer prompt_tokens, completion_tokens, "
+                               "text_offset and created") from None
+    if ids is None or not 0 < prompt_tokens <= len(ids) or prompt_tokens + sent != len(ids):
+        raise OpenAIError(400, "a resumed request gives prompt_token_ids = the original "
+                               "prompt + the tokens already sent")
+    return internal
 
 
 def install_internal_routes(app: FastAPI, state) -> None:
@@ -86,4 +109,5 @@ def install_internal_routes(app: FastAPI, state) -> None:
                     raise OpenAIError(400, "prompt_token_ids must be a list of ints")
                 prompts = [ids]
             return await serve_openai(request, state, api, req, prompts,
-                                      {"kv_transfer_params": kv} if kv else None)
+                                      {"kv_transfer_params": kv} if kv else None,
+                                      _internal(msg, ids))

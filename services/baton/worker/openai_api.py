@@ -2,15 +2,43 @@
 
 An error after the stream has started cannot change the status code any more: it is sent as
 one `data: {"error": ...}` event followed by `data: [DONE]`, as vLLM does (`_framed`).
+
+`Internal` carries what only a router asks for on a decode pod's /internal/generate: token
+ids in every streamed chunk (so the router can resume the stream elsewhere if this pod
+dies), and a resumption's bookkeeping (the original prompt and tokens already sent, so the
+usage, ids and offsets continue the interrupted stream instead of starting a new one).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from baton.common.protocol import ChatCompletionRequest, CompletionRequest
 from baton.worker.serving import SSE_DONE, Job, OpenAIServing, engine_error, sse, usage
+
+
+@dataclass(frozen=True)
+class Internal:
+    return_token_ids: bool = False
+    resumed_prompt_tokens: int | None = None  # the original prompt's length
+    resumed_completion_tokens: int = 0  # tokens the client already has
+    resumed_text_offset: int = 0  # characters the client already has (completion logprobs)
+    created: int | None = None
+
+    @property
+    def resumed(self) -> bool:
+        return self.resumed_prompt_tokens is not None
+
+    def usage(self, prompt_tokens: int, completion_tokens: int, cached: int) -> dict:
+        if self.resumed:
+            return usage(self.resumed_prompt_tokens,
+                         completion_tokens + self.resumed_completion_tokens, cached)
+        return usage(prompt_tokens, completion_tokens, cached)
+
+
+PUBLIC = Internal()
 
 
 class _Tally:
@@ -34,15 +62,15 @@ class _Tally:
 
 
 async def chat(serving: OpenAIServing, req: ChatCompletionRequest, jobs: list[Job],
-               response_id: str) -> dict | AsyncIterator[bytes]:
+               response_id: str, internal: Internal = PUBLIC) -> dict | AsyncIterator[bytes]:
     prompt_tokens = len(jobs[0].prompt_ids)
-    created = int(time.time())
+    created = internal.created or int(time.time())
     if req.stream:
         base = {"id": response_id, "object": "chat.completion.chunk", "created": created,
                 "model": serving.model_name}
         tally = _Tally(len(jobs))
-        return _framed(_chat_chunks(serving, req, jobs, base, tally), req, base, tally,
-                       prompt_tokens)
+        return _framed(_chat_chunks(serving, req, jobs, base, tally, internal), req, base,
+                       tally, prompt_tokens, internal)
     tally = _Tally(len(jobs))
     async for d in serving.run(jobs):
         tally.add(d)
@@ -55,37 +83,47 @@ async def chat(serving: OpenAIServing, req: ChatCompletionRequest, jobs: list[Jo
 
 
 async def _framed(chunks: AsyncIterator[bytes], req, base: dict, tally: _Tally,
-                  prompt_tokens: int) -> AsyncIterator[bytes]:
+                  prompt_tokens: int, internal: Internal) -> AsyncIterator[bytes]:
     """The SSE stream around the content chunks: the usage chunk when asked for, an error
     as an event (the status line is gone by then), and `[DONE]`."""
     try:
         async for chunk in chunks:
             yield chunk
         if req.include_usage:
-            yield sse(base | {"choices": [], "usage": usage(prompt_tokens, sum(tally.tokens),
-                                                            tally.cached)})
+            yield sse(base | {"choices": [], "usage": internal.usage(
+                prompt_tokens, sum(tally.tokens), tally.cached)})
     except Exception as err:  # noqa: BLE001 - reported in-band
         yield sse(engine_error(err).body())
     yield SSE_DONE
 
 
 async def _chat_chunks(serving: OpenAIServing, req: ChatCompletionRequest, jobs: list[Job],
-                       base: dict, tally: _Tally) -> AsyncIterator[bytes]:
-    for job in jobs:
-        yield sse(base | {"choices": [{"index": job.index, "delta": {
-            "role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]})
+                       base: dict, tally: _Tally, internal: Internal) -> AsyncIterator[bytes]:
+    if not internal.resumed:  # a resumed stream's client has its role chunk already
+        for job in jobs:
+            first = base | {"choices": [{"index": job.index, "delta": {
+                "role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]}
+            if internal.return_token_ids:
+                first["prompt_token_ids"] = job.prompt_ids
+            yield sse(first)
+    ids = internal.return_token_ids
     async for d in serving.run(jobs):
         tally.add(d)
-        if not d.text and d.finish_reason is None and not (req.logprobs and d.logprobs):
+        if not (d.text or d.finish_reason is not None or (req.logprobs and d.logprobs)
+                or (ids and d.token_ids)):
             continue
         lps = serving.chat_logprobs(d.logprobs or []) if req.logprobs else None
-        yield sse(base | {"choices": [{"index": d.index, "delta": {"content": d.text},
-                                       "logprobs": lps, "finish_reason": d.finish_reason}]})
+        choice = {"index": d.index, "delta": {"content": d.text}, "logprobs": lps,
+                  "finish_reason": d.finish_reason}
+        if ids:
+            choice["token_ids"] = d.token_ids
+        yield sse(base | {"choices": [choice]})
 
 
 async def completion(serving: OpenAIServing, req: CompletionRequest, jobs: list[Job],
-                     prompts: list[list[int]], response_id: str) -> dict | AsyncIterator[bytes]:
-    created = int(time.time())
+                     prompts: list[list[int]], response_id: str, internal: Internal = PUBLIC
+                     ) -> dict | AsyncIterator[bytes]:
+    created = internal.created or int(time.time())
     prompt_tokens = sum(len(p) for p in prompts)
     per_prompt = len(jobs) // len(prompts)
     echo = [_echo_text(serving, req, prompts, job.index // per_prompt) for job in jobs]
@@ -93,8 +131,8 @@ async def completion(serving: OpenAIServing, req: CompletionRequest, jobs: list[
         base = {"id": response_id, "object": "text_completion", "created": created,
                 "model": serving.model_name}
         tally = _Tally(len(jobs))
-        return _framed(_completion_chunks(serving, req, jobs, echo, base, tally), req, base,
-                       tally, prompt_tokens)
+        return _framed(_completion_chunks(serving, req, jobs, echo, base, tally, internal),
+                       req, base, tally, prompt_tokens, internal)
     tally = _Tally(len(jobs))
     async for d in serving.run(jobs):
         tally.add(d)
@@ -117,21 +155,28 @@ def _echo_text(serving: OpenAIServing, req: CompletionRequest, prompts, p: int) 
 
 
 async def _completion_chunks(serving: OpenAIServing, req: CompletionRequest, jobs: list[Job],
-                             echo: list[str], base: dict, tally: _Tally
+                             echo: list[str], base: dict, tally: _Tally, internal: Internal
                              ) -> AsyncIterator[bytes]:
-    offsets = [len(e) for e in echo]
+    offsets = [len(e) + internal.resumed_text_offset for e in echo]
+    ids = internal.return_token_ids
     for job in jobs:
-        if echo[job.index]:
-            yield sse(base | {"choices": [{"index": job.index, "text": echo[job.index],
-                                           "logprobs": None, "finish_reason": None}]})
+        if echo[job.index] or (ids and not internal.resumed):
+            first = base | {"choices": [{"index": job.index, "text": echo[job.index],
+                                         "logprobs": None, "finish_reason": None}]}
+            if ids:
+                first["prompt_token_ids"] = job.prompt_ids
+            yield sse(first)
     async for d in serving.run(jobs):
         tally.add(d)
-        if not d.text and d.finish_reason is None and not (req.logprobs is not None
-                                                            and d.logprobs):
+        if not (d.text or d.finish_reason is not None
+                or (req.logprobs is not None and d.logprobs) or (ids and d.token_ids)):
             continue
         lps = None
         if req.logprobs is not None:
             lps = serving.completion_logprobs(d.logprobs or [], offsets[d.index])
         offsets[d.index] += len(d.text)
-        yield sse(base | {"choices": [{"index": d.index, "text": d.text, "logprobs": lps,
-                                       "finish_reason": d.finish_reason}]})
+        choice = {"index": d.index, "text": d.text, "logprobs": lps,
+                  "finish_reason": d.finish_reason}
+        if ids:
+            choice["token_ids"] = d.token_ids
+        yield sse(base | {"choices": [choice]})

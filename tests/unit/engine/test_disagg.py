@@ -140,7 +140,7 @@ def test_expired_lease_recomputes_locally(tokenizer):
         p.step()  # the lease expires: the prefill's blocks are freed
         assert p.kv.num_used_blocks == 0
         tokens, _ = decode(d, "y", ids, params)
-        assert d.kvx.stats.failures == 1 and d.kvx.stats.fallbacks == {"transfer_failed": 1}
+        assert d.kvx.stats.failures == 1 and d.kvx.stats.fallbacks == {"lease_expired": 1}
         ref = EngineCore(EngineConfig(dtype="float32", num_kv_blocks=128))
         assert tokens == colocated(ref, "z", ids)
         assert_no_blocks(p, d)

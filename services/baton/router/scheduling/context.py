@@ -8,5 +8,5 @@ from dataclasses import dataclass, field
 @dataclass
 class RoutingContext:
     model: str | None = None
-    role: str = "decode"  # the phase to place: "decode" (or colocated) or "prefill"
+    role: str = "decode"  # the phase: "decode" (decode or colocated), "prefill", "resume"
     tried: set[str] = field(default_factory=set)  # endpoint URLs that failed this request

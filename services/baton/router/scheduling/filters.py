@@ -39,9 +39,12 @@ def model(endpoints: list[Endpoint], ctx: RoutingContext) -> list[Endpoint]:
 @register("role")
 def role(endpoints: list[Endpoint], ctx: RoutingContext) -> list[Endpoint]:
     """Endpoints that can run this request's phase: decoding (or a whole request) runs on
-    `decode` or colocated `both` workers; a remote prefill only on `prefill` workers."""
+    `decode` or colocated `both` workers; a remote prefill only on `prefill` workers; a
+    stream resumed after its decode pod died only on `decode` workers."""
     if ctx.role == "prefill":
         return [e for e in endpoints if e.role == "prefill"]
+    if ctx.role == "resume":
+        return [e for e in endpoints if e.role == "decode"]
     return [e for e in endpoints if e.role in ("both", "decode")]
 
 
