@@ -33,11 +33,14 @@ def http_get(url: str, timeout: float = 5.0) -> tuple[int | None, bytes]:
         return None, b""
 
 
-def metric_value(base_url: str, name: str) -> float:
+def metric_value(base_url: str, name: str, default: float | None = None) -> float:
+    """A sample's value; `default` for a labelled series not created yet (else KeyError)."""
     _, page = http_get(base_url + "/metrics")
     for line in page.decode().splitlines():
         if line.startswith(name + " ") or line.startswith(name + "{"):
             return float(line.rsplit(" ", 1)[1])
+    if default is not None:
+        return default
     raise KeyError(name)
 
 

@@ -54,9 +54,13 @@ def test_remote_and_local_prefill_match_colocated(disagg, reference_llm):
                              SamplingParams(temperature=0, max_tokens=16),
                              use_tqdm=False)[0].outputs[0].text
     assert chat(router, long_text)["choices"][0]["message"]["content"] == ref
+    local_before = metric_value(router, 'baton:disagg_decisions_total{decision="local"}', 0)
+    # The same prompt again: the decode pod has it cached, so it stays local (and exact).
     code, _, sse = post_json(router + "/v1/chat/completions", {
         "model": MODEL, "messages": [{"role": "user", "content": long_text}],
         "temperature": 0, "max_tokens": 16, "stream": True})
+    assert metric_value(router, 'baton:disagg_decisions_total{decision="local"}', 0) \
+        == local_before + 1
     assert code == 200 and sse.endswith("data: [DONE]\n\n")
     import json
 
@@ -64,12 +68,17 @@ def test_remote_and_local_prefill_match_colocated(disagg, reference_llm):
                    for line in sse.splitlines()
                    if line.startswith("data: {") and '"choices":[{' in line)
     assert text == ref
+    other = make_text(3, 4) + "\nSummarise it."
+    other_ref = reference_llm.chat([{"role": "user", "content": other}],
+                                   SamplingParams(temperature=0, max_tokens=16),
+                                   use_tqdm=False)[0].outputs[0].text
+    assert chat(router, other)["choices"][0]["message"]["content"] == other_ref
     short_ref = reference_llm.chat([{"role": "user", "content": "Hi there"}],
                                    SamplingParams(temperature=0, max_tokens=16),
                                    use_tqdm=False)[0].outputs[0].text
     assert chat(router, "Hi there")["choices"][0]["message"]["content"] == short_ref
     assert metric_value(router, 'baton:disagg_decisions_total{decision="remote"}') >= 2
-    assert metric_value(router, 'baton:disagg_decisions_total{decision="local"}') >= 1
+    assert metric_value(router, 'baton:disagg_decisions_total{decision="local"}', 0) >= 1
     assert metric_value(disagg["decode"], "baton:kv_transfer_bytes_total") > 0
     assert metric_value(disagg["decode"], "baton:kv_transfer_seconds_count") >= 2
     assert_idle([disagg["prefill"], disagg["decode"]])
@@ -92,7 +101,11 @@ def test_dead_prefill_worker_falls_back_to_local_prefill(disagg, reference_llm):
     assert chat(router, long_text)["choices"][0]["message"]["content"] == ref
     wait_for(lambda: http_get(router + "/workers")[1].count(b'"healthy": true') == 1, 5,
              "the router to mark the prefill worker down")
-    assert chat(router, long_text)["choices"][0]["message"]["content"] == ref
+    other = make_text(4, 5) + "\nWhat is it about?"  # not cached on decode: worth a prefill
+    other_ref = reference_llm.chat([{"role": "user", "content": other}],
+                                   SamplingParams(temperature=0, max_tokens=16),
+                                   use_tqdm=False)[0].outputs[0].text
+    assert chat(router, other)["choices"][0]["message"]["content"] == other_ref
     fallbacks = sum(metric_value(router, f'baton:fallbacks_total{{reason="{r}"}}')
                     for r in ("prefill_failed", "no_prefill_worker")
                     if f'reason="{r}"'.encode() in http_get(router + "/metrics")[1])

@@ -125,9 +125,10 @@ class Router:
                                        f"{sorted(known)}", param="model",
                                   code="model_not_found")
             rid = request.headers.get("X-Request-Id") or uuid.uuid4().hex
-            decode = await self.proxy.remote_prefill(api, req, body, rid, req.model)
-            response = await self.proxy.forward(request, path, body, rid, req.model,
-                                                req.stream, decode)
+            ctx = self.proxy.context(api, req, req.model)
+            decode = await self.proxy.remote_prefill(api, req, body, rid, ctx)
+            response = await self.proxy.forward(request, path, body, rid, ctx, req.stream,
+                                                decode)
         except OpenAIError as err:
             response = _error(err)
         self.metrics.requests.labels(str(response.status)).inc()

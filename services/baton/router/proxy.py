@@ -29,6 +29,7 @@ from aiohttp import web
 from baton.common.errors import OpenAIError
 from baton.common.metrics import RouterMetrics
 from baton.router.discovery import Endpoint, StaticDiscovery
+from baton.router.prefix import TOKENS_PER_BLOCK, PrefixIndex, block_hashes, prompt_of
 from baton.router.resume import DecodeCall, StreamTracker
 from baton.router.scheduling.context import RoutingContext
 from baton.router.scheduling.pipeline import PREFILL_FILTERS, RoutingPipeline
@@ -56,9 +57,10 @@ class ProxySettings:
 
 @dataclass(frozen=True)
 class DisaggSettings:
-    """Remote prefill when the prompt is at least `min_prefill_tokens` long (estimated: the
-    router does not tokenise; ~4 characters a token) and a prefill worker is healthy and
-    not saturated; `n` > 1 and several prompts stay local."""
+    """Remote prefill when the prompt tokens not already cached on the chosen decode pod
+    are at least `min_prefill_tokens` (estimated: the router does not tokenise; ~4
+    characters a token; the cache as `router.prefix` knows it) and a prefill worker is
+    healthy and not saturated; `n` > 1 and several prompts stay local."""
 
     min_prefill_tokens: int = 256
     prefill_timeout_s: float = 60.0
@@ -110,27 +112,40 @@ class Proxy:
         self.prefill_pipeline = RoutingPipeline(filters=PREFILL_FILTERS,
                                                 scorers={"queue": 1.0}, picker="max_score")
         self._timeout = aiohttp.ClientTimeout(total=None, connect=settings.connect_timeout_s)
+        self.prefix = PrefixIndex()
+
+    def context(self, api: str, req, model: str) -> RoutingContext:
+        """The routing context of a request, with its prompt's block hashes."""
+        prompt = prompt_of(api, req)
+        return RoutingContext(model=model, prefix_index=self.prefix,
+                              prefix_hashes=block_hashes(prompt) if prompt else [])
 
     async def remote_prefill(self, api: str, req, body: bytes, request_id: str,
-                             model: str) -> DecodeCall | None:
-        """Decide, and when remote, run the prefill: returns what a decode pod gets, with
-        the prompt's ids and `kv_transfer_params` when a prefill pod ran, without them to
-        prefill on the decode pod (the fallback); None without decode pods (colocated)."""
-        if not any(e.role == "decode" for e in self.discovery.all()):
+                             ctx: RoutingContext) -> DecodeCall | None:
+        """Pick the decode pod, then decide, and when remote, run the prefill: returns what
+        the decode pod gets, with the prompt's ids and `kv_transfer_params` when a prefill
+        pod ran, without them to prefill on the decode pod (the fallback); None without
+        decode pods (colocated)."""
+        endpoints = self.discovery.all()
+        if not any(e.role == "decode" for e in endpoints):
             return None
         call = DecodeCall(api, json.loads(body))
-        found = await self._prefill(api, req, call.request, request_id, model)
+        call.preferred = self.pipeline.pick(endpoints, ctx)
+        cached = 0
+        if call.preferred is not None:
+            cached = self.prefix.match(call.preferred.url, ctx.prefix_hashes) * TOKENS_PER_BLOCK
+        found = await self._prefill(api, req, call.request, request_id, ctx.model, cached)
         if found is not None:
             call.prompt_token_ids, call.kv_transfer_params = found
         return call
 
     async def _prefill(self, api: str, req, original: dict, request_id: str,
-                       model: str) -> tuple[list[int], dict] | None:
+                       model: str, cached: int) -> tuple[list[int], dict] | None:
         endpoints = self.discovery.all()
         if not any(e.role == "prefill" for e in endpoints):
-            return None  # a colocated deployment: nothing to decide
+            return None  # no prefill pods: nothing to decide
         tokens = estimate_prompt_tokens(api, req)
-        if tokens is None or tokens < self.disagg.min_prefill_tokens:
+        if tokens is None or tokens - cached < self.disagg.min_prefill_tokens:
             self.metrics.disagg_decisions.labels("local").inc()
             return None
         ep = self.prefill_pipeline.pick(endpoints, RoutingContext(model=model, role="prefill"))
@@ -168,22 +183,29 @@ class Proxy:
         return answer["prompt_token_ids"], answer["kv_transfer_params"]
 
     async def forward(self, request: web.Request, path: str, body: bytes, request_id: str,
-                      model: str, stream: bool, decode: DecodeCall | None = None
+                      ctx: RoutingContext, stream: bool, decode: DecodeCall | None = None
                       ) -> web.StreamResponse:
         """Colocated workers get the client's request on `path`; decode pods get `decode`
-        on /internal/generate, and a stream they drop moves to another decode pod."""
+        on /internal/generate (the first try on the pod it was planned for), and a stream
+        they drop moves to another decode pod."""
         s = self.settings
         loop = asyncio.get_running_loop()
         deadline = loop.time() + s.request_timeout_s
-        ctx = RoutingContext(model=model)
+        model = ctx.model
         client = _ClientSide(request)
         tracker = StreamTracker(decode) if decode is not None and decode.resumable else None
         last: _Retryable | None = None
         attempt = 0
+        preferred = decode.preferred if decode is not None else None
         while attempt < s.max_attempts:
-            ep = self.pipeline.pick(self.discovery.all(), ctx)
+            if preferred is not None and preferred.healthy and not preferred.circuit_open():
+                ep = preferred
+            else:
+                ep = self.pipeline.pick(self.discovery.all(), ctx)
+            preferred = None
             if ep is None:
                 break
+            self.prefix.add(ep.url, ctx.prefix_hashes)
             if attempt:
                 self.metrics.retries.inc()
                 await asyncio.sleep(min(s.backoff_s * 2 ** (attempt - 1),
@@ -202,12 +224,14 @@ class Proxy:
             except _Retryable as err:
                 last = err
                 ctx.tried.add(ep.url)
+                self.prefix.forget(ep.url)
                 self.metrics.upstream_errors.labels(ep.url, err.reason).inc()
                 log.warning("request %s: worker %s failed (%s); %s", request_id, ep.url,
                             err.reason, "retrying" if attempt < s.max_attempts
                             else "giving up")
             except _Interrupted as err:
                 ctx.tried.add(ep.url)
+                self.prefix.forget(ep.url)
                 ctx.role = "resume"  # only decode pods can take the stream over
                 self.metrics.upstream_errors.labels(ep.url, "mid-stream").inc()
                 if tracker.exhausted:

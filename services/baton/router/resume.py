@@ -17,7 +17,7 @@ is exact), and a stop string that straddles the break is not matched.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass
@@ -26,6 +26,7 @@ class DecodeCall:
     request: dict  # the client's OpenAI body
     prompt_token_ids: list[int] | None = None
     kv_transfer_params: dict | None = None
+    preferred: object | None = field(default=None, repr=False)  # the decode pod picked first
 
     @property
     def resumable(self) -> bool:

@@ -95,3 +95,26 @@ def test_circuit_breaker_opens_after_threshold():
     assert a.circuit_open()
     d.record_success(a)
     assert not a.circuit_open() and a.consecutive_failures == 0
+
+
+def test_prefix_index_and_scorer():
+    from baton.router.prefix import CHARS_PER_BLOCK, PrefixIndex, block_hashes
+
+    text = "".join(chr(65 + i % 26) for i in range(CHARS_PER_BLOCK * 5 + 10))
+    hashes = block_hashes(text)
+    assert len(hashes) == 5  # whole blocks only
+    assert block_hashes(text[:CHARS_PER_BLOCK * 2]) == hashes[:2]  # a hash names a prefix
+    other = block_hashes("x" + text[1:])
+    assert not set(other) & set(hashes)  # a different first block changes every hash
+    assert len(block_hashes(list(range(40)))) == 2  # token prompts: 16 ids a block
+    index = PrefixIndex(capacity_per_worker=6)
+    a, b = ep("a"), ep("b")
+    index.add(a.url, hashes[:3])
+    assert index.match(a.url, hashes) == 3 and index.match(b.url, hashes) == 0
+    ctx = RoutingContext(model="m", prefix_hashes=hashes, prefix_index=index)
+    assert SCORERS["prefix"]([a, b], ctx) == [0.6, 0.0]
+    assert RoutingPipeline.from_policy("load").pick([b, a], ctx) is a  # equal load: affinity
+    index.add(a.url, other)  # 5 more: the LRU keeps the newest 6
+    assert index.match(a.url, hashes) == 0 and index.match(a.url, other) == 5
+    index.forget(a.url)
+    assert index.match(a.url, other) == 0

@@ -25,6 +25,15 @@ def queue(endpoints: list[Endpoint], ctx: RoutingContext) -> list[float]:
     return [1.0 / (1.0 + e.queue_depth) for e in endpoints]
 
 
+@register("prefix")
+def prefix(endpoints: list[Endpoint], ctx: RoutingContext) -> list[float]:
+    """A longer share of the prompt probably cached on the worker is better (router.prefix)."""
+    hashes, index = ctx.prefix_hashes, ctx.prefix_index
+    if not hashes or index is None:
+        return [0.0] * len(endpoints)
+    return [index.match(e.url, hashes) / len(hashes) for e in endpoints]
+
+
 @register("kv_usage")
 def kv_usage(endpoints: list[Endpoint], ctx: RoutingContext) -> list[float]:
     """More free KV cache is better."""
