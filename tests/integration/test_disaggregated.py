@@ -90,6 +90,40 @@ def test_internal_endpoints_are_not_routed(disagg):
     assert code == 404
 
 
+def test_ttft_breakdown_on_request(disagg):
+    import json
+    import urllib.request
+
+    def ask(content: str, stream: bool, timing: bool):
+        req = urllib.request.Request(disagg["router"] + "/v1/chat/completions", data=json.dumps({
+            "model": MODEL, "messages": [{"role": "user", "content": content}],
+            "temperature": 0, "max_tokens": 4, "stream": stream}).encode(),
+            headers={"Content-Type": "application/json"} | (
+                {"X-Baton-Timing": "1"} if timing else {}))
+        with urllib.request.urlopen(req, timeout=60) as r:
+            raw = r.read().decode()
+        if not stream:
+            return json.loads(raw)
+        return [json.loads(line[6:]) for line in raw.splitlines()
+                if line.startswith("data: {")]
+
+    keys = {"router_queue_s", "prefill_s", "transfer_s", "decode_queue_s", "first_token_s",
+            "total_s"}
+    whole = ask(make_text(3, 3) + "\nTitle?", False, True)["baton_ttft"]
+    assert set(whole) == keys and whole["prefill_s"] > 0 and whole["transfer_s"] > 0
+    assert whole["total_s"] == pytest.approx(sum(v for k, v in whole.items()
+                                                 if k not in ("total_s", "transfer_s")),
+                                             abs=1e-5)
+    events = ask(make_text(3, 5) + "\nTitle?", True, True)
+    timed = [e for e in events if "baton_ttft" in e]
+    assert len(timed) == 1 and timed[0]["baton_ttft"]["transfer_s"] > 0
+    assert timed[0]["choices"][0]["finish_reason"] is not None  # on the last event
+    local = ask("Hi", False, True)["baton_ttft"]  # short: prefilled on the decode pod
+    assert local["prefill_s"] == 0 and local["transfer_s"] == 0
+    assert "baton_ttft" not in ask("Hi again", False, False)  # only when asked for
+    assert_idle([disagg["prefill"], disagg["decode"]])
+
+
 def test_dead_prefill_worker_falls_back_to_local_prefill(disagg, reference_llm):
     router, prefill = disagg["router"], disagg["procs"]["prefill"]
     long_text = make_text(4, 3) + "\nWhat is it about?"

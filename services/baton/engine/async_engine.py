@@ -124,7 +124,10 @@ class AsyncEngine:
                     raise EngineDeadError(f"the engine loop died: {batch[-1].error!r}")
                 result.outputs[0].add(batch)
                 result.num_cached_tokens = batch[-1].num_cached_tokens or result.num_cached_tokens
-                result.queue_time = batch[-1].queue_time
+                for out in batch:
+                    if out.queue_time is not None:
+                        result.queue_time = out.queue_time
+                        result.kv_transfer_time = out.kv_transfer_time
                 result.kv_transfer_params = batch[-1].kv_transfer_params
                 yield result
                 if batch[-1].finished:

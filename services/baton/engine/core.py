@@ -212,15 +212,22 @@ class EngineCore:
         lps = [lp] if lp is not None else None
         if finished:
             return self._final_output(req, [token], text, lps)
-        return EngineOutput(req.request_id, [token], text, lps)
+        out = EngineOutput(req.request_id, [token], text, lps)
+        if req.num_output_tokens == 1:  # the first token: how it was reached
+            out.queue_time, out.kv_transfer_time = self._queued(req), req.kv_transfer_time
+        return out
+
+    @staticmethod
+    def _queued(req: Request) -> float | None:
+        return (None if req.first_scheduled_time is None
+                else req.first_scheduled_time - req.arrival_time)
 
     def _final_output(self, req: Request, tokens: list[int], text: str, lps) -> EngineOutput:
         detok = self._detok.pop(req.request_id, None)
         if detok is not None:
             text += detok.flush()
         self.runner.sampler.release(req.request_id)
-        queued = (None if req.first_scheduled_time is None
-                  else req.first_scheduled_time - req.arrival_time)
+        queued = self._queued(req)
         params = None
         if req.request_id in self.scheduler.held:
             params = self.kvx.lease(req, self.kv.get_block_ids(req.request_id),
@@ -229,7 +236,7 @@ class EngineCore:
                             finish_reason=req.status.finish_reason, stop_reason=req.stop_reason,
                             num_prompt_tokens=req.num_prompt_tokens,
                             num_cached_tokens=req.num_cached_tokens, queue_time=queued,
-                            kv_transfer_params=params)
+                            kv_transfer_time=req.kv_transfer_time, kv_transfer_params=params)
 
     # -- introspection ---------------------------------------------------------------------
     @property

@@ -101,6 +101,7 @@ class KVCoordinator:
             self.stats.transfers += 1
             if t.finished is not None:
                 self.stats.seconds.append(t.finished - t.started)
+                req.kv_transfer_time = t.finished - t.started
             if rid in sched.zombies:
                 sched.reap(rid)
                 continue

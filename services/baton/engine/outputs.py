@@ -20,7 +20,8 @@ class EngineOutput:
     stop_reason: int | str | None = None
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0
-    queue_time: float | None = None  # arrival -> first scheduled, on the final output
+    queue_time: float | None = None  # arrival -> first scheduled; first and final outputs
+    kv_transfer_time: float | None = None  # decode role: the KV pull; first and final
     kv_transfer_params: dict | None = None  # prefill role: where a decode pod pulls the KV
 
     @property
@@ -71,6 +72,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     num_cached_tokens: int = 0
     queue_time: float | None = None
+    kv_transfer_time: float | None = None
     kv_transfer_params: dict | None = None
 
     @property

@@ -61,6 +61,7 @@ class Request:
     priority: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
     first_scheduled_time: float | None = None
+    kv_transfer_time: float | None = None  # decode role: how long the KV pull took
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission

@@ -116,6 +116,7 @@ class Router:
 
     async def _relay(self, request: web.Request, path: str, model_cls,
                      api: str) -> web.StreamResponse:
+        received = time.monotonic()
         try:
             body = await request.read()
             req = parse_request(model_cls, body)
@@ -128,7 +129,7 @@ class Router:
             ctx = self.proxy.context(api, req, req.model)
             decode = await self.proxy.remote_prefill(api, req, body, rid, ctx)
             response = await self.proxy.forward(request, path, body, rid, ctx, req.stream,
-                                                decode)
+                                                decode, received)
         except OpenAIError as err:
             response = _error(err)
         self.metrics.requests.labels(str(response.status)).inc()

@@ -134,12 +134,12 @@ class Proxy:
         cached = 0
         if call.preferred is not None:
             cached = self.prefix.match(call.preferred.url, ctx.prefix_hashes) * TOKENS_PER_BLOCK
-        found = await self._prefill(api, req, call.request, request_id, ctx.model, cached)
+        found = await self._prefill(api, req, call, request_id, ctx.model, cached)
         if found is not None:
             call.prompt_token_ids, call.kv_transfer_params = found
         return call
 
-    async def _prefill(self, api: str, req, original: dict, request_id: str,
+    async def _prefill(self, api: str, req, call: DecodeCall, request_id: str,
                        model: str, cached: int) -> tuple[list[int], dict] | None:
         endpoints = self.discovery.all()
         if not any(e.role == "prefill" for e in endpoints):
@@ -153,7 +153,8 @@ class Proxy:
             self.metrics.disagg_decisions.labels("local").inc()
             self.metrics.fallbacks.labels("no_prefill_worker").inc()
             return None
-        payload = json.dumps({"api": api, "request": original}).encode()
+        payload = json.dumps({"api": api, "request": call.request}).encode()
+        t0 = time.monotonic()
         ep.inflight += 1
         try:
             async with asyncio.timeout(self.disagg.prefill_timeout_s):
@@ -172,6 +173,7 @@ class Proxy:
             return None
         finally:
             ep.inflight -= 1
+            call.prefill_s = time.monotonic() - t0
         if answer is None:
             if status >= 500:
                 self.discovery.record_failure(ep)
@@ -183,11 +185,12 @@ class Proxy:
         return answer["prompt_token_ids"], answer["kv_transfer_params"]
 
     async def forward(self, request: web.Request, path: str, body: bytes, request_id: str,
-                      ctx: RoutingContext, stream: bool, decode: DecodeCall | None = None
-                      ) -> web.StreamResponse:
+                      ctx: RoutingContext, stream: bool, decode: DecodeCall | None = None,
+                      received: float | None = None) -> web.StreamResponse:
         """Colocated workers get the client's request on `path`; decode pods get `decode`
         on /internal/generate (the first try on the pod it was planned for), and a stream
-        they drop moves to another decode pod."""
+        they drop moves to another decode pod. `received` (monotonic) is when the request
+        arrived, for a TTFT breakdown when the client asked for one (`X-Baton-Timing`)."""
         s = self.settings
         loop = asyncio.get_running_loop()
         deadline = loop.time() + s.request_timeout_s
@@ -217,9 +220,14 @@ class Proxy:
                 payload = tracker.continuation()
             else:
                 payload = decode.body() if internal else body
+            headers = {"Content-Type": "application/json", "X-Request-Id": request_id}
+            if received is not None and "X-Baton-Timing" in request.headers:
+                prefill = decode.prefill_s if decode is not None else 0.0
+                queued = max(time.monotonic() - received - prefill, 0.0)
+                headers["X-Baton-Timing"] = f"router_queue={queued:.6f},prefill={prefill:.6f}"
             try:
                 return await self._attempt(client, ep, "/internal/generate" if internal
-                                           else path, payload, request_id, stream, deadline,
+                                           else path, payload, headers, stream, deadline,
                                            tracker if internal else None)
             except _Retryable as err:
                 last = err
@@ -260,7 +268,7 @@ class Proxy:
         return await client.fail_in_band(error)  # 200 and headers already went out
 
     async def _attempt(self, client: _ClientSide, ep: Endpoint, path: str, body: bytes,
-                       request_id: str, stream: bool, deadline: float,
+                       headers: dict, stream: bool, deadline: float,
                        tracker: StreamTracker | None = None) -> web.StreamResponse:
         """One try on one worker; raises _Retryable while no body byte reached the client.
         For a stream, the client gets its 200 and headers as soon as the worker sends its
@@ -270,7 +278,6 @@ class Proxy:
         loop = asyncio.get_running_loop()
         t0 = loop.time()
         timer = asyncio.timeout_at(min(t0 + s.first_byte_timeout_s, deadline))
-        headers = {"Content-Type": "application/json", "X-Request-Id": request_id}
         resp = None
         try:
             async with timer:

@@ -27,6 +27,7 @@ class DecodeCall:
     prompt_token_ids: list[int] | None = None
     kv_transfer_params: dict | None = None
     preferred: object | None = field(default=None, repr=False)  # the decode pod picked first
+    prefill_s: float = 0.0  # how long the remote prefill took (0 when local)
 
     @property
     def resumable(self) -> bool:

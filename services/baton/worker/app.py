@@ -17,7 +17,7 @@ import os
 import signal
 import time
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from fastapi import FastAPI, Request
 from starlette.background import BackgroundTask
@@ -179,6 +179,9 @@ async def serve_openai(request: Request, state: WorkerState, api: str, req,
     a router asked of /internal/generate."""
     serving = state.require_serving()
     serving.check_model(req.model)
+    timing = request.headers.get("x-baton-timing")
+    if timing is not None:
+        internal = replace(internal, timing=_parse_timing(timing))
     params = req.to_sampling_params()
     prompts = prompts if prompts is not None else prompts_of(serving, api, req)
     rid = request.headers.get("x-request-id") or new_id(
@@ -191,6 +194,17 @@ async def serve_openai(request: Request, state: WorkerState, api: str, req,
         make_body = lambda: openai_api.completion(  # noqa: E731
             serving, req, jobs, prompts, rid, internal)
     return await _respond(request, serving, jobs, make_body, req.stream)
+
+
+def _parse_timing(header: str) -> dict:
+    """`X-Baton-Timing`: "1" / "true" from a client, or the router's "name=seconds,..."."""
+    if header.strip().lower() in ("1", "true", "yes", ""):
+        return {}
+    try:
+        return {k.strip(): float(v) for k, v in (p.split("=", 1) for p in header.split(","))}
+    except ValueError:
+        raise OpenAIError(400, "X-Baton-Timing is 1/true, or name=seconds pairs separated by "
+                               "commas") from None
 
 
 async def _respond(request: Request, serving: OpenAIServing, jobs, make_body, stream: bool):

@@ -7,6 +7,11 @@ one `data: {"error": ...}` event followed by `data: [DONE]`, as vLLM does (`_fra
 ids in every streamed chunk (so the router can resume the stream elsewhere if this pod
 dies), and a resumption's bookkeeping (the original prompt and tokens already sent, so the
 usage, ids and offsets continue the interrupted stream instead of starting a new one).
+It also carries `timing`, the router's part of a request's TTFT, when the client asked for
+a TTFT breakdown (header `X-Baton-Timing`): the response then has `baton_ttft` (seconds:
+router queue, prefill, decode queue, first token, and their sum `total_s`; plus the KV
+pull `transfer_s`, which is off the TTFT path: a decode pod streams the prefill's first
+token before it pulls) at the top level of a whole response, or on a stream's last event.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ class Internal:
     resumed_completion_tokens: int = 0  # tokens the client already has
     resumed_text_offset: int = 0  # characters the client already has (completion logprobs)
     created: int | None = None
+    timing: dict | None = None  # the router's part of the TTFT; None: no breakdown asked
 
     @property
     def resumed(self) -> bool:
@@ -41,6 +47,16 @@ class Internal:
 PUBLIC = Internal()
 
 
+def ttft_breakdown(router: dict, worker: dict, transfer: float | None) -> dict:
+    queue = worker.get("queue_s") or 0.0
+    parts = {"router_queue_s": router.get("router_queue", 0.0),
+             "prefill_s": router.get("prefill", 0.0), "decode_queue_s": queue,
+             "first_token_s": max(worker["worker_s"] - queue, 0.0)}
+    parts["total_s"] = sum(parts.values())
+    parts["transfer_s"] = transfer or 0.0
+    return {k: round(v, 6) for k, v in parts.items()}
+
+
 class _Tally:
     """Per-choice accumulation shared by both endpoints."""
 
@@ -50,8 +66,14 @@ class _Tally:
         self.finish: list[str | None] = [None] * n
         self.tokens = [0] * n
         self.cached = 0
+        self.ttft: dict | None = None
+        self.kv_transfer_s: float | None = None
 
     def add(self, d) -> None:
+        if d.ttft is not None and self.ttft is None:
+            self.ttft = d.ttft
+        if d.kv_transfer_s is not None:
+            self.kv_transfer_s = d.kv_transfer_s
         self.text[d.index] += d.text
         self.tokens[d.index] += len(d.token_ids)
         if d.logprobs:
@@ -77,9 +99,10 @@ async def chat(serving: OpenAIServing, req: ChatCompletionRequest, jobs: list[Jo
     choices = [{"index": i, "message": {"role": "assistant", "content": tally.text[i]},
                 "logprobs": serving.chat_logprobs(tally.logprobs[i]) if req.logprobs else None,
                 "finish_reason": tally.finish[i]} for i in range(len(jobs))]
-    return {"id": response_id, "object": "chat.completion", "created": created,
-            "model": serving.model_name, "choices": choices,
-            "usage": usage(prompt_tokens, sum(tally.tokens), tally.cached)}
+    return _timed({"id": response_id, "object": "chat.completion", "created": created,
+                   "model": serving.model_name, "choices": choices,
+                   "usage": usage(prompt_tokens, sum(tally.tokens), tally.cached)},
+                  internal, tally)
 
 
 async def _framed(chunks: AsyncIterator[bytes], req, base: dict, tally: _Tally,
@@ -117,7 +140,8 @@ async def _chat_chunks(serving: OpenAIServing, req: ChatCompletionRequest, jobs:
                   "finish_reason": d.finish_reason}
         if ids:
             choice["token_ids"] = d.token_ids
-        yield sse(base | {"choices": [choice]})
+        event = base | {"choices": [choice]}
+        yield sse(_timed(event, internal, tally) if d.finish_reason is not None else event)
 
 
 async def completion(serving: OpenAIServing, req: CompletionRequest, jobs: list[Job],
@@ -142,9 +166,16 @@ async def completion(serving: OpenAIServing, req: CompletionRequest, jobs: list[
                if req.logprobs is not None else None)
         choices.append({"index": i, "text": echo[i] + tally.text[i], "logprobs": lps,
                         "finish_reason": tally.finish[i]})
-    return {"id": response_id, "object": "text_completion", "created": created,
-            "model": serving.model_name, "choices": choices,
-            "usage": usage(prompt_tokens, sum(tally.tokens), tally.cached)}
+    return _timed({"id": response_id, "object": "text_completion", "created": created,
+                   "model": serving.model_name, "choices": choices,
+                   "usage": usage(prompt_tokens, sum(tally.tokens), tally.cached)},
+                  internal, tally)
+
+
+def _timed(event: dict, internal: Internal, tally: _Tally) -> dict:
+    if internal.timing is not None and tally.ttft is not None:
+        event["baton_ttft"] = ttft_breakdown(internal.timing, tally.ttft, tally.kv_transfer_s)
+    return event
 
 
 def _echo_text(serving: OpenAIServing, req: CompletionRequest, prompts, p: int) -> str:
@@ -179,4 +210,5 @@ async def _completion_chunks(serving: OpenAIServing, req: CompletionRequest, job
                   "finish_reason": d.finish_reason}
         if ids:
             choice["token_ids"] = d.token_ids
-        yield sse(base | {"choices": [choice]})
+        event = base | {"choices": [choice]}
+        yield sse(_timed(event, internal, tally) if d.finish_reason is not None else event)

@@ -38,6 +38,8 @@ class Delta:
     finish_reason: str | None
     num_cached_tokens: int = 0
     kv_transfer_params: dict | None = None
+    ttft: dict | None = None  # on the first token: this worker's part of the TTFT
+    kv_transfer_s: float | None = None  # on the final delta: the KV pull, if there was one
 
 
 @dataclass
@@ -183,9 +185,11 @@ class OpenAIServing:
             async for out in self.engine.outputs(job.request_id, job.stream, job.prompt_ids):
                 c = out.outputs[0]
                 now = time.monotonic()
+                ttft = None
                 if c.delta_token_ids:
                     if last is None:
                         m.ttft.observe(now - job.arrival)
+                        ttft = {"worker_s": now - job.arrival, "queue_s": out.queue_time}
                     else:
                         m.itl.observe(now - last)
                         for _ in range(len(c.delta_token_ids) - 1):
@@ -198,7 +202,8 @@ class OpenAIServing:
                     if out.queue_time is not None:
                         m.queue_time.observe(out.queue_time)
                 yield Delta(job.index, c.delta_text, c.delta_token_ids, c.delta_logprobs,
-                            c.finish_reason, out.num_cached_tokens, out.kv_transfer_params)
+                            c.finish_reason, out.num_cached_tokens, out.kv_transfer_params,
+                            ttft, out.kv_transfer_time if c.finish_reason else None)
         finally:
             if not finished:  # client gone or engine error: the engine aborts it
                 m.requests.labels("abort").inc()
