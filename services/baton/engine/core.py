@@ -76,7 +76,7 @@ class EngineCore:
     def make_request(self, request_id: str, prompt_token_ids: list[int],
                      params: SamplingParams, priority: int = 0, detokenize: bool = True,
                      arrival_time: float | None = None, hold_kv: bool = False,
-                     kv_transfer_params: dict | None = None) -> Request:
+                     kv_transfer_params: dict | None = None, presampled: int = 0) -> Request:
         """Validate and build a request without touching engine state (thread-safe).
 
         `hold_kv` (prefill role): keep the prompt's blocks under a lease when it ends and
@@ -106,9 +106,13 @@ class EngineCore:
         if (hold_kv or kv_transfer_params is not None) and self.kvx is None:
             raise InvalidRequestError("this engine has no KV transport (kv_transport=None)")
         req.hold_kv = hold_kv
+        if presampled < 0:
+            raise InvalidRequestError(f"presampled={presampled} must be >= 0")
+        req.num_presampled = presampled
         if kv_transfer_params is not None:
             req.remote_kv, first = self._remote_kv(kv_transfer_params, n, vocab)
             req.output_token_ids.append(first)
+            req.num_presampled += 1
         return req
 
     def _remote_kv(self, params: dict, num_prompt: int, vocab: int):

@@ -62,6 +62,9 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     first_scheduled_time: float | None = None
     kv_transfer_time: float | None = None  # decode role: how long the KV pull took
+    # Draws a seeded sampler already made for this request elsewhere (a remote prefill's
+    # first token, tokens a resumed stream had sent): ours skips them to continue the seed.
+    num_presampled: int = 0
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at admission

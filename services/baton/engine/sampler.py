@@ -79,16 +79,19 @@ class Sampler:
                              [r.sampling_params.min_p for r in reqs])
         noise = torch.empty_like(probs)
         for i, req in enumerate(reqs):
-            noise[i].exponential_(generator=self._generator(req))
+            noise[i].exponential_(generator=self._generator(req, noise.shape[-1]))
         return (probs / noise).argmax(dim=-1)
 
-    def _generator(self, req: Request) -> torch.Generator:
+    def _generator(self, req: Request, vocab: int) -> torch.Generator:
         seed = req.sampling_params.seed
         if seed is None:
             return self._shared
         gen = self._per_request.get(req.request_id)
         if gen is None:
             gen = self._per_request[req.request_id] = torch.Generator().manual_seed(seed)
+            skip = torch.empty(vocab)
+            for _ in range(req.num_presampled):  # the draws made elsewhere, in order
+                skip.exponential_(generator=gen)
         return gen
 
 

@@ -108,6 +108,9 @@ def install_internal_routes(app: FastAPI, state) -> None:
                 if not (isinstance(ids, list) and all(isinstance(t, int) for t in ids)):
                     raise OpenAIError(400, "prompt_token_ids must be a list of ints")
                 prompts = [ids]
-            return await serve_openai(request, state, api, req, prompts,
-                                      {"kv_transfer_params": kv} if kv else None,
-                                      _internal(msg, ids))
+            internal = _internal(msg, ids)
+            engine_kv = {"kv_transfer_params": kv} if kv else {}
+            if internal.resumed:  # a seeded sampler goes on from where the stream broke
+                engine_kv["presampled"] = internal.resumed_completion_tokens
+            return await serve_openai(request, state, api, req, prompts, engine_kv or None,
+                                      internal)

@@ -196,3 +196,29 @@ def test_bad_transfer_params_are_rejected(engines):
             "num_tokens": 3})
     with pytest.raises(InvalidRequestError, match="no KV transport"):
         c.make_request("b", [1, 2, 3], SamplingParams(), hold_kv=True)
+
+
+def test_seeded_sampling_continues_across_the_handover(engines, tokenizer):
+    """A seeded request gives the same tokens colocated and through prefill -> decode: the
+    decode pod's sampler skips the draw the prefill pod made for the first token."""
+    p, d, c = engines
+    ids = tokenizer.encode(make_text(2, 3) + "\nContinue:")
+    params = SamplingParams(temperature=1.0, top_k=50, seed=1234, max_tokens=N)
+    c.add_request("seed-c", ids, params)
+    want = [t for o in run(c) if o.request_id == "seed-c" for t in o.new_token_ids]
+    pre = p.make_request("seed-p", ids, SamplingParams(temperature=1.0, top_k=50, seed=1234,
+                                                       max_tokens=1), hold_kv=True)
+    p.add(pre)
+    kv = [o for o in run_until_finished(p, "seed-p")][-1].kv_transfer_params
+    req = d.make_request("seed-d", ids, params, kv_transfer_params=kv)
+    got = [t for o in d.add(req) + run(d) if o.request_id == "seed-d" for t in o.new_token_ids]
+    assert got == want
+    # A stream resumed after k tokens (prompt + those tokens, k draws made elsewhere).
+    k = 5
+    c_req = c.make_request("seed-r2", ids + want[:k], SamplingParams(
+        temperature=1.0, top_k=50, seed=1234, max_tokens=N - k), presampled=k)
+    c.add(c_req)
+    outs = run(c)
+    resumed = [t for o in outs if o.request_id == "seed-r2" for t in o.new_token_ids]
+    assert want[:k] + resumed == want
+    assert_no_blocks(p, d, c)
