@@ -6,8 +6,11 @@ their inter-token gaps (client side) are the ITL. Interferers: long prompts (`--
 tokens of unique text, so no prefix-cache hit helps) arriving as a Poisson stream at
 `--long-rate`, each asking for a few tokens. Four runs on local clusters (`baton up`):
 
-- disaggregated without and with the long prompts: 1 prefill pod pinned to core 0 (with the
-  router and this client), 1 decode pod alone on core 1, one thread each;
+- disaggregated without and with the long prompts: 1 prefill pod pinned to core 0, 1 decode
+  pod pinned to core 1, one thread each; the router and this client stand in for other
+  machines and go on `--harness-cpu` (default 1: beside the decode pod whose stream they
+  relay; on core 0 they share a core with a saturated prefill pod, and its scheduling
+  delays show up in the measured gaps);
 - colocated without and with them: one worker with both cores.
 
 Target (issue 4): disaggregated ITL p99 with long prompts <= 1.2x its value without them;
@@ -131,10 +134,11 @@ def run_variant(name: str, args, with_long: bool) -> dict:
     here = os.sched_getaffinity(0)
     try:
         cluster.start()
-        if disagg:  # prefill + router + client on core 0, decode alone on core 1
+        if disagg:  # prefill on core 0, decode on core 1, router + client on --harness-cpu
             for proc_name, proc in cluster.procs:
-                pin_process(proc.pid, {1} if proc_name.startswith("decode") else {0})
-            os.sched_setaffinity(0, {0})
+                cpu = {"prefill": 0, "decode": 1}.get(proc_name.split("-")[0], args.harness_cpu)
+                pin_process(proc.pid, {cpu})
+            os.sched_setaffinity(0, {args.harness_cpu})
         result = asyncio.run(measure(cluster.router_url, args, with_long))
     finally:
         os.sched_setaffinity(0, here)
@@ -152,12 +156,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--long-rate", type=float, default=0.5, help="long prompts per second")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--harness-cpu", type=int, default=1, choices=[0, 1],
+                    help="disaggregated runs: the core of the router and this client (1: "
+                         "beside decode, as its own relay; 0: beside the busy prefill pod)")
+    ap.add_argument("--variants", default="disaggregated,colocated")
     ap.add_argument("--out", type=Path, default=None, help="write the results as JSON")
     args = ap.parse_args(argv)
     if len(os.sched_getaffinity(0)) < 2:
         raise SystemExit("the interference benchmark needs at least 2 CPU cores")
     rows = {}
-    for name in ("disaggregated", "colocated"):
+    for name in args.variants.split(","):
         for with_long in (False, True):
             key = f"{name}{' + long prompts' if with_long else ''}"
             print(f"== {key}", flush=True)
@@ -165,16 +173,15 @@ def main(argv: list[str] | None = None) -> int:
             shown = {k: round(v, 2) if isinstance(v, float) else v
                      for k, v in rows[key].items()}
             print(f"   {json.dumps(shown)}", flush=True)
-    d0, d1 = rows["disaggregated"], rows["disaggregated + long prompts"]
-    c0, c1 = rows["colocated"], rows["colocated + long prompts"]
     print(f"\n{'':28s} {'ITL p50 ms':>11s} {'ITL p99 ms':>11s} {'long done':>10s}")
     for key, r in rows.items():
         print(f"{key:28s} {r['itl_p50_ms']:11.1f} {r['itl_p99_ms']:11.1f} "
               f"{r['long_prompts_done']:10d}")
-    print(f"\ndisaggregated ITL p99 with long prompts / without: "
-          f"{d1['itl_p99_ms'] / d0['itl_p99_ms']:.2f}x (target <= 1.2x)")
-    print(f"colocated     ITL p99 with long prompts / without: "
-          f"{c1['itl_p99_ms'] / c0['itl_p99_ms']:.2f}x")
+    for name in args.variants.split(","):
+        base, loaded = rows[name], rows[f"{name} + long prompts"]
+        target = " (target <= 1.2x)" if name == "disaggregated" else ""
+        print(f"{name:14s} ITL p99 with long prompts / without: "
+              f"{loaded['itl_p99_ms'] / base['itl_p99_ms']:.2f}x{target}")
     if args.out is not None:
         args.out.write_text(json.dumps(rows, indent=2))
     return 0
