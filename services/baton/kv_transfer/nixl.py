@@ -25,9 +25,8 @@ import uuid
 
 import torch
 
-from baton.kv_transfer.base import (Endpoint, PeerUnreachableError, TransferError,
-                                    TransferTimeoutError)
-from baton.kv_transfer.tcp import TcpTransport, _recv_msg, _send_msg
+from baton.kv_transfer.base import Endpoint, PeerUnreachableError, TransferError
+from baton.kv_transfer.tcp import TcpTransport, _send_msg
 
 _POLL_S = 0.0002
 
@@ -94,26 +93,11 @@ class NixlTransport(TcpTransport):
                 for lk in range(layers2) for start, n in runs]
 
     # -- holder ----------------------------------------------------------------------------
-    def _serve(self, conn: socket.socket) -> None:
-        # `hello` also hands out our agent metadata and where our cache starts.
-        with conn:
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn.settimeout(60)
-            try:
-                req = _recv_msg(conn)
-                if req.get("fingerprint") != self.layout.fingerprint:
-                    _send_msg(conn, {"ok": False, "kind": "layout", "error":
-                                     f"layout mismatch: holder has {self.layout}"})
-                    return
-                if req["op"] == "hello":
-                    md = base64.b64encode(self.agent.get_agent_metadata()).decode()
-                    _send_msg(conn, {"ok": True, "agent": self.agent_name, "metadata": md,
-                                     "base": self.kv_cache.data_ptr(),
-                                     "blocks": self.kv_cache.shape[2]})
-                elif req["op"] == "pull":
-                    self._serve_pull(conn, req["request_id"], req["src"])
-            except (OSError, ValueError, KeyError):
-                return
+    def _hello(self) -> dict:
+        # A hello also hands out our agent metadata and where our cache starts.
+        md = base64.b64encode(self.agent.get_agent_metadata()).decode()
+        return {"ok": True, "agent": self.agent_name, "metadata": md,
+                "base": self.kv_cache.data_ptr(), "blocks": self.kv_cache.shape[2]}
 
     def _send_blocks(self, conn: socket.socket, blocks: list[int]) -> None:
         # The puller READs the blocks itself; we say the lease is taken and by whom, then
@@ -134,23 +118,12 @@ class NixlTransport(TcpTransport):
 
     # -- puller ----------------------------------------------------------------------------
     def connect(self, peer: Endpoint, timeout_s: float = 5.0) -> None:
-        super().connect(peer, timeout_s)  # layout check and reachability
+        self._check_layout(peer)
         if peer.address not in self._peers:
             self._handshake(peer, timeout_s)
 
     def _handshake(self, peer: Endpoint, timeout_s: float) -> tuple[str, int, int]:
-        with self._open(peer, timeout_s) as sock:
-            try:
-                sock.settimeout(timeout_s)
-                _send_msg(sock, {"op": "hello", "fingerprint": self.layout.fingerprint})
-                reply = _recv_msg(sock)
-            except TimeoutError:
-                raise TransferTimeoutError(f"NIXL handshake with {peer.address} timed out") \
-                    from None
-            except (OSError, ValueError) as err:
-                raise PeerUnreachableError(f"NIXL handshake with {peer.address} failed: "
-                                           f"{err}") from None
-        self._check(reply)
+        reply = self._say_hello(peer, timeout_s)
         with self._peers_lock:
             old = self._peers.get(peer.address)
             if old is not None and old[0] != reply["agent"]:

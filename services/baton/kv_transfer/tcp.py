@@ -172,11 +172,15 @@ class TcpTransport(KVTransport):
                                      f"layout mismatch: holder has {self.layout}"})
                     return
                 if req["op"] == "hello":
-                    _send_msg(conn, {"ok": True})
+                    _send_msg(conn, self._hello())
                 elif req["op"] == "pull":
                     self._serve_pull(conn, req["request_id"], req["src"])
             except (OSError, ValueError, KeyError):
                 return  # the puller sees the connection drop
+
+    def _hello(self) -> dict:
+        """The holder's answer to a puller's hello (after the layout check)."""
+        return {"ok": True}
 
     def _serve_pull(self, conn: socket.socket, request_id: str, src: list[int]) -> None:
         try:
@@ -219,19 +223,32 @@ class TcpTransport(KVTransport):
         return sock
 
     def connect(self, peer: Endpoint, timeout_s: float = 5.0) -> None:
+        self._check_layout(peer)
+        if peer.address in self._connected:
+            return
+        self._say_hello(peer, timeout_s)
+        self._connected.add(peer.address)
+
+    def _check_layout(self, peer: Endpoint) -> None:
         if peer.layout.fingerprint != self.layout.fingerprint:
             raise LayoutMismatchError(f"peer {peer.engine_id} has layout {peer.layout}, "
                                       f"ours is {self.layout}")
-        if peer.address in self._connected:
-            return
+
+    def _say_hello(self, peer: Endpoint, timeout_s: float) -> dict:
+        """The handshake: the holder checks our layout and answers `_hello()`."""
         with self._open(peer, timeout_s) as sock:
             try:
+                sock.settimeout(timeout_s)
                 _send_msg(sock, {"op": "hello", "fingerprint": self.layout.fingerprint})
-                self._check(_recv_msg(sock))
+                reply = _recv_msg(sock)
+            except TimeoutError:
+                raise TransferTimeoutError(f"handshake with {peer.address} timed out") \
+                    from None
             except (OSError, ValueError) as err:
                 raise PeerUnreachableError(f"handshake with {peer.address} failed: "
                                            f"{err}") from None
-        self._connected.add(peer.address)
+        self._check(reply)
+        return reply
 
     @staticmethod
     def _check(reply: dict) -> None:
