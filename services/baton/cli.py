@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
 
@@ -22,6 +23,7 @@ def main(argv: list[str] | None = None) -> int:
     _serve_parser(sub)
     _router_parser(sub)
     _up_parser(sub)
+    _config_parser(sub)
     args = parser.parse_args(argv)
     logging.basicConfig(level=getattr(logging, args.log_level.upper()),
                         format=f"%(asctime)s %(levelname)s [{args.name}] %(name)s: %(message)s")
@@ -99,16 +101,32 @@ def _serve_parser(sub) -> None:
     p.add_argument("--port", type=int, default=8001)
     p.add_argument("--role", default="both", choices=["both", "prefill", "decode"])
     _engine_args(p)
+    p.add_argument("--config-dir", default=None,
+                   help="a mounted tuning ConfigMap (file baton.yaml, section worker): "
+                        "read at start, reloaded live; flags given here win over it")
     _common(p, "worker")
-    p.set_defaults(run=_serve)
+    p.set_defaults(run=_serve, parser=p)
+
+
+_WORKER_TUNABLES = {k: k for k in ("max_num_seqs", "max_num_batched_tokens",
+                                   "kv_failure_policy", "dtype", "num_kv_blocks",
+                                   "block_size", "max_model_len")} | {
+    "kv_lease_ttl": "kv_lease_ttl_s", "kv_transfer_timeout": "kv_transfer_timeout_s"}
 
 
 def _serve(args) -> int:
+    from baton.common.tuning import FILE_NAME, load_tuning
     from baton.worker.app import WorkerSettings, WorkerState, build_app
+    from baton.worker.tuning import configure
 
-    settings = WorkerSettings(engine=_engine_config(args), role=args.role,
+    engine, pinned = _engine_config(args), _pinned(args, _WORKER_TUNABLES)
+    path = os.path.join(args.config_dir or "", FILE_NAME)
+    if args.config_dir is not None and os.path.exists(path):  # invalid: TuningError, exit 2
+        engine = configure(engine, load_tuning(path), pinned)
+    settings = WorkerSettings(engine=engine, role=args.role,
                               served_model_name=args.served_model_name,
-                              max_waiting=args.max_waiting)
+                              max_waiting=args.max_waiting, config_dir=args.config_dir,
+                              pinned=pinned)
     state = WorkerState(settings)
     _run_uvicorn(build_app(settings, state), args.host, args.port, args.log_level)
     if state.load_error is not None:
@@ -135,8 +153,11 @@ def _router_parser(sub) -> None:
     p.add_argument("--disagg-min-prefill-tokens", type=int, default=256,
                    help="remote prefill for prompts at least this long (estimated)")
     p.add_argument("--prefill-timeout", type=float, default=60.0)
+    p.add_argument("--config-dir", default=None,
+                   help="a mounted tuning ConfigMap (file baton.yaml, section router): "
+                        "reloaded live; flags given here win over it")
     _common(p, "router")
-    p.set_defaults(run=_router)
+    p.set_defaults(run=_router, parser=p)
 
 
 def _router(args) -> int:
@@ -160,9 +181,25 @@ def _router(args) -> int:
                             first_byte_timeout_s=args.first_byte_timeout,
                             idle_timeout_s=args.idle_timeout,
                             request_timeout_s=args.request_timeout),
-        disagg=DisaggSettings(args.disagg_min_prefill_tokens, args.prefill_timeout))
-    run(settings, args.host, args.port)
+        disagg=DisaggSettings(args.disagg_min_prefill_tokens, args.prefill_timeout),
+        config_dir=args.config_dir, pinned=_pinned(args, _ROUTER_TUNABLES))
+    run(settings, args.host, args.port)  # an invalid tuning file: TuningError, exit 2
     return 0
+
+
+# flag dest -> the tuning file's field it pins
+_ROUTER_TUNABLES = {"weights": "scorer_weights", "max_attempts": "max_attempts",
+                    "first_byte_timeout": "first_byte_timeout_s",
+                    "idle_timeout": "idle_timeout_s", "request_timeout": "request_timeout_s",
+                    "disagg_min_prefill_tokens": "disagg_min_prefill_tokens",
+                    "prefill_timeout": "prefill_timeout_s"}
+
+
+def _pinned(args, tunables: dict[str, str]) -> frozenset[str]:
+    """Tuning fields set explicitly by a flag (a value other than the flag's default): the
+    config file does not override them (defaults < file < flags)."""
+    return frozenset(field for dest, field in tunables.items()
+                     if getattr(args, dest) != args.parser.get_default(dest))
 
 
 def _run_uvicorn(app, host: str, port: int, log_level: str) -> None:
@@ -171,6 +208,32 @@ def _run_uvicorn(app, host: str, port: int, log_level: str) -> None:
     uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False,
                 loop="uvloop", http="httptools", timeout_graceful_shutdown=5,
                 log_config=None)
+
+
+# -- baton config ------------------------------------------------------------------------
+def _config_parser(sub) -> None:
+    p = sub.add_parser("config", help="check a tuning file offline")
+    p.add_argument("action", choices=["validate"])
+    p.add_argument("file", help="a tuning YAML file (the ConfigMap's baton.yaml)")
+    _common(p, "config")
+    p.set_defaults(run=_config)
+
+
+def _config(args) -> int:
+    from baton.common.tuning import load_tuning, set_fields
+    from baton.router.scheduling.pipeline import RoutingPipeline
+
+    tuning = load_tuning(args.file)  # the same code the services reload with
+    if tuning.router.scorer_weights is not None:  # names checked as the router checks them
+        RoutingPipeline.from_policy("load", tuning.router.scorer_weights)
+    for section in ("router", "worker"):
+        fields = set_fields(getattr(tuning, section))
+        print(f"{section}: {', '.join(f'{k}={v}' for k, v in fields.items()) or '(nothing)'}")
+    restart = {k: v for k, v in tuning.worker.restart.model_dump().items() if v is not None}
+    if restart:
+        print(f"worker.restart (applied at start only): {restart}")
+    print(f"{args.file}: valid")
+    return 0
 
 
 # -- baton up ----------------------------------------------------------------------------

@@ -36,12 +36,27 @@ def render(registry: CollectorRegistry) -> bytes:
     return prometheus_client.generate_latest(registry)
 
 
-class WorkerMetrics:
+class ConfigMetrics:
+    """Reloads of the tuning ConfigMap (`common.tuning`), on every service."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.config_reloads = Counter("baton:config_reloads", "Reloads of the tuning config "
+                                      "file, by result.", ["result"], registry=registry)
+        self.config_restart_pending = Gauge(
+            "baton:config_restart_pending", "1 when the tuning file changed a knob that only "
+            "takes effect after a restart.", registry=registry)
+
+    def reloaded(self, result: str) -> None:
+        self.config_reloads.labels(result).inc()
+
+
+class WorkerMetrics(ConfigMetrics):
     """Per-request latencies and outcomes, plus the engine's own state via `snapshot`."""
 
     def __init__(self, snapshot: Callable[[], dict[str, float]] | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
+        super().__init__(r)
         self.ttft = Histogram("baton:time_to_first_token_seconds",
                               "Time from request arrival to its first output token.",
                               buckets=TTFT_BUCKETS, registry=r)
@@ -112,10 +127,11 @@ class EngineCollector(Collector):
                 yield CounterMetricFamily(name.removesuffix("_total"), doc, value=values[name])
 
 
-class RouterMetrics:
+class RouterMetrics(ConfigMetrics):
     def __init__(self) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
+        super().__init__(r)
         self.requests = Counter("baton:router_requests", "Requests answered by the router, by "
                                 "status code.", ["code"], registry=r)
         self.upstream_latency = Histogram(

@@ -99,6 +99,10 @@ class AsyncEngine:
         self._commands.put(("add", req))
         return stream
 
+    def call_soon(self, fn) -> None:
+        """Run `fn()` on the engine thread between steps (live tuning)."""
+        self._commands.put(("call", fn))
+
     def abort(self, request_id: str) -> None:
         if self._streams.pop(request_id, None) is not None:
             self._commands.put(("abort", request_id))
@@ -199,6 +203,8 @@ class AsyncEngine:
                 outputs.extend(self._add(arg))
             elif kind == "abort":
                 outputs.extend(self.core.abort_requests([arg]))
+            elif kind == "call":
+                arg()
         if outputs:
             self._post(outputs)
 

@@ -17,7 +17,7 @@ import logging
 import signal
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import aiohttp
 import uvloop
@@ -26,6 +26,7 @@ from aiohttp import web
 from baton.common.errors import OpenAIError
 from baton.common.metrics import CONTENT_TYPE, RouterMetrics, render
 from baton.common.protocol import ChatCompletionRequest, CompletionRequest, parse_request
+from baton.common.tuning import ConfigWatcher, Tuning, TuningError, set_fields
 from baton.router.discovery import BreakerSettings, StaticDiscovery
 from baton.router.proxy import DisaggSettings, Proxy, ProxySettings
 from baton.router.scheduling.pipeline import RoutingPipeline
@@ -43,6 +44,8 @@ class RouterSettings:
     breaker: BreakerSettings = field(default_factory=BreakerSettings)
     proxy: ProxySettings = field(default_factory=ProxySettings)
     disagg: DisaggSettings = field(default_factory=DisaggSettings)
+    config_dir: str | None = None  # a mounted tuning ConfigMap (common.tuning), live
+    pinned: frozenset[str] = frozenset()  # tuning fields set by flags: the file keeps off
 
     def __post_init__(self) -> None:
         if not self.workers:
@@ -66,15 +69,46 @@ class Router:
                                          breaker=settings.breaker)
         self.pipeline = RoutingPipeline.from_policy(settings.policy, settings.scorer_weights)
         self.proxy: Proxy | None = None
+        self.watcher = None
+        if settings.config_dir is not None:
+            self.watcher = ConfigWatcher(settings.config_dir, self.apply_tuning,
+                                         self.metrics.reloaded)
+
+    def apply_tuning(self, new: Tuning, _old: Tuning | None = None) -> list[str]:
+        """Routing weights, the disaggregation threshold, retries and deadlines from the
+        tuning file's `router` section (a field it leaves out, or a flag pins, keeps the
+        flag's value). Raises TuningError, changing nothing, if the result is invalid."""
+        s = self.settings
+        t = {k: v for k, v in set_fields(new.router).items() if k not in s.pinned}
+        try:
+            pipeline = RoutingPipeline.from_policy(s.policy,
+                                                   t.get("scorer_weights", s.scorer_weights))
+            proxy = replace(s.proxy, **{k: t[k] for k in (
+                "max_attempts", "first_byte_timeout_s", "idle_timeout_s",
+                "request_timeout_s") if k in t})
+            disagg = replace(s.disagg, **{f: t[k] for k, f in (
+                ("disagg_min_prefill_tokens", "min_prefill_tokens"),
+                ("prefill_timeout_s", "prefill_timeout_s")) if k in t})
+        except ValueError as err:
+            raise TuningError(f"router: {err}") from None
+        self.pipeline = pipeline
+        if self.proxy is not None:
+            self.proxy.pipeline, self.proxy.settings, self.proxy.disagg = pipeline, proxy, disagg
+        return []
 
     async def lifespan(self, _app: web.Application):
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60)
         session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
         self.proxy = Proxy(session, self.discovery, self.pipeline, self.metrics,
                            self.settings.proxy, self.settings.disagg)
+        if self.watcher is not None:
+            self.apply_tuning(self.watcher.load_initial())  # an invalid file: no start
+            self.watcher.start()
         await self.discovery.start(session)
         await self.discovery.wait_first_round(timeout=2.0)
         yield
+        if self.watcher is not None:
+            await self.watcher.stop()
         await self.discovery.stop()
         await session.close()
 

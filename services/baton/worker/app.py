@@ -43,6 +43,8 @@ class WorkerSettings:
     role: str = "both"
     served_model_name: str | None = None
     max_waiting: int = 256
+    config_dir: str | None = None  # a mounted tuning ConfigMap (common.tuning), live
+    pinned: frozenset[str] = frozenset()  # tuning fields set by flags: the file keeps off
 
     def __post_init__(self) -> None:
         if self.role not in ROLES:
@@ -67,6 +69,7 @@ class WorkerState:
         self.load_error: BaseException | None = None
         self.metrics = WorkerMetrics(self._snapshot)
         self.started = time.time()
+        self.watcher = None
 
     def _snapshot(self) -> dict[str, float]:
         return self.engine.core.metrics_snapshot() if self.engine is not None else {}
@@ -99,6 +102,8 @@ def build_app(settings: WorkerSettings, state: WorkerState | None = None) -> Fas
         if state.engine is None:
             task = asyncio.create_task(_load(state))
         yield
+        if state.watcher is not None:
+            await state.watcher.stop()
         if task is not None:
             task.cancel()
         if state.engine is not None:
@@ -262,3 +267,12 @@ async def _load(state: WorkerState) -> None:
         return
     log.info("engine ready in %.1fs (model %s)", time.perf_counter() - t0,
              state.settings.model_name)
+    settings = state.settings
+    if settings.config_dir is not None:
+        from baton.common.tuning import ConfigWatcher
+        from baton.worker.tuning import WorkerTuner
+
+        tuner = WorkerTuner(state, settings.engine, settings.pinned, state.metrics)
+        state.watcher = ConfigWatcher(settings.config_dir, tuner.apply, state.metrics.reloaded)
+        state.watcher.load_initial()  # already applied to settings.engine at start
+        state.watcher.start()
