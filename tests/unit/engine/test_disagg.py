@@ -132,7 +132,7 @@ def test_decode_prefix_hits_are_not_pulled(engines, tokenizer):
 
 
 def test_expired_lease_recomputes_locally(tokenizer):
-    p, d, c = engine("prefill", kv_lease_ttl_s=0.05), engine("decode"), None
+    p, d = engine("prefill", kv_lease_ttl_s=0.05), engine("decode")
     try:
         ids = tokenizer.encode(make_text(2, 2))
         params = prefill(p, "x", ids)
