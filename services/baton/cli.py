@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 import time
 
@@ -115,19 +114,19 @@ _WORKER_TUNABLES = {k: k for k in ("max_num_seqs", "max_num_batched_tokens",
 
 
 def _serve(args) -> int:
-    from baton.common.tuning import FILE_NAME, load_tuning
+    from baton.common.tuning import ConfigWatcher
     from baton.worker.app import WorkerSettings, WorkerState, build_app
     from baton.worker.tuning import configure
 
     engine, pinned = _engine_config(args), _pinned(args, _WORKER_TUNABLES)
-    path = os.path.join(args.config_dir or "", FILE_NAME)
-    if args.config_dir is not None and os.path.exists(path):  # invalid: TuningError, exit 2
-        engine = configure(engine, load_tuning(path), pinned)
+    watcher = None
+    if args.config_dir is not None:  # an invalid file: TuningError, exit 2
+        watcher = ConfigWatcher(args.config_dir)
+        engine = configure(engine, watcher.load_initial(), pinned)
     settings = WorkerSettings(engine=engine, role=args.role,
                               served_model_name=args.served_model_name,
-                              max_waiting=args.max_waiting, config_dir=args.config_dir,
-                              pinned=pinned)
-    state = WorkerState(settings)
+                              max_waiting=args.max_waiting, pinned=pinned)
+    state = WorkerState(settings, watcher)
     _run_uvicorn(build_app(settings, state), args.host, args.port, args.log_level)
     if state.load_error is not None:
         print(f"baton serve: the engine failed to load: {state.load_error}", file=sys.stderr)

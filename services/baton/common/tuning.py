@@ -119,15 +119,20 @@ def set_fields(model: BaseModel) -> dict:
     return {k: v for k, v in model.model_dump(exclude={"restart"}).items() if v is not None}
 
 
+Apply = Callable[[Tuning, Tuning], list[str]]
+
+
 class ConfigWatcher:
     """Polls a mounted config directory; calls `apply(new, old)` on each valid change.
 
     `apply` raises TuningError to reject a change the service cannot take (the old config
     stays); it returns the names of changed knobs that need a restart. `on_result(result)`
-    is called with "applied" or "rejected" for the metrics."""
+    is called with "applied" or "rejected" for the metrics. Both can be given later, at
+    `start`: a service reads the file at start (`load_initial`) before it can apply
+    anything, and a change published in between is applied by the first poll."""
 
-    def __init__(self, directory: str | os.PathLike, apply: Callable[[Tuning, Tuning], list[str]],
-                 on_result: Callable[[str], None], file_name: str = FILE_NAME,
+    def __init__(self, directory: str | os.PathLike, apply: Apply | None = None,
+                 on_result: Callable[[str], None] | None = None, file_name: str = FILE_NAME,
                  interval_s: float = 1.0) -> None:
         self.dir = Path(directory)
         self.path = self.dir / file_name
@@ -187,7 +192,10 @@ class ConfigWatcher:
             except Exception:  # noqa: BLE001 - a watcher bug must not stop the service
                 log.exception("config watcher failed; retrying")
 
-    def start(self) -> None:
+    def start(self, apply: Apply | None = None,
+              on_result: Callable[[str], None] | None = None) -> None:
+        self.apply = apply or self.apply
+        self.on_result = on_result or self.on_result
         self._task = asyncio.get_running_loop().create_task(self.run())
 
     async def stop(self) -> None:

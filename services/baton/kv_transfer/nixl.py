@@ -66,7 +66,6 @@ class NixlTransport(TcpTransport):
         self.agent = None
         self._peers: dict[str, tuple[str, int, int]] = {}  # address -> (agent, base, blocks)
         self._peers_lock = threading.Lock()
-        self._progress_lock = threading.Lock()
 
     # -- both sides ------------------------------------------------------------------------
     def start(self, kv_cache: torch.Tensor, engine_id: str) -> Endpoint:
@@ -109,12 +108,8 @@ class NixlTransport(TcpTransport):
         while not select.select([conn], [], [], 0)[0]:
             if time.monotonic() > deadline:
                 raise TimeoutError("the puller never acknowledged")
-            self._progress()
+            self.agent.get_new_notifs()  # runs UCX's progress engine (the agent locks)
             time.sleep(_POLL_S)
-
-    def _progress(self) -> None:
-        with self._progress_lock:
-            self.agent.get_new_notifs()  # runs the backend's progress engine
 
     # -- puller ----------------------------------------------------------------------------
     def connect(self, peer: Endpoint, timeout_s: float = 5.0) -> None:

@@ -71,8 +71,7 @@ class Router:
         self.proxy: Proxy | None = None
         self.watcher = None
         if settings.config_dir is not None:
-            self.watcher = ConfigWatcher(settings.config_dir, self.apply_tuning,
-                                         self.metrics.reloaded)
+            self.watcher = ConfigWatcher(settings.config_dir)
 
     def apply_tuning(self, new: Tuning, _old: Tuning | None = None) -> list[str]:
         """Routing weights, the disaggregation threshold, retries and deadlines from the
@@ -103,7 +102,7 @@ class Router:
                            self.settings.proxy, self.settings.disagg)
         if self.watcher is not None:
             self.apply_tuning(self.watcher.load_initial())  # an invalid file: no start
-            self.watcher.start()
+            self.watcher.start(self.apply_tuning, self.metrics.reloaded)
         await self.discovery.start(session)
         await self.discovery.wait_first_round(timeout=2.0)
         yield

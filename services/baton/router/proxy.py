@@ -71,17 +71,14 @@ class DisaggSettings:
 
 
 def estimate_prompt_tokens(api: str, req) -> int | None:
-    """A rough token count for the decision, or None when the request cannot be split."""
-    if req.n != 1:
+    """A rough token count for the decision (~4 characters a token, plus the chat
+    template's few tokens a message), or None when the request cannot be split."""
+    prompt = prompt_of(api, req)
+    if req.n != 1 or prompt is None:
         return None
-    if api == "chat":
-        chars = sum(len(m.content) if isinstance(m.content, str)
-                    else sum(len(p.text) for p in m.content) for m in req.messages)
-        return chars // 4 + 8 * len(req.messages)
-    prompts = req.prompts()
-    if len(prompts) != 1:
-        return None
-    return len(prompts[0]) // 4 if isinstance(prompts[0], str) else len(prompts[0])
+    if not isinstance(prompt, str):
+        return len(prompt)
+    return len(prompt) // 4 + (8 * len(req.messages) if api == "chat" else 0)
 
 
 class _Interrupted(Exception):
@@ -134,14 +131,14 @@ class Proxy:
         cached = 0
         if call.preferred is not None:
             cached = self.prefix.match(call.preferred.url, ctx.prefix_hashes) * TOKENS_PER_BLOCK
-        found = await self._prefill(api, req, call, request_id, ctx.model, cached)
+        found = await self._prefill(api, req, call, request_id, ctx.model, cached, endpoints)
         if found is not None:
             call.prompt_token_ids, call.kv_transfer_params = found
         return call
 
-    async def _prefill(self, api: str, req, call: DecodeCall, request_id: str,
-                       model: str, cached: int) -> tuple[list[int], dict] | None:
-        endpoints = self.discovery.all()
+    async def _prefill(self, api: str, req, call: DecodeCall, request_id: str, model: str,
+                       cached: int, endpoints: list[Endpoint]
+                       ) -> tuple[list[int], dict] | None:
         if not any(e.role == "prefill" for e in endpoints):
             return None  # no prefill pods: nothing to decide
         tokens = estimate_prompt_tokens(api, req)

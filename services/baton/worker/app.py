@@ -43,7 +43,6 @@ class WorkerSettings:
     role: str = "both"
     served_model_name: str | None = None
     max_waiting: int = 256
-    config_dir: str | None = None  # a mounted tuning ConfigMap (common.tuning), live
     pinned: frozenset[str] = frozenset()  # tuning fields set by flags: the file keeps off
 
     def __post_init__(self) -> None:
@@ -62,14 +61,15 @@ class WorkerSettings:
 
 
 class WorkerState:
-    def __init__(self, settings: WorkerSettings) -> None:
+    def __init__(self, settings: WorkerSettings, watcher=None) -> None:
+        """`watcher`: a `common.tuning.ConfigWatcher` that read the tuning file at start."""
         self.settings = settings
         self.engine = None
         self.serving: OpenAIServing | None = None
         self.load_error: BaseException | None = None
         self.metrics = WorkerMetrics(self._snapshot)
         self.started = time.time()
-        self.watcher = None
+        self.watcher = watcher
 
     def _snapshot(self) -> dict[str, float]:
         return self.engine.core.metrics_snapshot() if self.engine is not None else {}
@@ -267,12 +267,9 @@ async def _load(state: WorkerState) -> None:
         return
     log.info("engine ready in %.1fs (model %s)", time.perf_counter() - t0,
              state.settings.model_name)
-    settings = state.settings
-    if settings.config_dir is not None:
-        from baton.common.tuning import ConfigWatcher
+    if state.watcher is not None:  # it read the file at start, into settings.engine
         from baton.worker.tuning import WorkerTuner
 
+        settings = state.settings
         tuner = WorkerTuner(state, settings.engine, settings.pinned, state.metrics)
-        state.watcher = ConfigWatcher(settings.config_dir, tuner.apply, state.metrics.reloaded)
-        state.watcher.load_initial()  # already applied to settings.engine at start
-        state.watcher.start()
+        state.watcher.start(tuner.apply, state.metrics.reloaded)
