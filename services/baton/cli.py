@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import time
 
@@ -66,6 +67,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                         "nixl when installed, else tcp)")
     g.add_argument("--kv-host", default="127.0.0.1",
                    help="address this worker serves KV pulls on (its pod IP in a cluster)")
+    g.add_argument("--kv-port", type=int, default=0,
+                   help="port for KV pulls (0: any free one; fix it in a cluster)")
     g.add_argument("--kv-lease-ttl", type=float, default=30.0)
     g.add_argument("--kv-transfer-timeout", type=float, default=30.0)
     g.add_argument("--kv-failure-policy", default="recompute", choices=["recompute", "fail"])
@@ -82,6 +85,7 @@ def _engine_config(args):
         transport = best_transport()
     return EngineConfig(
         kv_transport=None if transport == "none" else transport, kv_host=args.kv_host,
+        kv_port=args.kv_port,
         engine_id=f"{role}-{args.port}" if hasattr(args, "port") else None,
         kv_lease_ttl_s=args.kv_lease_ttl, kv_transfer_timeout_s=args.kv_transfer_timeout,
         kv_failure_policy=args.kv_failure_policy,
@@ -99,6 +103,12 @@ def _serve_parser(sub) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8001)
     p.add_argument("--role", default="both", choices=["both", "prefill", "decode"])
+    p.add_argument("--registry", default=None, metavar="REDIS_URL",
+                   help="register in this Redis (redis://host:6379/0) for routers to find")
+    p.add_argument("--advertise-url", default=None,
+                   help="the URL routers reach this worker at (default http://HOST:PORT)")
+    p.add_argument("--registry-prefix", default="baton",
+                   help="key prefix in Redis (one per deployment sharing a Redis)")
     _engine_args(p)
     p.add_argument("--config-dir", default=None,
                    help="a mounted tuning ConfigMap (file baton.yaml, section worker): "
@@ -125,7 +135,9 @@ def _serve(args) -> int:
         engine = configure(engine, watcher.load_initial(), pinned)
     settings = WorkerSettings(engine=engine, role=args.role,
                               served_model_name=args.served_model_name,
-                              max_waiting=args.max_waiting, pinned=pinned)
+                              max_waiting=args.max_waiting, pinned=pinned,
+                              registry_url=args.registry, registry_prefix=args.registry_prefix,
+                              advertise_url=args.advertise_url or _advertise(args))
     state = WorkerState(settings, watcher)
     _run_uvicorn(build_app(settings, state), args.host, args.port, args.log_level)
     if state.load_error is not None:
@@ -134,12 +146,25 @@ def _serve(args) -> int:
     return 0
 
 
+def _advertise(args) -> str:
+    if args.host in ("0.0.0.0", "::", ""):
+        if args.registry:
+            raise ValueError("--advertise-url is needed when serving on all interfaces "
+                             "with --registry (e.g. http://$(POD_IP):8001)")
+    return f"http://{args.host}:{args.port}"
+
+
 # -- baton router ------------------------------------------------------------------------
 def _router_parser(sub) -> None:
     p = sub.add_parser("router", help="run the router in front of running workers")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--workers", required=True, help="comma-separated worker URLs")
+    found = p.add_mutually_exclusive_group(required=True)
+    found.add_argument("--workers", help="comma-separated worker URLs (local mode)")
+    found.add_argument("--registry", metavar="REDIS_URL",
+                       help="follow the workers registered in this Redis (redis://host:6379/0)")
+    p.add_argument("--registry-prefix", default="baton",
+                   help="key prefix in Redis (one per deployment sharing a Redis)")
     p.add_argument("--policy", default="load", choices=["load", "round_robin", "random"])
     p.add_argument("--weights", default=None,
                    help="scorer weights for --policy load, e.g. queue=1,kv_usage=0.5")
@@ -173,7 +198,9 @@ def _router(args) -> int:
             except ValueError:
                 raise ValueError(f"--weights: {item!r} is not name=number") from None
     settings = RouterSettings(
-        workers=tuple(u.strip() for u in args.workers.split(",") if u.strip()),
+        workers=tuple(u.strip() for u in (args.workers or "").split(",") if u.strip()),
+        registry_url=args.registry, registry_prefix=args.registry_prefix,
+        api_key=os.environ.get("BATON_API_KEY") or None,
         policy=args.policy, scorer_weights=weights, check_interval_s=args.check_interval,
         proxy=ProxySettings(max_attempts=args.max_attempts,
                             connect_timeout_s=args.connect_timeout,

@@ -38,6 +38,7 @@ class EngineConfig:
     # failed pull does to its request (prefill locally, or end it).
     kv_transport: str | None = None
     kv_host: str = "127.0.0.1"  # the address peers reach this engine's KV at (pod IP)
+    kv_port: int = 0  # its port (0: any free one; fixed in a cluster for NetworkPolicies)
     engine_id: str | None = None
     kv_lease_ttl_s: float = 30.0
     kv_transfer_timeout_s: float = 30.0
@@ -46,6 +47,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         _check(self.dtype in DTYPES, "dtype", self.dtype, f"must be one of {DTYPES}")
         _check(self.device in DEVICES, "device", self.device, f"must be one of {DEVICES}")
+        _check(0 <= self.kv_port < 65536, "kv_port", self.kv_port, "must be 0..65535")
         _check(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), "block_size", self.block_size,
                "must be a power of two in [1, 128]")
         _check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens",

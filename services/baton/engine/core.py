@@ -59,7 +59,7 @@ class EngineCore:
             self.kvx = KVCoordinator(config.kv_transport, self.runner.kv_cache,
                                      config.engine_id, self.scheduler, config.kv_lease_ttl_s,
                                      config.kv_transfer_timeout_s, config.kv_failure_policy,
-                                     config.kv_host)
+                                     config.kv_host, config.kv_port)
 
     def _max_model_len(self) -> int:
         from baton.engine.models.config import ModelConfig

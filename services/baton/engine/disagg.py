@@ -42,8 +42,9 @@ class KVTransferStats:
 class KVCoordinator:
     def __init__(self, name: str, kv_cache, engine_id: str | None, scheduler: Scheduler,
                  lease_ttl_s: float, timeout_s: float, failure_policy: str,
-                 host: str = "127.0.0.1") -> None:
-        self.transport = make_transport(name, **({} if name == "local" else {"host": host}))
+                 host: str = "127.0.0.1", port: int = 0) -> None:
+        self.transport = make_transport(name, **({} if name == "local" else {
+            "host": host, "port": port}))
         self.endpoint = self.transport.start(kv_cache, engine_id or uuid.uuid4().hex[:12])
         self.scheduler = scheduler
         self.lease_ttl_s = lease_ttl_s

@@ -13,6 +13,7 @@ per chunk (see the router benchmark in the README).
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import signal
 import time
@@ -27,7 +28,8 @@ from baton.common.errors import OpenAIError
 from baton.common.metrics import CONTENT_TYPE, RouterMetrics, render
 from baton.common.protocol import ChatCompletionRequest, CompletionRequest, parse_request
 from baton.common.tuning import ConfigWatcher, Tuning, TuningError, set_fields
-from baton.router.discovery import BreakerSettings, StaticDiscovery
+from baton.router.discovery import BreakerSettings, Discovery, StaticDiscovery
+from baton.router.registry import RegistryDiscovery
 from baton.router.proxy import DisaggSettings, Proxy, ProxySettings
 from baton.router.scheduling.pipeline import RoutingPipeline
 
@@ -37,7 +39,10 @@ MAX_BODY_BYTES = 64 << 20
 
 @dataclass(frozen=True)
 class RouterSettings:
-    workers: tuple[str, ...]
+    workers: tuple[str, ...] = ()  # static worker URLs (local mode), or
+    registry_url: str | None = None  # redis://… where workers register (clusters)
+    registry_prefix: str = "baton"
+    api_key: str | None = None  # clients must send `Authorization: Bearer <key>`
     policy: str = "load"
     scorer_weights: dict[str, float] | None = None
     check_interval_s: float = 1.0
@@ -48,8 +53,15 @@ class RouterSettings:
     pinned: frozenset[str] = frozenset()  # tuning fields set by flags: the file keeps off
 
     def __post_init__(self) -> None:
-        if not self.workers:
-            raise ValueError("RouterSettings.workers: give at least one worker URL")
+        if not self.workers and not self.registry_url:
+            raise ValueError("RouterSettings: give worker URLs (workers) or a Redis "
+                             "registry (registry_url)")
+        if self.workers and self.registry_url:
+            raise ValueError("RouterSettings: workers and registry_url exclude each other")
+        if self.registry_url and not self.registry_url.startswith(
+                ("redis://", "rediss://", "unix://")):
+            raise ValueError(f"RouterSettings.registry_url: {self.registry_url!r} is not a "
+                             "redis:// URL")
         for url in self.workers:
             if not url.startswith(("http://", "https://")):
                 raise ValueError(f"RouterSettings.workers: {url!r} is not an http(s) URL")
@@ -65,8 +77,13 @@ class Router:
     def __init__(self, settings: RouterSettings) -> None:
         self.settings = settings
         self.metrics = RouterMetrics()
-        self.discovery = StaticDiscovery(list(settings.workers), settings.check_interval_s,
-                                         breaker=settings.breaker)
+        self.discovery: Discovery
+        if settings.registry_url:
+            self.discovery = RegistryDiscovery(settings.registry_url, settings.registry_prefix,
+                                               settings.breaker)
+        else:
+            self.discovery = StaticDiscovery(list(settings.workers), settings.check_interval_s,
+                                             breaker=settings.breaker)
         self.pipeline = RoutingPipeline.from_policy(settings.policy, settings.scorer_weights)
         self.proxy: Proxy | None = None
         self.watcher = None
@@ -108,6 +125,7 @@ class Router:
         yield
         if self.watcher is not None:
             await self.watcher.stop()
+        await self.proxy.tokenizers.close()
         await self.discovery.stop()
         await session.close()
 
@@ -127,11 +145,20 @@ class Router:
                             headers={"Content-Type": CONTENT_TYPE})
 
     async def workers(self, _request: web.Request) -> web.Response:
-        return web.json_response({"workers": [{
-            "url": e.url, "healthy": e.healthy, "role": e.role, "model": e.model,
-            "running": e.running, "waiting": e.waiting, "inflight": e.inflight,
-            "kv_usage": round(e.kv_usage, 4), "circuit_open": e.circuit_open()}
-            for e in self.discovery.all()]})
+        """The router's view: each worker's load, and with the registry the KV blocks it
+        holds and the models whose prompts the router hashes exactly."""
+        index = self.discovery.block_index()
+        return web.json_response({
+            "source": "registry" if index is not None else "static",
+            "exact_prefix_models": self.proxy.tokenizers.models() if self.proxy else [],
+            "workers": [{
+                "url": e.url, "healthy": e.healthy, "role": e.role, "model": e.model,
+                "running": e.running, "waiting": e.waiting, "inflight": e.inflight,
+                "kv_usage": round(e.kv_usage, 4), "circuit_open": e.circuit_open(),
+                **({"worker_id": e.worker_id,
+                    "cached_blocks": len(index.held.get(e.worker_id, ()))}
+                   if index is not None else {})}
+                for e in self.discovery.all()]})
 
     async def models(self, _request: web.Request) -> web.Response:
         seen: dict[str, dict] = {}
@@ -160,6 +187,7 @@ class Router:
                                   code="model_not_found")
             rid = request.headers.get("X-Request-Id") or uuid.uuid4().hex
             ctx = self.proxy.context(api, req, req.model)
+            ctx.session = request.headers.get("X-Session-Id") or req.user
             decode = await self.proxy.remote_prefill(api, req, body, rid, ctx)
             response = await self.proxy.forward(request, path, body, rid, ctx, req.stream,
                                                 decode, received)
@@ -182,9 +210,26 @@ async def _openai_errors(request: web.Request, handler):
         return _error(OpenAIError(exc.status, exc.reason))
 
 
+def _api_key(key: str):
+    """With an API key, the OpenAI paths (/v1/…) need `Authorization: Bearer <key>`, as
+    vLLM's --api-key; health, readiness and metrics stay open for probes and scrapers."""
+    expected = f"Bearer {key}".encode()
+
+    @web.middleware
+    async def check(request: web.Request, handler):
+        if request.path.startswith("/v1/") and not hmac.compare_digest(
+                request.headers.get("Authorization", "").encode(), expected):
+            return _error(OpenAIError(401, "invalid or missing API key (send "
+                                           "Authorization: Bearer <key>)",
+                                      code="invalid_api_key"))
+        return await handler(request)
+    return check
+
+
 def build_app(settings: RouterSettings) -> web.Application:
     router = Router(settings)
-    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[_openai_errors])
+    middlewares = [_openai_errors] + ([_api_key(settings.api_key)] if settings.api_key else [])
+    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=middlewares)
     app["router"] = router
     app.cleanup_ctx.append(router.lifespan)
     app.router.add_get("/health", router.health)
@@ -206,7 +251,7 @@ def run(settings: RouterSettings, host: str, port: int) -> None:
         await runner.setup()
         await web.TCPSite(runner, host, port).start()
         log.info("router listening on http://%s:%d, workers: %s", host, port,
-                 ", ".join(settings.workers))
+                 settings.registry_url or ", ".join(settings.workers))
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):

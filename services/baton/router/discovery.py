@@ -4,8 +4,10 @@
 model, load, KV usage), what the router itself has in flight there, and a circuit breaker
 that takes a worker out of routing after consecutive failures for a cool-down.
 
-`StaticDiscovery` is the local-mode source (`--workers URL,...`); a checker task polls each
-worker's `/load` (which doubles as the readiness check) on a fixed interval.
+Two sources share the `Discovery` base (the endpoints and their breakers):
+`StaticDiscovery` is the local-mode source (`--workers URL,...`), a checker task polling
+each worker's `/load` (which doubles as the readiness check) on a fixed interval;
+`router.registry.RegistryDiscovery` follows the Redis registry (`--registry`).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -36,6 +39,8 @@ class Endpoint:
     consecutive_failures: int = 0
     open_until: float = 0.0  # circuit breaker: excluded from routing until then
     last_seen: float = 0.0
+    worker_id: str | None = None  # the registry's id of the process behind the URL
+    ttl_s: float = 0.0  # registry: gone when no heartbeat came for this long
 
     @property
     def kv_usage(self) -> float:
@@ -57,8 +62,50 @@ class BreakerSettings:
     cooldown_s: float = 5.0
 
 
+class Discovery(ABC):
+    """The endpoints a router routes to, and their circuit breakers. Subclasses fill
+    `endpoints` (URL -> Endpoint) and implement start/stop; the proxy reports outcomes."""
+
+    endpoints: dict[str, Endpoint]
+    breaker: BreakerSettings
+
+    def all(self) -> list[Endpoint]:
+        return list(self.endpoints.values())
+
+    @abstractmethod
+    async def start(self, session: aiohttp.ClientSession) -> None:
+        """Begin following the workers (tasks on the running loop)."""
+
+    @abstractmethod
+    async def stop(self) -> None:
+        """Cancel what `start` began."""
+
+    async def wait_first_round(self, timeout: float) -> None:
+        try:
+            await asyncio.wait_for(self._first_round.wait(), timeout)
+        except TimeoutError:
+            pass
+
+    def block_index(self):
+        """An index of the KV block hashes each worker holds (`match(url, hashes)`), or
+        None when this source has none (then the router estimates, `router.prefix`)."""
+        return None
+
+    # -- outcomes reported by the proxy ----------------------------------------------------
+    def record_success(self, ep: Endpoint) -> None:
+        ep.consecutive_failures = 0
+        ep.open_until = 0.0
+
+    def record_failure(self, ep: Endpoint) -> None:
+        ep.consecutive_failures += 1
+        if ep.consecutive_failures >= self.breaker.threshold:
+            ep.open_until = time.monotonic() + self.breaker.cooldown_s
+            log.warning("circuit open for %s after %d consecutive failures", ep.url,
+                        ep.consecutive_failures)
+
+
 @dataclass
-class StaticDiscovery:
+class StaticDiscovery(Discovery):
     urls: list[str]
     check_interval_s: float = 1.0
     check_timeout_s: float = 1.0
@@ -71,17 +118,8 @@ class StaticDiscovery:
         self._task: asyncio.Task | None = None
         self._first_round = asyncio.Event()
 
-    def all(self) -> list[Endpoint]:
-        return list(self.endpoints.values())
-
     async def start(self, session: aiohttp.ClientSession) -> None:
         self._task = asyncio.create_task(self._loop(session))
-
-    async def wait_first_round(self, timeout: float) -> None:
-        try:
-            await asyncio.wait_for(self._first_round.wait(), timeout)
-        except TimeoutError:
-            pass
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -107,25 +145,18 @@ class StaticDiscovery:
         if report is None or not report.get("ready"):
             ep.healthy = False
             return
-        ep.healthy = True
-        ep.last_seen = time.monotonic()
-        ep.role, ep.model = report["role"], report["model"]
-        ep.max_model_len = report.get("max_model_len")
-        ep.running, ep.waiting = int(report["running"]), int(report["waiting"])
-        ep.kv_blocks_used = int(report["kv_blocks_used"])
-        ep.kv_blocks_total = int(report["kv_blocks_total"])
-        ep.max_waiting = report.get("max_waiting")
+        update(ep, report)
         if not was:
             log.info("worker %s is ready (model %s, role %s)", ep.url, ep.model, ep.role)
 
-    # -- outcomes reported by the proxy ----------------------------------------------------
-    def record_success(self, ep: Endpoint) -> None:
-        ep.consecutive_failures = 0
-        ep.open_until = 0.0
 
-    def record_failure(self, ep: Endpoint) -> None:
-        ep.consecutive_failures += 1
-        if ep.consecutive_failures >= self.breaker.threshold:
-            ep.open_until = time.monotonic() + self.breaker.cooldown_s
-            log.warning("circuit open for %s after %d consecutive failures", ep.url,
-                        ep.consecutive_failures)
+def update(ep: Endpoint, report: dict) -> None:
+    """Take a worker's load report (`/load`, or a registry heartbeat's fields)."""
+    ep.healthy = bool(report.get("ready", True))
+    ep.last_seen = time.monotonic()
+    ep.role, ep.model = report["role"], report["model"]
+    ep.max_model_len = report.get("max_model_len")
+    ep.running, ep.waiting = int(report["running"]), int(report["waiting"])
+    ep.kv_blocks_used = int(report["kv_blocks_used"])
+    ep.kv_blocks_total = int(report["kv_blocks_total"])
+    ep.max_waiting = report.get("max_waiting")

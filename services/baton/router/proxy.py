@@ -28,11 +28,12 @@ from aiohttp import web
 
 from baton.common.errors import OpenAIError
 from baton.common.metrics import RouterMetrics
-from baton.router.discovery import Endpoint, StaticDiscovery
+from baton.router.discovery import Discovery, Endpoint
 from baton.router.prefix import TOKENS_PER_BLOCK, PrefixIndex, block_hashes, prompt_of
 from baton.router.resume import DecodeCall, StreamTracker
 from baton.router.scheduling.context import RoutingContext
 from baton.router.scheduling.pipeline import PREFILL_FILTERS, RoutingPipeline
+from baton.router.tokens import TokenizerCache
 
 log = logging.getLogger("baton.router")
 
@@ -58,9 +59,10 @@ class ProxySettings:
 @dataclass(frozen=True)
 class DisaggSettings:
     """Remote prefill when the prompt tokens not already cached on the chosen decode pod
-    are at least `min_prefill_tokens` (estimated: the router does not tokenise; ~4
-    characters a token; the cache as `router.prefix` knows it) and a prefill worker is
-    healthy and not saturated; `n` > 1 and several prompts stay local."""
+    are at least `min_prefill_tokens` and a prefill worker is healthy and not saturated;
+    `n` > 1 and several prompts stay local. With the registry the router counts the
+    prompt's tokens and the pod's cached blocks exactly; without it, it estimates (~4
+    characters a token; the cache as `router.prefix` knows it)."""
 
     min_prefill_tokens: int = 256
     prefill_timeout_s: float = 60.0
@@ -97,7 +99,7 @@ class _Retryable(Exception):
 
 
 class Proxy:
-    def __init__(self, session: aiohttp.ClientSession, discovery: StaticDiscovery,
+    def __init__(self, session: aiohttp.ClientSession, discovery: Discovery,
                  pipeline: RoutingPipeline, metrics: RouterMetrics,
                  settings: ProxySettings, disagg: DisaggSettings | None = None) -> None:
         self.session = session
@@ -106,16 +108,30 @@ class Proxy:
         self.metrics = metrics
         self.settings = settings
         self.disagg = disagg or DisaggSettings()
-        self.prefill_pipeline = RoutingPipeline(filters=PREFILL_FILTERS,
-                                                scorers={"queue": 1.0}, picker="max_score")
+        self.prefill_pipeline = RoutingPipeline(filters=PREFILL_FILTERS, picker="max_score",
+                                                scorers={"queue": 1.0, "prefix": 1.0})
         self._timeout = aiohttp.ClientTimeout(total=None, connect=settings.connect_timeout_s)
         self.prefix = PrefixIndex()
+        self.tokenizers = TokenizerCache(session)
 
     def context(self, api: str, req, model: str) -> RoutingContext:
-        """The routing context of a request, with its prompt's block hashes."""
+        """The routing context of a request, with its prompt's block hashes: the engine's
+        own, when the registry tells what the workers hold and this model's tokenizer is
+        here; else the router's estimate."""
+        index = self.discovery.block_index()
+        if index is not None:
+            tok = self.tokenizers.get(model, [e.url for e in self.discovery.all()
+                                              if e.healthy and e.model == model])
+            ids = tok.prompt_ids(api, req) if tok is not None else None
+            if ids is not None:
+                return RoutingContext(model=model, prefix_index=index,
+                                      prefix_hashes=tok.block_hashes(ids),
+                                      block_tokens=tok.block_size,
+                                      prompt_tokens=len(ids) if req.n == 1 else None)
         prompt = prompt_of(api, req)
         return RoutingContext(model=model, prefix_index=self.prefix,
-                              prefix_hashes=block_hashes(prompt) if prompt else [])
+                              prefix_hashes=block_hashes(prompt) if prompt else [],
+                              block_tokens=TOKENS_PER_BLOCK)
 
     async def remote_prefill(self, api: str, req, body: bytes, request_id: str,
                              ctx: RoutingContext) -> DecodeCall | None:
@@ -130,22 +146,27 @@ class Proxy:
         call.preferred = self.pipeline.pick(endpoints, ctx)
         cached = 0
         if call.preferred is not None:
-            cached = self.prefix.match(call.preferred.url, ctx.prefix_hashes) * TOKENS_PER_BLOCK
-        found = await self._prefill(api, req, call, request_id, ctx.model, cached, endpoints)
+            cached = ctx.prefix_index.match(call.preferred.url,
+                                            ctx.prefix_hashes) * ctx.block_tokens
+        found = await self._prefill(api, req, call, request_id, ctx, cached, endpoints)
         if found is not None:
             call.prompt_token_ids, call.kv_transfer_params = found
         return call
 
-    async def _prefill(self, api: str, req, call: DecodeCall, request_id: str, model: str,
-                       cached: int, endpoints: list[Endpoint]
+    async def _prefill(self, api: str, req, call: DecodeCall, request_id: str,
+                       ctx: RoutingContext, cached: int, endpoints: list[Endpoint]
                        ) -> tuple[list[int], dict] | None:
         if not any(e.role == "prefill" for e in endpoints):
             return None  # no prefill pods: nothing to decide
-        tokens = estimate_prompt_tokens(api, req)
+        tokens = ctx.prompt_tokens
+        if tokens is None:
+            tokens = estimate_prompt_tokens(api, req)
         if tokens is None or tokens - cached < self.disagg.min_prefill_tokens:
             self.metrics.disagg_decisions.labels("local").inc()
             return None
-        ep = self.prefill_pipeline.pick(endpoints, RoutingContext(model=model, role="prefill"))
+        ep = self.prefill_pipeline.pick(endpoints, RoutingContext(
+            model=ctx.model, role="prefill", prefix_hashes=ctx.prefix_hashes,
+            prefix_index=ctx.prefix_index, block_tokens=ctx.block_tokens))
         if ep is None:
             self.metrics.disagg_decisions.labels("local").inc()
             self.metrics.fallbacks.labels("no_prefill_worker").inc()
@@ -178,6 +199,7 @@ class Proxy:
             self.metrics.disagg_decisions.labels("local").inc()
             return None
         self.discovery.record_success(ep)
+        ctx.prefix_index.add(ep.url, ctx.prefix_hashes)
         self.metrics.disagg_decisions.labels("remote").inc()
         return answer["prompt_token_ids"], answer["kv_transfer_params"]
 
@@ -205,7 +227,7 @@ class Proxy:
             preferred = None
             if ep is None:
                 break
-            self.prefix.add(ep.url, ctx.prefix_hashes)
+            ctx.prefix_index.add(ep.url, ctx.prefix_hashes)
             if attempt:
                 self.metrics.retries.inc()
                 await asyncio.sleep(min(s.backoff_s * 2 ** (attempt - 1),
@@ -229,14 +251,14 @@ class Proxy:
             except _Retryable as err:
                 last = err
                 ctx.tried.add(ep.url)
-                self.prefix.forget(ep.url)
+                ctx.prefix_index.forget(ep.url)
                 self.metrics.upstream_errors.labels(ep.url, err.reason).inc()
                 log.warning("request %s: worker %s failed (%s); %s", request_id, ep.url,
                             err.reason, "retrying" if attempt < s.max_attempts
                             else "giving up")
             except _Interrupted as err:
                 ctx.tried.add(ep.url)
-                self.prefix.forget(ep.url)
+                ctx.prefix_index.forget(ep.url)
                 ctx.role = "resume"  # only decode pods can take the stream over
                 self.metrics.upstream_errors.labels(ep.url, "mid-stream").inc()
                 if tracker.exhausted:

@@ -44,8 +44,14 @@ class WorkerSettings:
     served_model_name: str | None = None
     max_waiting: int = 256
     pinned: frozenset[str] = frozenset()  # tuning fields set by flags: the file keeps off
+    registry_url: str | None = None  # redis://…: register there (common.registry)
+    advertise_url: str | None = None  # how routers reach this worker (its pod IP)
+    registry_prefix: str = "baton"
 
     def __post_init__(self) -> None:
+        if self.registry_url is not None and not self.advertise_url:
+            raise ValueError("WorkerSettings.advertise_url is needed with registry_url: the "
+                             "URL routers reach this worker at (e.g. http://$POD_IP:8001)")
         if self.role not in ROLES:
             raise ValueError(f"WorkerSettings.role={self.role!r} must be one of {ROLES}")
         if self.max_waiting < 1:
@@ -70,6 +76,12 @@ class WorkerState:
         self.metrics = WorkerMetrics(self._snapshot)
         self.started = time.time()
         self.watcher = watcher
+        self.registration = None
+        if settings.registry_url is not None:
+            from baton.worker.registration import Registration
+
+            self.registration = Registration(settings.registry_url, settings.advertise_url,
+                                             self.registry_report, settings.registry_prefix)
 
     def _snapshot(self) -> dict[str, float]:
         return self.engine.core.metrics_snapshot() if self.engine is not None else {}
@@ -82,6 +94,24 @@ class WorkerState:
         self.engine = engine
         self.serving = OpenAIServing(engine, self.settings.model_name, self.metrics,
                                      self.settings.max_waiting)
+
+    def load_report(self) -> dict:
+        """Role, model and load: what `/load` answers and the registry's heartbeat says."""
+        snap, engine, serving = self._snapshot(), self.engine, self.serving
+        return {"role": self.settings.role, "model": self.settings.model_name,
+                "ready": self.ready, "running": int(snap.get("baton:num_requests_running", 0)),
+                "waiting": engine.num_waiting if engine is not None else 0,
+                "kv_blocks_used": int(snap.get("baton:kv_blocks_used", 0)),
+                "kv_blocks_total": int(snap.get("baton:kv_blocks_total", 0)),
+                "max_waiting": self.settings.max_waiting,
+                "max_model_len": serving.max_model_len if serving else None}
+
+    def registry_report(self) -> dict | None:
+        if not self.ready:
+            return None
+        engine = self.settings.engine
+        return {**self.load_report(), "block_size": engine.block_size,
+                "kv_transport": engine.kv_transport}
 
     @property
     def ready(self) -> bool:
@@ -99,9 +129,13 @@ def build_app(settings: WorkerSettings, state: WorkerState | None = None) -> Fas
     @asynccontextmanager
     async def lifespan(_app: FastAPI):
         task = None
+        if state.registration is not None:
+            state.registration.start()
         if state.engine is None:
             task = asyncio.create_task(_load(state))
         yield
+        if state.registration is not None:
+            await state.registration.stop()
         if state.watcher is not None:
             await state.watcher.stop()
         if task is not None:
@@ -138,15 +172,19 @@ def build_app(settings: WorkerSettings, state: WorkerState | None = None) -> Fas
 
     @app.get("/load")
     async def load():
-        snap = state._snapshot()
-        engine = state.engine
-        return {"role": settings.role, "model": settings.model_name, "ready": state.ready,
-                "running": snap.get("baton:num_requests_running", 0),
-                "waiting": engine.num_waiting if engine is not None else 0,
-                "kv_blocks_used": snap.get("baton:kv_blocks_used", 0),
-                "kv_blocks_total": snap.get("baton:kv_blocks_total", 0),
-                "max_waiting": settings.max_waiting,
-                "max_model_len": state.serving.max_model_len if state.serving else None}
+        return state.load_report()
+
+    @app.get("/internal/tokenizer")
+    async def tokenizer():
+        """What a router needs to turn prompts into this engine's token ids (and so into
+        its KV block hashes) without loading the model: the tokenizer's JSON, the chat
+        template and the special tokens the template may name."""
+        tok = state.require_serving().tokenizer
+        return {"model": settings.model_name, "block_size": settings.engine.block_size,
+                "tokenizer_json": tok.backend_tokenizer.to_str(),
+                "chat_template": tok.chat_template,
+                "special_tokens": {k: v for k, v in tok.special_tokens_map.items()
+                                   if isinstance(v, str)}}
 
     @app.get("/v1/models")
     async def models():
@@ -267,6 +305,8 @@ async def _load(state: WorkerState) -> None:
         return
     log.info("engine ready in %.1fs (model %s)", time.perf_counter() - t0,
              state.settings.model_name)
+    if state.registration is not None:
+        state.registration.attach(state.engine.core.kv.pool)
     if state.watcher is not None:  # it read the file at start, into settings.engine
         from baton.worker.tuning import WorkerTuner
 

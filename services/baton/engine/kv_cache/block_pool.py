@@ -2,11 +2,18 @@
 
 Free blocks that still hold a full, hashed block stay findable by hash (the prefix cache)
 until they are handed out again; the least recently freed go first.
+
+Once `record_events()` is called (by a pod that publishes what it holds for prefix-aware
+routing), every change to the set of findable hashes is appended to `events` as
+`(stored, hash)` (`stored` False for an eviction), and `(False, None)` for a reset of the
+whole cache. The engine thread appends; the publisher on another thread pops (a deque is
+safe for one appender and one popper). The deque is bounded: a publisher that fell behind
+sees `events_appended` run ahead of what it popped and resends a snapshot instead.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 
@@ -27,6 +34,8 @@ class BlockPool:
         # Free blocks, least recently freed first. Both cached and empty ones live here.
         self._free: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
         self._cached: dict[int, KVBlock] = {}  # block hash -> block
+        self.events: deque[tuple[bool, int | None]] | None = None
+        self.events_appended = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -77,17 +86,33 @@ class BlockPool:
             return
         block.block_hash = block_hash
         self._cached[block_hash] = block
+        self._event(True, block_hash)
 
     def reset_prefix_cache(self) -> None:
         for block in self._cached.values():
             block.block_hash = None
         self._cached.clear()
+        self._event(False, None)
 
     def _evict(self, block: KVBlock) -> None:
         if block.block_hash is not None:
             if self._cached.get(block.block_hash) is block:
                 del self._cached[block.block_hash]
+                self._event(False, block.block_hash)
             block.block_hash = None
+
+    def record_events(self, capacity: int = 1 << 16) -> None:
+        self.events = deque(maxlen=capacity)
+
+    def _event(self, stored: bool, block_hash: int | None) -> None:
+        if self.events is not None:
+            self.events.append((stored, block_hash))
+            self.events_appended += 1
+
+    def cached_hashes(self) -> list[int]:
+        """Every findable hash now (a snapshot; safe from another thread: `list` of a dict's
+        keys runs without releasing the GIL)."""
+        return list(self._cached)
 
     def counts(self) -> tuple[int, int, int]:
         """(empty free, cached free, used) — these always add up to `num_blocks`."""

@@ -8,7 +8,7 @@ the pool. Single-threaded: only the engine loop calls these.
 from __future__ import annotations
 
 from baton.engine.kv_cache.block_pool import BlockPool, KVBlock
-from baton.engine.kv_cache.hashing import ROOT_HASH, hash_block
+from baton.common.hashing import ROOT_HASH, hash_block
 from baton.engine.request import Request
 
 

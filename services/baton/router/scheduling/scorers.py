@@ -3,6 +3,7 @@ with configured weights."""
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 
 from baton.router.discovery import Endpoint
@@ -38,3 +39,19 @@ def prefix(endpoints: list[Endpoint], ctx: RoutingContext) -> list[float]:
 def kv_usage(endpoints: list[Endpoint], ctx: RoutingContext) -> list[float]:
     """More free KV cache is better."""
     return [1.0 - min(max(e.kv_usage, 0.0), 1.0) for e in endpoints]
+
+
+@register("session")
+def session(endpoints: list[Endpoint], ctx: RoutingContext) -> list[float]:
+    """1 for the session's own worker, 0 for the others: rendezvous hashing of the session
+    key with each candidate's URL, so a session keeps its worker while that worker stays
+    (and only the sessions of a worker that leaves move)."""
+    if not ctx.session or not endpoints:
+        return [0.0] * len(endpoints)
+    key = ctx.session.encode()
+
+    def weight(e: Endpoint) -> bytes:
+        return hashlib.blake2b(key + b"\0" + e.url.encode(), digest_size=8).digest()
+
+    best = max(endpoints, key=weight)
+    return [1.0 if e is best else 0.0 for e in endpoints]

@@ -1,0 +1,117 @@
+"""The worker registry in Redis: the keys, the records and the events (DESIGN.md §6).
+
+Workers write, routers read. Everything lives under one prefix (default `baton`, one per
+deployment sharing a Redis):
+
+    {prefix}:worker:{id}      the worker's record (JSON), SET with a TTL and refreshed by
+                              every heartbeat: a worker that stops disappears by itself
+    {prefix}:blocks:{id}      a SET of the KV block hashes it holds (hex), same TTL
+    {prefix}:blockseq:{id}    the number of the last block event folded into that set
+    {prefix}:events           the pub/sub channel every change is announced on
+
+Routers subscribe to the channel (one connection each, nothing polled) and read the keys
+only to catch up: at start, after a reconnect, or when a worker's block events skip a
+number. A worker changes its block set and the sequence number in one MULTI with the
+PUBLISH, so a snapshot read in one MULTI names the event it includes, and the events after
+it apply on top in order. Messages carry a version field; unknown versions are dropped.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+WIRE_VERSION = 1
+DEFAULT_PREFIX = "baton"
+
+
+class WorkerRecord(BaseModel):
+    """What a worker says about itself in every heartbeat."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    v: int = WIRE_VERSION
+    id: str  # this process: a restart under the same address is a new id
+    url: str  # where routers reach its HTTP API
+    role: Literal["both", "prefill", "decode"]
+    model: str
+    max_model_len: int | None = None
+    block_size: int = 16  # tokens per KV block: the unit of the published hashes
+    kv_transport: str | None = None  # how its KV is pulled (prefill pods), or None
+    running: int = 0
+    waiting: int = 0
+    max_waiting: int | None = None
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+    ready: bool = True
+    ttl_s: float = Field(3.0, gt=0)
+
+
+class Keys:
+    def __init__(self, prefix: str = DEFAULT_PREFIX) -> None:
+        if not prefix or ":" in prefix or " " in prefix:
+            raise ValueError(f"registry prefix {prefix!r}: a non-empty word without ':'")
+        self.prefix = prefix
+        self.channel = f"{prefix}:events"
+        self.worker_pattern = f"{prefix}:worker:*"
+
+    def worker(self, worker_id: str) -> str:
+        return f"{self.prefix}:worker:{worker_id}"
+
+    def blocks(self, worker_id: str) -> str:
+        return f"{self.prefix}:blocks:{worker_id}"
+
+    def blockseq(self, worker_id: str) -> str:
+        return f"{self.prefix}:blockseq:{worker_id}"
+
+    def id_of(self, worker_key: str) -> str:
+        return worker_key.rsplit(":", 1)[1]
+
+
+# -- events on the channel ---------------------------------------------------------------
+def heartbeat(record: WorkerRecord) -> str:
+    return json.dumps({"v": WIRE_VERSION, "kind": "heartbeat",
+                       "record": record.model_dump()})
+
+
+def leave(worker_id: str) -> str:
+    return json.dumps({"v": WIRE_VERSION, "kind": "leave", "id": worker_id})
+
+
+def blocks(worker_id: str, seq: int, added: list[str], removed: list[str],
+           reset: bool = False) -> str:
+    """Block event `seq` of a worker. `reset`: the set was replaced by `added` (a
+    snapshot after a reconnect, or the cache was cleared)."""
+    return json.dumps({"v": WIRE_VERSION, "kind": "blocks", "id": worker_id, "seq": seq,
+                       "added": added, "removed": removed, "reset": reset})
+
+
+def parse_event(data: bytes | str) -> dict | None:
+    """A decoded event, or None for a message of another version or shape."""
+    try:
+        msg = json.loads(data)
+    except ValueError:
+        return None
+    if not isinstance(msg, dict) or msg.get("v") != WIRE_VERSION:
+        return None
+    if msg.get("kind") == "heartbeat":
+        try:
+            msg["record"] = WorkerRecord.model_validate(msg.get("record"))
+        except ValueError:
+            return None
+    return msg
+
+
+def hash_hex(block_hash: int) -> str:
+    return format(block_hash, "x")
+
+
+def redis_client(url: str, timeout_s: float = 2.0):
+    """An asyncio Redis client for `url` (redis://host:port/db) with bounded timeouts, so
+    that an unreachable Redis is an error, never a hang."""
+    import redis.asyncio as aioredis
+
+    return aioredis.Redis.from_url(url, socket_timeout=timeout_s,
+                                   socket_connect_timeout=timeout_s, health_check_interval=0)

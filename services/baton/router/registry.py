@@ -1,0 +1,207 @@
+"""Discovery from the Redis registry (`common.registry`): the workers that heartbeat, and
+the KV block hashes each one holds.
+
+One subscription to the registry's channel per router: heartbeats update an endpoint's
+load (or add it), a `leave` or a heartbeat older than the worker's TTL removes it, block
+events keep a mirror of each worker's hash set. The keys are read only to catch up: after
+(re)subscribing, and for a worker whose block events skip a number. If Redis goes away the
+router keeps routing from its last view (no endpoint expires while it cannot hear
+heartbeats; the circuit breakers still take failing workers out) and reconnects with
+backoff.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import aiohttp
+
+from baton.common import registry as reg
+from baton.router.discovery import BreakerSettings, Discovery, Endpoint, update
+
+log = logging.getLogger("baton.router")
+
+
+class BlockIndex:
+    """Per worker, the block hashes it holds and the last block event folded in."""
+
+    def __init__(self, discovery: RegistryDiscovery) -> None:
+        self._discovery = discovery
+        self.held: dict[str, set[str]] = {}  # worker id -> hashes (hex)
+        self.seq: dict[str, int] = {}
+
+    def match(self, url: str, hashes: list[str]) -> int:
+        """Leading blocks of a prompt that the worker at `url` holds."""
+        ep = self._discovery.endpoints.get(url)
+        held = self.held.get(ep.worker_id) if ep is not None else None
+        if not held:
+            return 0
+        n = 0
+        for h in hashes:
+            if h not in held:
+                break
+            n += 1
+        return n
+
+    def add(self, url: str, hashes: list[str]) -> None:
+        """Nothing: the worker itself says what it holds."""
+
+    def forget(self, url: str) -> None:
+        """Nothing: a worker that left stops heartbeating and is dropped."""
+
+    def apply(self, event: dict) -> bool:
+        """Fold a block event in; False when it skips a number (catch up from the keys)."""
+        wid, seq = event["id"], int(event["seq"])
+        last = self.seq.get(wid)
+        if last is not None and seq <= last:
+            return True  # already in the snapshot
+        if not event.get("reset") and last is not None and seq != last + 1:
+            return False
+        if not event.get("reset") and last is None:
+            return False
+        held = set() if event.get("reset") else self.held.setdefault(wid, set())
+        held.difference_update(event["removed"])
+        held.update(event["added"])
+        self.held[wid], self.seq[wid] = held, seq
+        return True
+
+    def drop(self, worker_id: str) -> None:
+        self.held.pop(worker_id, None)
+        self.seq.pop(worker_id, None)
+
+
+class RegistryDiscovery(Discovery):
+    def __init__(self, url: str, prefix: str = reg.DEFAULT_PREFIX,
+                 breaker: BreakerSettings | None = None, timeout_s: float = 2.0) -> None:
+        self.url = url
+        self.keys = reg.Keys(prefix)
+        self.breaker = breaker or BreakerSettings()
+        self.timeout_s = timeout_s
+        self.endpoints: dict[str, Endpoint] = {}
+        self.blocks = BlockIndex(self)
+        self.connected = False
+        self._first_round = asyncio.Event()
+        self._task: asyncio.Task | None = None
+        self._redis = None
+
+    def block_index(self) -> BlockIndex:
+        return self.blocks
+
+    async def start(self, session: aiohttp.ClientSession) -> None:
+        self._redis = reg.redis_client(self.url, self.timeout_s)
+        self._task = asyncio.create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        if self._redis is not None:
+            await self._redis.aclose()
+
+    # -- following the channel -------------------------------------------------------------
+    async def _run(self) -> None:
+        backoff = 0.1
+        while True:
+            pubsub = self._redis.pubsub(ignore_subscribe_messages=True)
+            try:
+                await pubsub.subscribe(self.keys.channel)
+                await self._catch_up()  # after subscribing: nothing falls in between
+                if not self.connected:
+                    log.info("registry %s: following %d workers", self.url,
+                             len(self.endpoints))
+                self.connected, backoff = True, 0.1
+                self._first_round.set()
+                await self._listen(pubsub)
+            except asyncio.CancelledError:
+                raise
+            except Exception as err:  # noqa: BLE001 - Redis away: keep the last view
+                if self.connected:
+                    log.warning("registry %s unreachable (%r); routing from the last view "
+                                "of %d workers", self.url, err, len(self.endpoints))
+                self.connected = False
+                self._first_round.set()  # routing starts from what there is (nothing)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 2.0)
+            finally:
+                await pubsub.aclose()
+
+    async def _listen(self, pubsub) -> None:
+        quiet_since = time.monotonic()
+        while True:
+            msg = await pubsub.get_message(timeout=0.5)
+            now = time.monotonic()
+            if msg is not None:
+                quiet_since = now
+                event = reg.parse_event(msg["data"])
+                if event is not None:
+                    await self._on_event(event)
+            elif now - quiet_since > 2.0:  # nothing heard: is the connection alive?
+                await pubsub.ping()
+                quiet_since = now
+            self._expire(now)
+
+    async def _on_event(self, event: dict) -> None:
+        kind = event.get("kind")
+        if kind == "heartbeat":
+            self._heartbeat(event["record"])
+        elif kind == "leave":
+            self._remove(event["id"], "left")
+        elif kind == "blocks" and not self.blocks.apply(event):
+            await self._catch_up_blocks(event["id"])
+
+    def _heartbeat(self, record: reg.WorkerRecord) -> None:
+        ep = self.endpoints.get(record.url)
+        if ep is None or ep.worker_id != record.id:
+            if ep is not None:  # the same address, a new process: its cache is empty
+                self.blocks.drop(ep.worker_id)
+            else:
+                log.info("worker %s joined (model %s, role %s)", record.url, record.model,
+                         record.role)
+            ep = self.endpoints[record.url] = Endpoint(record.url, worker_id=record.id)
+        update(ep, record.model_dump())
+        ep.ttl_s = record.ttl_s
+
+    def _remove(self, worker_id: str, why: str) -> None:
+        for url, ep in list(self.endpoints.items()):
+            if ep.worker_id == worker_id:
+                del self.endpoints[url]
+                log.info("worker %s %s", url, why)
+        self.blocks.drop(worker_id)
+
+    def _expire(self, now: float) -> None:
+        for ep in list(self.endpoints.values()):
+            if now - ep.last_seen > ep.ttl_s:
+                self._remove(ep.worker_id, f"stopped heartbeating ({ep.ttl_s:g}s)")
+
+    # -- catching up from the keys ---------------------------------------------------------
+    async def _catch_up(self) -> None:
+        """Read every record and block set; workers whose keys are gone are dropped."""
+        keys = [k async for k in self._redis.scan_iter(self.keys.worker_pattern, count=500)]
+        records = await self._redis.mget(keys) if keys else []
+        seen = set()
+        for raw in records:
+            if raw is None:
+                continue
+            try:
+                record = reg.WorkerRecord.model_validate_json(raw)
+            except ValueError:
+                continue
+            seen.add(record.id)
+            self._heartbeat(record)
+            await self._catch_up_blocks(record.id)
+        for ep in list(self.endpoints.values()):
+            if ep.worker_id not in seen:
+                self._remove(ep.worker_id, "is no longer registered")
+
+    async def _catch_up_blocks(self, worker_id: str) -> None:
+        async with self._redis.pipeline(transaction=True) as p:
+            p.smembers(self.keys.blocks(worker_id))
+            p.get(self.keys.blockseq(worker_id))
+            members, seq = await p.execute()
+        self.blocks.drop(worker_id)
+        if seq is not None:
+            self.blocks.held[worker_id] = {m.decode() if isinstance(m, bytes) else m
+                                           for m in members}
+            self.blocks.seq[worker_id] = int(seq)

@@ -1,0 +1,170 @@
+"""A worker's presence in the Redis registry (`common.registry`): its record with a
+heartbeat, and the hashes of the KV blocks it holds as they come and go.
+
+One task on the worker's event loop. Every `interval_s` it refreshes the record (TTL
+`3 * interval_s`) and announces it; every `flush_s` it folds the block pool's events into
+the block set and announces them. When Redis is unreachable the worker keeps serving, drops
+the events it cannot send, retries with backoff, and on reconnect writes a fresh snapshot
+of its blocks (Redis may have restarted empty). On shutdown it announces that it leaves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import Callable
+
+from baton.common import registry as reg
+
+log = logging.getLogger("baton.worker")
+
+
+class Registration:
+    def __init__(self, url: str, advertise_url: str, report: Callable[[], dict | None],
+                 prefix: str = reg.DEFAULT_PREFIX, interval_s: float = 1.0,
+                 flush_s: float = 0.1) -> None:
+        """`report()` returns the record's fields (role, model, load …), or None while the
+        engine is loading (nothing is registered before it is ready)."""
+        if interval_s <= 0 or flush_s <= 0:
+            raise ValueError("Registration: interval_s and flush_s must be > 0")
+        self.url, self.advertise_url = url, advertise_url.rstrip("/")
+        self.keys = reg.Keys(prefix)
+        self.report = report
+        self.interval_s, self.flush_s = interval_s, flush_s
+        self.id = uuid.uuid4().hex[:16]
+        self.pool = None  # the engine's BlockPool, once loaded
+        self._seq = 0
+        self._popped = 0
+        self._synced = False  # the block set in Redis is ours (written since connecting)
+        self._task: asyncio.Task | None = None
+        self._redis = None
+
+    def attach(self, pool) -> None:
+        """Start recording the block pool's hash events (call before the engine runs)."""
+        pool.record_events()
+        self.pool = pool
+
+    def start(self) -> None:
+        self._redis = reg.redis_client(self.url)
+        self._task = asyncio.create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task is None:
+            return
+        self._task.cancel()
+        await asyncio.gather(self._task, return_exceptions=True)
+        try:  # best effort: routers also drop us when the TTL runs out
+            async with self._redis.pipeline(transaction=True) as p:
+                p.delete(self.keys.worker(self.id), self.keys.blocks(self.id),
+                         self.keys.blockseq(self.id))
+                p.publish(self.keys.channel, reg.leave(self.id))
+                await p.execute()
+        except Exception as err:  # noqa: BLE001 - Redis down at shutdown: the TTL does it
+            log.info("registry: could not announce leaving (%r); the TTL will", err)
+        await self._redis.aclose()
+
+    # -- the loop --------------------------------------------------------------------------
+    async def _run(self) -> None:
+        backoff = 0.1
+        ticks_per_beat = max(1, round(self.interval_s / self.flush_s))
+        tick = 0
+        while True:
+            try:
+                if tick % ticks_per_beat == 0:
+                    await self._beat()
+                await self._flush()
+                backoff = 0.1
+                tick += 1
+                await asyncio.sleep(self.flush_s)
+            except asyncio.CancelledError:
+                raise
+            except Exception as err:  # noqa: BLE001 - Redis down: keep serving, retry
+                if self._synced:
+                    log.warning("registry at %s unreachable (%r); retrying", self.url, err)
+                self._synced = False
+                self._drain()  # what happens meanwhile is covered by the next snapshot
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 2.0)
+                tick = 0
+
+    async def _beat(self) -> None:
+        fields = self.report()
+        if fields is None:
+            return
+        record = reg.WorkerRecord(id=self.id, url=self.advertise_url,
+                                  ttl_s=3 * self.interval_s, **fields)
+        ttl_ms = int(record.ttl_s * 1000)
+        async with self._redis.pipeline(transaction=True) as p:
+            p.set(self.keys.worker(self.id), record.model_dump_json(), px=ttl_ms)
+            p.pexpire(self.keys.blocks(self.id), ttl_ms)
+            p.pexpire(self.keys.blockseq(self.id), ttl_ms)
+            p.publish(self.keys.channel, reg.heartbeat(record))
+            await p.execute()
+
+    async def _flush(self) -> None:
+        if self.pool is None:
+            return
+        if not self._synced:
+            await self._snapshot()
+            return
+        added, removed, reset = self._drain()
+        if reset is None:  # the pool's event queue overflowed: resend everything
+            await self._snapshot()
+            return
+        if not (added or removed or reset):
+            return
+        await self._send(added, removed, reset)
+
+    async def _snapshot(self) -> None:
+        self._drain()
+        await self._send(self.pool.cached_hashes(), [], reset=True)
+        if not self._synced:
+            log.info("registry: registered at %s as %s", self.url, self.id)
+        self._synced = True
+
+    async def _send(self, added: list[int], removed: list[int], reset: bool) -> None:
+        self._seq += 1
+        add = [reg.hash_hex(h) for h in added]
+        rem = [reg.hash_hex(h) for h in removed]
+        ttl_ms = int(3 * self.interval_s * 1000)
+        key = self.keys.blocks(self.id)
+        async with self._redis.pipeline(transaction=True) as p:
+            if reset:
+                p.delete(key)
+            if rem:
+                p.srem(key, *rem)
+            if add:
+                p.sadd(key, *add)
+            p.pexpire(key, ttl_ms)
+            p.set(self.keys.blockseq(self.id), self._seq, px=ttl_ms)
+            p.publish(self.keys.channel, reg.blocks(self.id, self._seq, add, rem, reset))
+            await p.execute()
+
+    def _drain(self) -> tuple[list[int], list[int], bool | None]:
+        """The pool's events since the last drain, netted: (added, removed, reset), with
+        reset None when some were lost to the queue's bound."""
+        events = self.pool.events if self.pool is not None else None
+        if events is None:
+            return [], [], False
+        appended = self.pool.events_appended  # read before len: a racing append is no loss
+        lost = appended - self._popped - len(events)
+        added: dict[int, None] = {}
+        removed: dict[int, None] = {}
+        reset = False
+        while events:
+            stored, h = events.popleft()
+            self._popped += 1
+            if h is None:  # the whole cache was cleared
+                added.clear(), removed.clear()
+                reset = True
+            elif stored:
+                removed.pop(h, None)
+                added[h] = None
+            else:
+                added.pop(h, None)
+                removed[h] = None
+        if lost > 0:  # the deque dropped the oldest: count them as seen, resend everything
+            self._popped += lost
+            return [], [], None
+        return list(added), list(removed), reset
