@@ -20,7 +20,7 @@ from baton.router.scheduling.scorers import SCORERS
 DEFAULT_FILTERS = ("healthy", "circuit", "model", "role", "not_tried")
 PREFILL_FILTERS = ("healthy", "circuit", "model", "role", "not_saturated")
 POLICIES = {
-    "load": ({"queue": 1.0, "kv_usage": 1.0, "prefix": 1.0, "session": 0.5}, "max_score"),
+    "load": ({"queue": 1.0, "kv_usage": 1.0, "prefix": 1.0, "session": 1.0}, "max_score"),
     "round_robin": ({}, "round_robin"),
     "random": ({}, "random"),
 }

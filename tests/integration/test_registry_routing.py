@@ -1,0 +1,163 @@
+"""The router finds its workers in a real Redis (valkey-server) and routes by the KV blocks
+they report: router + 1 prefill + 2 decode pods, all registered, no static list. Exact
+prefix routing, the disaggregation decision on exact counts, session affinity, a decode
+pod killed, and Redis restarted empty under traffic."""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+from tests.conftest import make_text
+from tests.integration.conftest import (MODEL, WORKER_FLAGS, Proc, assert_idle, free_port_run,
+                                        http_get, metric_value, post_json, wait_for)
+from tests.redis_server import RedisServer, server_binary
+
+pytestmark = pytest.mark.slow
+FLAGS = [*WORKER_FLAGS, "--num-threads", "1"]
+
+
+@pytest.fixture(scope="module")
+def reg_cluster(tmp_path_factory):
+    logs = tmp_path_factory.mktemp("registry")
+    redis = RedisServer(server_binary(), logs / "redis.log").start()
+    port = free_port_run(4)
+    urls = [f"http://127.0.0.1:{port + i}" for i in range(4)]
+    roles = {urls[1]: "prefill", urls[2]: "decode", urls[3]: "decode"}
+    procs = {url: Proc(["serve", "--port", url.rsplit(":", 1)[1], "--role", role,
+                        "--registry", redis.url, *FLAGS], logs / f"{role}-{url[-5:]}.log")
+             for url, role in roles.items()}
+    procs[urls[0]] = Proc(["router", "--port", str(port), "--registry", redis.url,
+                           "--disagg-min-prefill-tokens", "64"], logs / "router.log")
+    for p in procs.values():
+        p.start()
+    for url, p in procs.items():
+        p.wait_ready(url, timeout=300)
+    wait_for(lambda: len(view(urls[0])["workers"]) == 3, 10, "3 registered workers")
+    yield {"router": urls[0], "prefill": urls[1], "decode": urls[2:], "redis": redis,
+           "procs": procs}
+    for p in procs.values():
+        p.stop() if p.proc.poll() is None else None
+    redis.stop()
+
+
+def view(router: str) -> dict:
+    import json
+
+    status, body = http_get(router + "/workers")
+    assert status == 200
+    return json.loads(body)
+
+
+def cached_blocks(router: str) -> dict[str, int]:
+    return {w["url"]: w["cached_blocks"] for w in view(router)["workers"]}
+
+
+def complete(router: str, prompt: str, **extra) -> dict:
+    status, _, body = post_json(router + "/v1/completions", {
+        "model": MODEL, "prompt": prompt, "max_tokens": 4, "temperature": 0, **extra})
+    assert status == 200, body
+    return body
+
+
+def hits(url: str) -> float:
+    return metric_value(url, "baton:prefix_cache_hit_tokens_total")
+
+
+def finished(url: str) -> float:
+    _, page = http_get(url + "/metrics")
+    return sum(float(line.rsplit(" ", 1)[1]) for line in page.decode().splitlines()
+               if line.startswith("baton:requests_total{"))
+
+
+def test_workers_register_with_role_and_model(reg_cluster):
+    v = view(reg_cluster["router"])
+    assert v["source"] == "registry"
+    roles = sorted((w["role"], w["model"], w["healthy"]) for w in v["workers"])
+    assert roles == [("decode", MODEL, True)] * 2 + [("prefill", MODEL, True)]
+
+
+def test_router_tokenizes_like_the_worker(reg_cluster, model_dir):
+    import json
+
+    from transformers import AutoTokenizer
+
+    from baton.common.protocol import ChatCompletionRequest, CompletionRequest
+    from baton.router.tokens import RouterTokenizer
+
+    _, raw = http_get(reg_cluster["decode"][0] + "/internal/tokenizer")
+    tok = RouterTokenizer(json.loads(raw))
+    ref = AutoTokenizer.from_pretrained(str(model_dir))
+    chats = [[{"role": "user", "content": "Hello there!"}],
+             [{"role": "system", "content": "Be terse."},
+              {"role": "user", "content": make_text(2)},
+              {"role": "assistant", "content": "Noted."},
+              {"role": "user", "content": "Ünïcödé — and emoji 🚀?"}]]
+    for messages in chats:
+        req = ChatCompletionRequest.model_validate({"model": MODEL, "messages": messages})
+        want = ref.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
+                                       return_dict=False)
+        assert tok.prompt_ids("chat", req) == list(want)
+    for text in ["The quick brown fox", make_text(3, 1), "  leading spaces\tand tabs\n"]:
+        req = CompletionRequest.model_validate({"model": MODEL, "prompt": text})
+        assert tok.prompt_ids("completions", req) == ref.encode(text)
+
+
+def test_exact_prefix_routing_and_decision(reg_cluster):
+    router, decode = reg_cluster["router"], reg_cluster["decode"]
+    prefix = make_text(12)  # ~550 tokens
+    complete(router, prefix + "\n\nQuestion: what is this about?")
+    wait_for(lambda: MODEL in view(router)["exact_prefix_models"], 30, "the tokenizer")
+    wait_for(lambda: max(cached_blocks(router)[u] for u in decode) >= 30, 10,
+             "the decode pod's blocks to reach the router")
+    holder = max(decode, key=lambda u: cached_blocks(router)[u])
+    other = decode[1 - decode.index(holder)]
+    before = {u: (hits(u), finished(u)) for u in decode}
+    local = metric_value(router, 'baton:disagg_decisions_total{decision="local"}', 0)
+    for q in ["Summarise it.", "Why does it matter?", "Name one fact.", "Translate it."]:
+        complete(router, prefix + "\n\n" + q)
+    assert finished(holder) - before[holder][1] == 4
+    assert finished(other) == before[other][1]
+    assert hits(holder) - before[holder][0] >= 4 * 500  # the whole shared prefix each time
+    # Only the short uncached tail was left: prefilled on the decode pod, not sent away.
+    assert metric_value(router, 'baton:disagg_decisions_total{decision="local"}') == local + 4
+
+
+def test_session_affinity(reg_cluster):
+    router, decode = reg_cluster["router"], reg_cluster["decode"]
+    for user in ["alice", "bob", "carol"]:
+        before = {u: finished(u) for u in decode}
+        for i in range(3):
+            complete(router, f"Hi {i}", user=user)  # shorter than one block: no prefix
+        moved = sorted(finished(u) - before[u] for u in decode)
+        assert moved == [0, 3], f"{user}'s requests were spread: {moved}"
+
+
+def test_a_killed_decode_pod_leaves_routing(reg_cluster):
+    router, decode = reg_cluster["router"], reg_cluster["decode"]
+    victim = reg_cluster["procs"][decode[1]]
+    victim.proc.send_signal(signal.SIGKILL)
+    victim.proc.wait(10)
+    wait_for(lambda: decode[1] not in cached_blocks(router), 5, "the dead pod to expire")
+    for i in range(3):
+        complete(router, f"Still serving {i}?")
+
+
+def test_redis_restart_under_traffic(reg_cluster):
+    router, decode, redis = reg_cluster["router"], reg_cluster["decode"], reg_cluster["redis"]
+    # The one decode pod left pulls this prompt's KV (min_tokens: it does not end at once).
+    complete(router, make_text(6, 2) + "\n\nWhat next?", min_tokens=4)
+    wait_for(lambda: cached_blocks(router)[decode[0]] >= 10, 10, "its blocks at the router")
+    held = cached_blocks(router)[decode[0]]
+    redis.stop()
+    for i in range(3):  # routing goes on from the router's last view
+        complete(router, make_text(3, i) + "\n\nAnd now?")
+    assert decode[0] in cached_blocks(router)
+    redis.start()  # empty: workers register again and resend what they hold
+    wait_for(lambda: cached_blocks(router).get(decode[0], 0) >= held, 15,
+             "the decode pod's blocks after the restart")
+    assert sorted(w["role"] for w in view(router)["workers"]) == ["decode", "prefill"]
+    complete(router, "After the restart")
+    assert_idle([reg_cluster["prefill"], decode[0]])  # no lease or block left behind
+
