@@ -15,7 +15,7 @@ import sys
 import time
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="baton", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -24,7 +24,11 @@ def main(argv: list[str] | None = None) -> int:
     _router_parser(sub)
     _up_parser(sub)
     _config_parser(sub)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     logging.basicConfig(level=getattr(logging, args.log_level.upper()),
                         format=f"%(asctime)s %(levelname)s [{args.name}] %(name)s: %(message)s")
     try:

@@ -152,3 +152,6 @@ class RouterMetrics(ConfigMetrics):
         self.upstream_healthy = Gauge("baton:router_upstream_healthy",
                                       "1 when the upstream passes its health checks.",
                                       ["upstream"], registry=r)
+        self.registry_connected = Gauge(
+            "baton:router_registry_connected", "1 while the router follows the Redis "
+            "registry; 0 while it routes from its last view.", registry=r)

@@ -86,6 +86,7 @@ class Router:
                                              breaker=settings.breaker)
         self.pipeline = RoutingPipeline.from_policy(settings.policy, settings.scorer_weights)
         self.proxy: Proxy | None = None
+        self._gauged: set[str] = set()  # upstreams with a health gauge series
         self.watcher = None
         if settings.config_dir is not None:
             self.watcher = ConfigWatcher(settings.config_dir)
@@ -139,8 +140,15 @@ class Router:
         return web.json_response({"status": "ready"})
 
     async def metrics_page(self, _request: web.Request) -> web.Response:
+        urls = set()
         for ep in self.discovery.all():
             self.metrics.upstream_healthy.labels(ep.url).set(1 if ep.healthy else 0)
+            urls.add(ep.url)
+        for gone in self._gauged - urls:  # a pod that left: no series stuck at its last value
+            self.metrics.upstream_healthy.remove(gone)
+        self._gauged = urls
+        if isinstance(self.discovery, RegistryDiscovery):
+            self.metrics.registry_connected.set(1 if self.discovery.connected else 0)
         return web.Response(body=render(self.metrics.registry),
                             headers={"Content-Type": CONTENT_TYPE})
 
