@@ -3,7 +3,10 @@
     baton up [--port 8000] [--workers 2]      a local cluster: router + workers on loopback
     baton serve [--port 8001] [--role both]   one worker (engine + OpenAI API)
     baton router --workers URL,URL            the router in front of running workers
+                 --registry redis://HOST:6379/0   ... or of the workers registered in Redis
     baton generate "prompt" ...               offline generation with the local engine
+    baton profile | plan | planner            step costs, the P:D plan, the in-cluster scaler
+    baton config validate FILE                check a live-tuning file offline
 """
 
 from __future__ import annotations
@@ -24,6 +27,9 @@ def build_parser() -> argparse.ArgumentParser:
     _router_parser(sub)
     _up_parser(sub)
     _config_parser(sub)
+    from baton.planner.cli import add_subcommands
+
+    add_subcommands(sub)  # profile | plan | planner
     return parser
 
 

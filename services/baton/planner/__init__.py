@@ -1,0 +1,16 @@
+"""Capacity planning: how many prefill and decode pods meet a TTFT/ITL target, and keeping
+the Deployments at that size.
+
+    profile.py         Profile: fitted step-cost models + raw points, YAML load/save, the fit
+    measure.py         `baton profile`: times real engine steps (prefill sizes, decode grid)
+    simulate.py        discrete-event simulation of p prefill + d decode pods on a trace
+    plan.py            `baton plan`: the fewest p + d meeting the SLO, table / JSON output
+    base.py            interfaces: MetricsSource (live workload), KubeClient (replicas)
+    metrics_source.py  ScrapeSource: rates and mean lengths from a Prometheus page
+    kube.py            KubernetesClient: the Deployment scale subresource (official client)
+    scaler.py          `baton planner`: the loop (plan, clamp, hysteresis, dry run)
+    cli.py             the three subcommands, added to `baton` by `add_subcommands`
+
+Nothing here imports torch except `measure.py` (through the engine), so the planner's pod
+needs no model and no accelerator.
+"""

@@ -1,0 +1,283 @@
+"""A hardware profile: what one engine step costs on this machine, as two fitted cost models.
+
+    prefill_s(tokens)                    = a + b * tokens             (one prefill step)
+    decode_step_s(batch, ctx_tokens_total) = c + d * batch + e * ctx_tokens_total
+
+`ctx_tokens_total` is the sum of the running sequences' contexts (batch x context length).
+The coefficients are fitted by non-negative least squares on measured points
+(`planner.measure`), saved as YAML with the raw points, the fit residuals, the hardware and
+the engine limits they were measured under, and loaded back by `Profile.load`, which checks
+every field and names the one that is missing or out of range.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+PROFILE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class PrefillPoint:
+    tokens: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class DecodePoint:
+    batch: int
+    ctx: int  # context length of each sequence when the timed steps began
+    ctx_tokens_total: int  # sum of the contexts over the batch, averaged over timed steps
+    seconds: float
+
+
+@dataclass(frozen=True)
+class PrefillCost:
+    """`seconds(tokens) = a + b * tokens` for one prefill step."""
+
+    a: float  # seconds per step
+    b: float  # seconds per prompt token
+    rmse_s: float = 0.0  # root-mean-square residual of the fit
+    max_rel_error: float = 0.0  # largest |fit - measured| / measured over the points
+    points: tuple[PrefillPoint, ...] = ()
+
+    def __post_init__(self) -> None:
+        _check_coefficients("prefill", {"a": self.a, "b": self.b})
+
+    def seconds(self, tokens: int) -> float:
+        return self.a + self.b * tokens
+
+    def chunked_seconds(self, tokens: np.ndarray, chunk: int) -> np.ndarray:
+        """Service time of whole prompts cut into steps of at most `chunk` tokens."""
+        steps = np.ceil(tokens / chunk)
+        return self.a * steps + self.b * tokens
+
+
+@dataclass(frozen=True)
+class DecodeCost:
+    """`seconds(batch, ctx_tokens_total) = c + d * batch + e * ctx_tokens_total`."""
+
+    c: float  # seconds per step
+    d: float  # seconds per sequence in the batch
+    e: float  # seconds per context token attended to
+    rmse_s: float = 0.0
+    max_rel_error: float = 0.0
+    points: tuple[DecodePoint, ...] = ()
+
+    def __post_init__(self) -> None:
+        _check_coefficients("decode", {"c": self.c, "d": self.d, "e": self.e})
+
+    def seconds(self, batch: int, ctx_tokens_total: int) -> float:
+        return self.c + self.d * batch + self.e * ctx_tokens_total
+
+
+@dataclass(frozen=True)
+class Hardware:
+    device: str  # "cpu" or "cuda"
+    cpu: str
+    gpu: str | None
+    torch: str
+    threads: int
+
+
+@dataclass(frozen=True)
+class EngineLimits:
+    """The engine settings the profile was measured under; the planner simulates pods that
+    run with the same ones (prefill chunk = max_num_batched_tokens, max batch = max_num_seqs)."""
+
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    max_model_len: int
+    block_size: int = 16
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_batched_tokens", "max_num_seqs", "block_size"):
+            _positive(f"engine.{name}", getattr(self, name))
+        if self.max_model_len < 2:
+            raise ValueError(f"profile: engine.max_model_len={self.max_model_len} must be >= 2")
+
+
+@dataclass(frozen=True)
+class Profile:
+    model: str
+    dtype: str
+    hardware: Hardware
+    limits: EngineLimits
+    prefill: PrefillCost
+    decode: DecodeCost
+    version: int = PROFILE_VERSION
+
+    def to_dict(self) -> dict:
+        return {
+            "version": self.version, "model": self.model, "dtype": self.dtype,
+            "hardware": vars(self.hardware).copy(), "engine": vars(self.limits).copy(),
+            "prefill": _cost_dict(self.prefill, ("a", "b")),
+            "decode": _cost_dict(self.decode, ("c", "d", "e")),
+        }
+
+    @classmethod
+    def from_dict(cls, raw: object, where: str = "profile") -> Profile:
+        """Build from parsed YAML; a missing or invalid field raises ValueError naming it."""
+        try:
+            return cls._from_dict(_mapping(raw, ""))
+        except ValueError as err:
+            raise ValueError(f"{where}: {str(err).removeprefix('profile: ')}") from None
+
+    @classmethod
+    def _from_dict(cls, raw: dict) -> Profile:
+        version = _field(raw, "", "version", int)
+        if version != PROFILE_VERSION:
+            raise ValueError(f"version={version} is not supported (expected {PROFILE_VERSION})")
+        model, dtype = _field(raw, "", "model", str), _field(raw, "", "dtype", str)
+        hw = _mapping(raw.get("hardware"), "hardware")
+        eng = _mapping(raw.get("engine"), "engine")
+        return cls(
+            model=model, dtype=dtype,
+            hardware=Hardware(*(_field(hw, "hardware", k, t) for k, t in _HARDWARE_FIELDS)),
+            limits=EngineLimits(*(_field(eng, "engine", k, int) for k in _LIMIT_FIELDS)),
+            prefill=_prefill_from(_mapping(raw.get("prefill"), "prefill")),
+            decode=_decode_from(_mapping(raw.get("decode"), "decode")),
+            version=version)
+
+    def save(self, path: str | Path) -> None:
+        import yaml
+
+        Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
+
+    @classmethod
+    def load(cls, path: str | Path) -> Profile:
+        import yaml
+
+        try:
+            raw = yaml.safe_load(Path(path).read_text())
+        except OSError as err:
+            raise ValueError(f"profile {path}: cannot read it ({err.strerror})") from None
+        except yaml.YAMLError as err:
+            raise ValueError(f"profile {path}: not valid YAML ({err})") from None
+        return cls.from_dict(raw, where=f"profile {path}")
+
+
+_HARDWARE_FIELDS = (("device", str), ("cpu", str), ("gpu", (str, type(None))),
+                    ("torch", str), ("threads", int))
+_LIMIT_FIELDS = ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "block_size")
+
+
+# -- fitting ------------------------------------------------------------------------------
+def fit_prefill(points: list[PrefillPoint]) -> PrefillCost:
+    """Fit `a + b * tokens` to measured prefill steps (needs two distinct token counts)."""
+    if len({p.tokens for p in points}) < 2:
+        raise ValueError("prefill fit: needs points at >= 2 distinct token counts")
+    x = np.array([[1.0, p.tokens] for p in points])
+    y = np.array([p.seconds for p in points])
+    (a, b), rmse, rel = nonnegative_lstsq(x, y)
+    return PrefillCost(a, b, rmse, rel, tuple(points))
+
+
+def fit_decode(points: list[DecodePoint]) -> DecodeCost:
+    """Fit `c + d * batch + e * ctx_tokens_total` to measured decode steps."""
+    x = np.array([[1.0, p.batch, p.ctx_tokens_total] for p in points])
+    if len(points) < 3 or np.linalg.matrix_rank(x) < 3:
+        raise ValueError("decode fit: needs >= 3 points that vary both batch and context")
+    y = np.array([p.seconds for p in points])
+    (c, d, e), rmse, rel = nonnegative_lstsq(x, y)
+    return DecodeCost(c, d, e, rmse, rel, tuple(points))
+
+
+def nonnegative_lstsq(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, float, float]:
+    """Least squares with every coefficient >= 0 (a cost never shrinks with more work).
+
+    Exact for the 2-3 columns here: solve on every subset of columns, keep the feasible
+    solution with the smallest residual (measurement noise can make a tiny intercept come
+    out negative; the constrained fit then sets it to zero). Returns (coefficients, RMSE,
+    max relative error)."""
+    best, best_sse = np.zeros(x.shape[1]), math.inf
+    for k in range(1, x.shape[1] + 1):
+        for cols in itertools.combinations(range(x.shape[1]), k):
+            sol, *_ = np.linalg.lstsq(x[:, cols], y, rcond=None)
+            if np.any(sol < 0):
+                continue
+            coef = np.zeros(x.shape[1])
+            coef[list(cols)] = sol
+            sse = float(np.sum((x @ coef - y) ** 2))
+            if sse < best_sse - 1e-18:
+                best, best_sse = coef, sse
+    pred = x @ best
+    rel = float(np.max(np.abs(pred - y) / np.maximum(y, 1e-12)))
+    return best, math.sqrt(best_sse / len(y)), rel
+
+
+# -- YAML helpers -------------------------------------------------------------------------
+def _cost_dict(cost, names: tuple[str, ...]) -> dict:
+    out = {n: float(getattr(cost, n)) for n in names}
+    out |= {"rmse_s": float(cost.rmse_s), "max_rel_error": float(cost.max_rel_error),
+            "points": [vars(p).copy() for p in cost.points]}
+    return out
+
+
+def _prefill_from(raw: dict) -> PrefillCost:
+    points = tuple(PrefillPoint(_field(p, f"prefill.points[{i}]", "tokens", int),
+                                _field(p, f"prefill.points[{i}]", "seconds", float))
+                   for i, p in enumerate(_points(raw, "prefill")))
+    a, b, rmse, rel = (_field(raw, "prefill", k, float)
+                       for k in ("a", "b", "rmse_s", "max_rel_error"))
+    return PrefillCost(a, b, rmse, rel, points)
+
+
+def _decode_from(raw: dict) -> DecodeCost:
+    points = []
+    for i, p in enumerate(_points(raw, "decode")):
+        where = f"decode.points[{i}]"
+        points.append(DecodePoint(*(_field(p, where, k, int)
+                                    for k in ("batch", "ctx", "ctx_tokens_total")),
+                                  _field(p, where, "seconds", float)))
+    c, d, e, rmse, rel = (_field(raw, "decode", k, float)
+                          for k in ("c", "d", "e", "rmse_s", "max_rel_error"))
+    return DecodeCost(c, d, e, rmse, rel, tuple(points))
+
+
+def _points(raw: dict, where: str) -> list[dict]:
+    points = raw.get("points", [])
+    if not isinstance(points, list):
+        raise ValueError(f"profile: {where}.points must be a list")
+    return [_mapping(p, f"{where}.points[{i}]") for i, p in enumerate(points)]
+
+
+def _mapping(raw: object, where: str) -> dict:
+    if raw is None:
+        raise ValueError(f"profile: {where or 'the file'} is missing" + ("" if where else
+                                                                          " or empty"))
+    if not isinstance(raw, dict):
+        raise ValueError(f"profile: {where or 'the file'} must be a mapping")
+    return raw
+
+
+def _field(raw: dict, where: str, name: str, kind):
+    path = f"{where}.{name}" if where else name
+    if name not in raw:
+        raise ValueError(f"profile: {path} is missing")
+    value = raw[name]
+    if kind is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if isinstance(value, bool) or not isinstance(value, kind):
+        raise ValueError(f"profile: {path}={value!r} has the wrong type")
+    if isinstance(value, (int, float)) and (not math.isfinite(value) or value < 0):
+        raise ValueError(f"profile: {path}={value!r} must be a finite number >= 0")
+    return value
+
+
+def _check_coefficients(where: str, values: dict[str, float]) -> None:
+    for name, value in values.items():
+        if not math.isfinite(value) or value < 0:
+            raise ValueError(f"profile: {where}.{name}={value!r} must be a finite number >= 0")
+    if sum(values.values()) <= 0:
+        raise ValueError(f"profile: {where} coefficients are all zero (a step cannot be free)")
+
+
+def _positive(path: str, value: int) -> None:
+    if value < 1:
+        raise ValueError(f"profile: {path}={value} must be >= 1")

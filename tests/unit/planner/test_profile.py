@@ -1,0 +1,117 @@
+"""The cost-model fit recovers known coefficients, and a profile file is checked field by
+field when loaded."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import yaml
+
+from baton.planner.profile import (DecodePoint, PrefillPoint, Profile, fit_decode,
+                                   fit_prefill, nonnegative_lstsq)
+from tests.unit.planner.factories import make_profile
+
+
+def prefill_points(a, b, noise=0.0, seed=0):
+    rng = np.random.default_rng(seed)
+    return [PrefillPoint(n, (a + b * n) * (1 + noise * rng.standard_normal()))
+            for n in (128, 256, 512, 1024, 2048) for _ in range(3)]
+
+
+def decode_points(c, d, e, noise=0.0, seed=0):
+    rng = np.random.default_rng(seed)
+    return [DecodePoint(batch, ctx, batch * ctx,
+                        (c + d * batch + e * batch * ctx) * (1 + noise * rng.standard_normal()))
+            for batch in (1, 4, 16, 64) for ctx in (128, 1024, 4096)]
+
+
+def test_prefill_fit_recovers_exact_coefficients():
+    cost = fit_prefill(prefill_points(0.012, 3.5e-4))
+    assert cost.a == pytest.approx(0.012, rel=1e-9)
+    assert cost.b == pytest.approx(3.5e-4, rel=1e-9)
+    assert cost.rmse_s < 1e-12 and cost.max_rel_error < 1e-9
+    assert cost.seconds(1000) == pytest.approx(0.012 + 0.35)
+
+
+def test_decode_fit_recovers_coefficients_under_noise():
+    cost = fit_decode(decode_points(0.008, 4e-4, 3e-7, noise=0.01))
+    assert cost.c == pytest.approx(0.008, rel=0.1)
+    assert cost.d == pytest.approx(4e-4, rel=0.1)
+    assert cost.e == pytest.approx(3e-7, rel=0.05)
+    assert 0 < cost.rmse_s < 0.01 * 0.2  # ~1% of the largest step
+    assert len(cost.points) == 12
+
+
+def test_fit_never_returns_a_negative_coefficient():
+    # Noise-free points of a line through the origin with a slightly negative intercept:
+    # unconstrained least squares gives a < 0; the constrained fit pins a at 0.
+    points = [PrefillPoint(n, -0.002 + 1e-4 * n) for n in (100, 200, 400)]
+    x = np.array([[1.0, p.tokens] for p in points])
+    y = np.array([p.seconds for p in points])
+    assert np.linalg.lstsq(x, y, rcond=None)[0][0] < 0
+    coef, rmse, _ = nonnegative_lstsq(x, y)
+    assert coef[0] == 0.0 and coef[1] > 0 and rmse > 0
+    assert fit_prefill(points).a == 0.0
+
+
+def test_fits_need_enough_distinct_points():
+    with pytest.raises(ValueError, match="2 distinct token counts"):
+        fit_prefill([PrefillPoint(128, 0.1), PrefillPoint(128, 0.11)])
+    with pytest.raises(ValueError, match="vary both batch and context"):
+        fit_decode([DecodePoint(b, 128, b * 128, 0.01 * b) for b in (1, 2, 4)])
+
+
+def test_chunked_prefill_pays_the_step_cost_per_chunk():
+    cost = make_profile(a=0.01, b=1e-4).prefill
+    times = cost.chunked_seconds(np.array([100, 2048, 2049, 5000]), 2048)
+    assert times.tolist() == pytest.approx([0.01 + 0.01, 0.01 + 0.2048, 0.02 + 0.2049,
+                                            0.03 + 0.5])
+
+
+def test_profile_round_trips_through_yaml(tmp_path):
+    profile = make_profile()
+    fitted = fit_decode(decode_points(0.008, 4e-4, 3e-7))
+    profile = Profile(profile.model, profile.dtype, profile.hardware, profile.limits,
+                      fit_prefill(prefill_points(0.01, 2e-4)), fitted)
+    path = tmp_path / "profile.yaml"
+    profile.save(path)
+    assert Profile.load(path) == profile
+    raw = yaml.safe_load(path.read_text())
+    assert raw["decode"]["points"][0] == {"batch": 1, "ctx": 128, "ctx_tokens_total": 128,
+                                          "seconds": pytest.approx(0.008 + 4e-4 + 3e-7 * 128)}
+
+
+def _raw():
+    return make_profile().to_dict()
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda r: r["prefill"].pop("b"), r"prefill\.b is missing"),
+    (lambda r: r["decode"].update(e=-1e-7), r"decode\.e=-1e-07 must be a finite number >= 0"),
+    (lambda r: r["decode"].update(c="fast"), r"decode\.c='fast' has the wrong type"),
+    (lambda r: r.pop("hardware"), r"hardware is missing"),
+    (lambda r: r["engine"].update(max_num_seqs=0), r"engine\.max_num_seqs=0 must be >= 1"),
+    (lambda r: r.update(version=2), r"version=2 is not supported"),
+    (lambda r: r["prefill"].update(a=0.0, b=0.0), r"prefill coefficients are all zero"),
+    (lambda r: r["decode"]["points"].append({"batch": 1, "ctx": 2}),
+     r"decode\.points\[0\]\.ctx_tokens_total is missing"),
+])
+def test_invalid_profile_names_the_field(edit, message):
+    raw = _raw()
+    edit(raw)
+    with pytest.raises(ValueError, match=message):
+        Profile.from_dict(raw)
+
+
+def test_load_names_the_file_and_the_field(tmp_path):
+    path = tmp_path / "p.yaml"
+    raw = _raw()
+    del raw["decode"]["d"]
+    path.write_text(yaml.safe_dump(raw))
+    with pytest.raises(ValueError, match=rf"profile {path}: decode\.d is missing"):
+        Profile.load(path)
+    with pytest.raises(ValueError, match="cannot read it"):
+        Profile.load(tmp_path / "absent.yaml")
+    path.write_text("- just\n- a list\n")
+    with pytest.raises(ValueError, match="the file must be a mapping"):
+        Profile.load(path)
