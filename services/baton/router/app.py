@@ -194,7 +194,7 @@ class Router:
                                        f"{sorted(known)}", param="model",
                                   code="model_not_found")
             rid = request.headers.get("X-Request-Id") or uuid.uuid4().hex
-            ctx = self.proxy.context(api, req, req.model)
+            ctx = await self.proxy.context(api, req, req.model, len(body))
             ctx.session = request.headers.get("X-Session-Id") or req.user
             decode = await self.proxy.remote_prefill(api, req, body, rid, ctx)
             response = await self.proxy.forward(request, path, body, rid, ctx, req.stream,

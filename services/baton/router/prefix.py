@@ -39,6 +39,17 @@ def block_hashes(prompt: str | list[int]) -> list[int]:
     return out
 
 
+def leading_matches(held, hashes: list) -> int:
+    """How many of `hashes`, from the first, are in `held` (chained hashes: a miss ends
+    the shared prefix)."""
+    n = 0
+    for h in hashes:
+        if h not in held:
+            break
+        n += 1
+    return n
+
+
 class PrefixIndex:
     def __init__(self, capacity_per_worker: int = 100_000) -> None:
         self.capacity = capacity_per_worker
@@ -47,14 +58,7 @@ class PrefixIndex:
     def match(self, url: str, hashes: list[int]) -> int:
         """Leading blocks of the prompt this worker probably holds."""
         held = self._held.get(url)
-        if not held:
-            return 0
-        n = 0
-        for h in hashes:
-            if h not in held:
-                break
-            n += 1
-        return n
+        return leading_matches(held, hashes) if held else 0
 
     def add(self, url: str, hashes: list[int]) -> None:
         held = self._held.setdefault(url, OrderedDict())

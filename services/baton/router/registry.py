@@ -20,6 +20,7 @@ import aiohttp
 
 from baton.common import registry as reg
 from baton.router.discovery import BreakerSettings, Discovery, Endpoint, update
+from baton.router.prefix import leading_matches
 
 log = logging.getLogger("baton.router")
 
@@ -36,14 +37,7 @@ class BlockIndex:
         """Leading blocks of a prompt that the worker at `url` holds."""
         ep = self._discovery.endpoints.get(url)
         held = self.held.get(ep.worker_id) if ep is not None else None
-        if not held:
-            return 0
-        n = 0
-        for h in hashes:
-            if h not in held:
-                break
-            n += 1
-        return n
+        return leading_matches(held, hashes) if held else 0
 
     def add(self, url: str, hashes: list[str]) -> None:
         """Nothing: the worker itself says what it holds."""
