@@ -37,6 +37,7 @@ class Registration:
         self._seq = 0
         self._popped = 0
         self._synced = False  # the block set in Redis is ours (written since connecting)
+        self._failing = False  # the last attempt failed (logged once per outage)
         self._task: asyncio.Task | None = None
         self._redis = None
 
@@ -74,15 +75,18 @@ class Registration:
                 if tick % ticks_per_beat == 0:
                     await self._beat()
                 await self._flush()
-                backoff = 0.1
+                if self._failing:
+                    log.info("registry at %s reachable again", self.url)
+                self._failing, backoff = False, 0.1
                 tick += 1
                 await asyncio.sleep(self.flush_s)
             except asyncio.CancelledError:
                 raise
             except Exception as err:  # noqa: BLE001 - Redis down: keep serving, retry
-                if self._synced:
-                    log.warning("registry at %s unreachable (%r); retrying", self.url, err)
-                self._synced = False
+                if not self._failing:
+                    log.warning("registry at %s unreachable (%r); serving on, retrying",
+                                self.url, err)
+                self._failing, self._synced = True, False
                 self._drain()  # what happens meanwhile is covered by the next snapshot
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 2.0)
