@@ -1,5 +1,47 @@
-"""Triton kernels for the GPU attention path, each with a pure-torch reference.
+"""Triton kernels for the paged KV cache: cache writes, decode and prefill attention.
 
-The kernels arrive with the Triton issue; the package exists so that the distribution's
-three source roots (services/, kernels/, loadtest/) are in place from the start.
+The kernels need ``triton`` (``pip install triton==3.9.0``); importing this package does not.
+On CPU they run only in triton's interpreter (``TRITON_INTERPRET=1`` set before triton is
+imported). The pure-torch references in ``baton_kernels.reference`` always work.
 """
+
+from __future__ import annotations
+
+import importlib
+
+from baton_kernels.reference import (paged_decode_attention_ref, paged_prefill_attention_ref,
+                                     reshape_and_cache_ref)
+
+__all__ = [
+    "reshape_and_cache", "paged_decode_attention", "paged_prefill_attention",
+    "reshape_and_cache_ref", "paged_decode_attention_ref", "paged_prefill_attention_ref",
+]
+
+
+def _load(module: str):
+    try:
+        importlib.import_module("triton")
+    except ImportError as exc:
+        raise ImportError("baton_kernels needs triton to run its kernels: "
+                          "pip install triton==3.9.0 (or use the pure-torch references in "
+                          "baton_kernels.reference)") from exc
+    return importlib.import_module(f"baton_kernels.{module}")
+
+
+def reshape_and_cache(k, v, k_cache, v_cache, slot_mapping) -> None:
+    """Scatter ``k/v [T, KVH, D]`` into the paged caches at ``slot_mapping``; see cache_ops."""
+    return _load("cache_ops").reshape_and_cache(k, v, k_cache, v_cache, slot_mapping)
+
+
+def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, *,
+                           num_splits=None):
+    """Decode attention (one query token per sequence, split-K); see decode_attention."""
+    return _load("decode_attention").paged_decode_attention(
+        q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits=num_splits)
+
+
+def paged_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
+                            scale):
+    """Causal prefill attention over cached prefixes; see prefill_attention."""
+    return _load("prefill_attention").paged_prefill_attention(
+        q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale)

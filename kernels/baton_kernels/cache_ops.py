@@ -1,0 +1,87 @@
+"""reshape_and_cache: scatter new keys/values into the paged KV cache (Triton)."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from baton_kernels._common import (check_kv_cache, check_last_dim_contiguous, check_same_device,
+                                   check_tensor, interpreting, next_pow2)
+
+
+@triton.jit
+def reshape_and_cache_kernel(
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    num_tokens, block_size,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_cb, stride_cs, stride_ch,
+    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_HD: tl.constexpr,
+):
+    """Each program copies BLOCK_T tokens; a row is all KV heads of one token (flattened)."""
+    offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_mask = offs_t < num_tokens
+    slot = tl.load(slot_ptr + offs_t, mask=t_mask, other=-1).to(tl.int64)
+    valid = t_mask & (slot >= 0)
+    slot = tl.where(valid, slot, 0)
+    block = slot // block_size
+    offset = slot % block_size
+
+    offs_hd = tl.arange(0, BLOCK_HD)
+    head = offs_hd // HEAD_DIM
+    dim = offs_hd % HEAD_DIM
+    mask = valid[:, None] & (offs_hd < NUM_KV_HEADS * HEAD_DIM)[None, :]
+
+    tok = offs_t.to(tl.int64)[:, None]
+    k = tl.load(k_ptr + tok * stride_kt + head[None, :] * stride_kh + dim[None, :], mask=mask)
+    v = tl.load(v_ptr + tok * stride_vt + head[None, :] * stride_vh + dim[None, :], mask=mask)
+    dst = (block[:, None] * stride_cb + offset[:, None] * stride_cs
+           + head[None, :] * stride_ch + dim[None, :])
+    tl.store(k_cache_ptr + dst, k, mask=mask)
+    tl.store(v_cache_ptr + dst, v, mask=mask)
+
+
+def reshape_and_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                      v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Write ``k/v [T, KVH, D]`` into the caches at ``slot_mapping [T]`` (negative = skip).
+
+    Caches are ``[num_blocks, block_size, num_kv_heads, head_dim]``; slot = block *
+    block_size + offset. Modifies ``k_cache``/``v_cache`` in place.
+    """
+    _, block_size, num_kv_heads, head_dim = check_kv_cache(k_cache, v_cache)
+    check_tensor("k", k, 3)
+    check_tensor("v", v, 3)
+    if k.shape != v.shape:
+        raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
+    if tuple(k.shape[1:]) != (num_kv_heads, head_dim):
+        raise ValueError(f"k/v are [T, {k.shape[1]}, {k.shape[2]}] but the cache holds "
+                         f"{num_kv_heads} KV heads of dim {head_dim}")
+    if k.dtype != k_cache.dtype or v.dtype != v_cache.dtype:
+        raise ValueError(f"k/v dtype {k.dtype}/{v.dtype} differs from cache dtype "
+                         f"{k_cache.dtype}")
+    check_last_dim_contiguous("k", k)
+    check_last_dim_contiguous("v", v)
+    check_tensor("slot_mapping", slot_mapping, 1, (torch.int32, torch.int64))
+    if not slot_mapping.is_contiguous():
+        raise ValueError("slot_mapping must be contiguous")
+    if slot_mapping.shape[0] != k.shape[0]:
+        raise ValueError(f"slot_mapping has {slot_mapping.shape[0]} entries for "
+                         f"{k.shape[0]} tokens")
+    check_same_device(k.device, v=v, k_cache=k_cache, v_cache=v_cache,
+                      slot_mapping=slot_mapping)
+    num_tokens = k.shape[0]
+    if num_tokens == 0:
+        return
+    block_hd = next_pow2(num_kv_heads * head_dim)
+    budget = 1 << 16 if interpreting() else 4096
+    block_t = max(1, min(next_pow2(num_tokens), budget // block_hd))
+    grid = (triton.cdiv(num_tokens, block_t),)
+    reshape_and_cache_kernel[grid](
+        k, v, k_cache, v_cache, slot_mapping,
+        num_tokens, block_size,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_T=block_t, BLOCK_HD=block_hd,
+        num_warps=4,
+    )

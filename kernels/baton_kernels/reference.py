@@ -1,0 +1,86 @@
+"""Pure-torch references for the paged KV-cache kernels, written for clarity, not speed.
+
+Cache layout (per layer): ``[num_blocks, block_size, num_kv_heads, head_dim]``. Token ``i`` of a
+sequence lives in physical block ``block_tables[seq, i // block_size]`` at offset
+``i % block_size``; a flat slot number is ``block * block_size + offset``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def reshape_and_cache_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                          v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """Write ``k[t]``/``v[t]`` into slot ``slot_mapping[t]`` of the caches; negative slots skip."""
+    num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
+    for t in range(k.shape[0]):
+        slot = int(slot_mapping[t])
+        if slot < 0:
+            continue
+        block, offset = divmod(slot, block_size)
+        k_cache[block, offset] = k[t]
+        v_cache[block, offset] = v[t]
+
+
+def gather_sequence_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                       seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first ``seq_len`` keys and values of one sequence, each ``[seq_len, KVH, D]``."""
+    block_size = k_cache.shape[1]
+    positions = torch.arange(seq_len, device=k_cache.device)
+    blocks = block_table.long()[positions // block_size]
+    offsets = positions % block_size
+    return k_cache[blocks, offsets], v_cache[blocks, offsets]
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+            mask: torch.Tensor) -> torch.Tensor:
+    """``q [Q, H, D]``, ``k/v [K, KVH, D]``, ``mask [Q, K]`` (True = may attend) -> ``[Q, H, D]``.
+
+    Computed in fp32; query head ``h`` reads KV head ``h // (H // KVH)``.
+    """
+    group = q.shape[1] // k.shape[1]
+    k = k.float().repeat_interleave(group, dim=1)
+    v = v.float().repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale
+    scores = scores.masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    # A query row with no visible key (empty sequence) gives NaN; define it as zero output.
+    probs = torch.nan_to_num(probs, nan=0.0)
+    return torch.einsum("hqk,khd->qhd", probs, v)
+
+
+def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                               block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                               scale: float) -> torch.Tensor:
+    """One query token per sequence attending to all ``seq_lens[b]`` cached tokens."""
+    out = torch.empty_like(q)
+    for b in range(q.shape[0]):
+        seq_len = int(seq_lens[b])
+        k, v = gather_sequence_kv(k_cache, v_cache, block_tables[b], seq_len)
+        mask = torch.ones(1, seq_len, dtype=torch.bool, device=q.device)
+        out[b] = _attend(q[b:b + 1], k, v, scale, mask)[0].to(q.dtype)
+    return out
+
+
+def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                block_tables: torch.Tensor, query_start_loc: torch.Tensor,
+                                seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal attention for the last ``query_len`` positions of each sequence.
+
+    Queries of sequence ``b`` are ``q[query_start_loc[b]:query_start_loc[b + 1]]``; they sit at
+    positions ``seq_len - query_len ... seq_len - 1`` and their own K/V are already cached.
+    """
+    out = torch.zeros_like(q)
+    for b in range(seq_lens.shape[0]):
+        start, end = int(query_start_loc[b]), int(query_start_loc[b + 1])
+        seq_len = int(seq_lens[b])
+        query_len = end - start
+        if query_len == 0:
+            continue
+        k, v = gather_sequence_kv(k_cache, v_cache, block_tables[b], seq_len)
+        query_pos = torch.arange(seq_len - query_len, seq_len, device=q.device)
+        key_pos = torch.arange(seq_len, device=q.device)
+        mask = key_pos[None, :] <= query_pos[:, None]
+        out[start:end] = _attend(q[start:end], k, v, scale, mask).to(q.dtype)
+    return out
