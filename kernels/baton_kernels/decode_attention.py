@@ -15,8 +15,7 @@ import triton
 import triton.language as tl
 
 from baton_kernels._common import check_attention_common, interpreting, next_pow2
-
-LOG2E = 1.4426950408889634
+from baton_kernels._tiles import LOG2E, load_kv_tile, online_softmax_step
 MIN_CHUNK_TOKENS = 256   # never split a context into chunks smaller than this
 MAX_SPLITS = 32
 
@@ -58,27 +57,10 @@ def paged_decode_split_kernel(
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + offs_n
         n_mask = pos < end
-        phys = tl.load(bt_row + pos // block_size, mask=n_mask, other=0).to(tl.int64)
-        tok_off = phys * stride_cb + (pos % block_size) * stride_cs + kvh * stride_ch
-        kt = tl.load(k_cache_ptr + tok_off[None, :] + offs_d[:, None],
-                     mask=n_mask[None, :] & d_mask[:, None], other=0.0)      # [D, N]
-        v = tl.load(v_cache_ptr + tok_off[:, None] + offs_d[None, :],
-                    mask=n_mask[:, None] & d_mask[None, :], other=0.0)       # [N, D]
-        if DOT_FP32:
-            s = tl.dot(q, kt.to(tl.float32), input_precision="ieee")
-        else:
-            s = tl.dot(q, kt)
-        s = tl.where(n_mask[None, :], s * qk_scale, float("-inf"))        # log2 units
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if DOT_FP32:
-            pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
-        else:
-            pv = tl.dot(p.to(v.dtype), v)
-        acc = acc * alpha[:, None] + pv
-        m_i = m_new
+        kt, v = load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row, pos, n_mask, offs_d, d_mask,
+                             kvh, block_size, stride_cb, stride_cs, stride_ch)
+        m_i, l_i, acc = online_softmax_step(q, kt, v, n_mask[None, :], m_i, l_i, acc,
+                                            qk_scale, DOT_FP32)
 
     has_keys = l_i > 0
     result = acc / tl.where(has_keys, l_i, 1.0)[:, None]

@@ -1,0 +1,43 @@
+"""The inner step both attention kernels share: read a tile of K/V through the block table,
+and fold it into an online softmax (log2 units, fp32 state)."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+@triton.jit
+def load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row, pos, n_mask, offs_d, d_mask, kvh,
+                 block_size, stride_cb, stride_cs, stride_ch):
+    """K transposed ``[D, N]`` and V ``[N, D]`` of positions ``pos`` (masked ones read 0)."""
+    phys = tl.load(bt_row + pos // block_size, mask=n_mask, other=0).to(tl.int64)
+    tok_off = phys * stride_cb + (pos % block_size) * stride_cs + kvh * stride_ch
+    kt = tl.load(k_cache_ptr + tok_off[None, :] + offs_d[:, None],
+                 mask=n_mask[None, :] & d_mask[:, None], other=0.0)          # [D, N]
+    v = tl.load(v_cache_ptr + tok_off[:, None] + offs_d[None, :],
+                mask=n_mask[:, None] & d_mask[None, :], other=0.0)           # [N, D]
+    return kt, v
+
+
+@triton.jit
+def online_softmax_step(q, kt, v, visible, m_i, l_i, acc, qk_scale,
+                        DOT_FP32: tl.constexpr):
+    """Fold one K/V tile into (max, sum, acc) for the rows of ``q``; ``visible`` [rows, N]
+    masks keys a row may not see. Returns the new (m_i, l_i, acc)."""
+    if DOT_FP32:
+        s = tl.dot(q, kt.to(tl.float32), input_precision="ieee")
+    else:
+        s = tl.dot(q, kt)
+    s = tl.where(visible, s * qk_scale, float("-inf"))                       # log2 units
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if DOT_FP32:
+        pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
+    else:
+        pv = tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc * alpha[:, None] + pv
