@@ -68,6 +68,11 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-prefix-caching", action="store_true")
     g.add_argument("--scheduling-policy", default="fcfs", choices=["fcfs", "priority", "static"])
     g.add_argument("--num-threads", type=int, default=None)
+    g.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    g.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"],
+                   help="auto: the Triton kernels on CUDA, torch on CPU")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="do not capture CUDA graphs for decode steps")
     g.add_argument("--served-model-name", default=None)
     g.add_argument("--max-waiting", type=int, default=256,
                    help="requests waiting to be scheduled before new ones get 429")
@@ -104,7 +109,9 @@ def _engine_config(args):
         max_model_len=args.max_model_len, num_kv_blocks=args.num_kv_blocks,
         kv_cache_memory_bytes=int(args.kv_cache_gib * (1 << 30)),
         enable_prefix_caching=not args.no_prefix_caching,
-        scheduling_policy=args.scheduling_policy, num_threads=args.num_threads)
+        scheduling_policy=args.scheduling_policy, num_threads=args.num_threads,
+        device=args.device, attention_backend=args.attention_backend,
+        enforce_eager=args.enforce_eager)
 
 
 # -- baton serve -------------------------------------------------------------------------

@@ -8,6 +8,7 @@ SCHEDULING_POLICIES = ("fcfs", "priority", "static")
 KV_FAILURE_POLICIES = ("recompute", "fail")
 DTYPES = ("float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 
 @dataclass(frozen=True)
@@ -29,7 +30,8 @@ class EngineConfig:
     num_kv_blocks: int | None = None
     kv_cache_memory_bytes: int = 2 << 30
     scheduling_policy: str = "fcfs"
-    attention_backend: str = "auto"
+    attention_backend: str = "auto"  # auto: triton on CUDA, torch elsewhere
+    enforce_eager: bool = False  # True: no CUDA graphs for decode steps (CUDA only)
     num_threads: int | None = None
     cache_dir: str | None = None
     seed: int = 0
@@ -61,6 +63,8 @@ class EngineConfig:
                self.kv_cache_memory_bytes, "must be > 0")
         _check(self.scheduling_policy in SCHEDULING_POLICIES, "scheduling_policy",
                self.scheduling_policy, f"must be one of {SCHEDULING_POLICIES}")
+        _check(self.attention_backend in ATTENTION_BACKENDS, "attention_backend",
+               self.attention_backend, f"must be one of {ATTENTION_BACKENDS}")
         _check(self.num_threads is None or self.num_threads >= 1, "num_threads",
                self.num_threads, "must be >= 1")
         _check(self.kv_transport in (None, "local", "tcp", "gloo", "nccl", "nixl"),

@@ -5,8 +5,7 @@ from __future__ import annotations
 import torch
 
 from baton.engine.attention.base import AttentionBackend
-
-BACKENDS = ("auto", "torch", "triton")
+from baton.engine.config import ATTENTION_BACKENDS as BACKENDS
 
 
 def make_attention_backend(name: str, device: torch.device, dtype: torch.dtype,
@@ -27,8 +26,12 @@ def make_attention_backend(name: str, device: torch.device, dtype: torch.dtype,
         return TorchAttentionBackend(dtype, native)
     if name == "triton":
         if not _triton_backend_available():
-            raise ValueError("attention_backend='triton' is not available in this build; "
-                             "use 'torch' or 'auto'")
+            raise ValueError("attention_backend='triton' needs the triton package "
+                             "(pip install triton==3.9.0); use 'torch' or 'auto'")
+        if device.type != "cuda" and not _interpreting():
+            raise ValueError(f"attention_backend='triton' runs on CUDA; on {device.type} only "
+                             "in Triton's interpreter (TRITON_INTERPRET=1, for tests): use "
+                             "'torch' or 'auto'")
         from baton.engine.attention.triton_backend import TritonAttentionBackend
 
         return TritonAttentionBackend(dtype)
@@ -38,4 +41,10 @@ def make_attention_backend(name: str, device: torch.device, dtype: torch.dtype,
 def _triton_backend_available() -> bool:
     import importlib.util
 
-    return importlib.util.find_spec("baton.engine.attention.triton_backend") is not None
+    return importlib.util.find_spec("triton") is not None
+
+
+def _interpreting() -> bool:
+    from baton_kernels._common import interpreting
+
+    return interpreting()

@@ -12,6 +12,7 @@ from baton.engine.attention import ForwardContext, make_attention_backend
 from baton.engine.config import EngineConfig
 from baton.engine.models.loader import default_cache_dir, load_model
 from baton.engine.runner.batch import build_batch
+from baton.engine.runner.cuda_graphs import DecodeGraphs, capture_sizes
 from baton.engine.sampler import Sampler, TokenLogprobs
 from baton.engine.scheduler.output import SchedulerOutput
 
@@ -50,8 +51,22 @@ class ModelRunner:
             (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim),
             Path(config.cache_dir) if config.cache_dir else default_cache_dir())
         self.sampler = Sampler(config.seed)
-        log.info("model %s (%s), %d KV blocks of %d tokens, attention=%s", cfg.architecture,
-                 config.dtype, self.num_blocks, self.block_size, self.backend.name)
+        self.max_model_len = max_model_len
+        self.graphs: DecodeGraphs | None = None
+        if (self.device.type == "cuda" and not config.enforce_eager
+                and getattr(self.backend, "supports_cuda_graphs", False)):
+            self.graphs = self.make_decode_graphs(use_graphs=True)
+            self.graphs.capture()
+        log.info("model %s (%s), %d KV blocks of %d tokens, attention=%s, cuda graphs=%s",
+                 cfg.architecture, config.dtype, self.num_blocks, self.block_size,
+                 self.backend.name, self.graphs.sizes if self.graphs else "off")
+
+    def make_decode_graphs(self, use_graphs: bool) -> DecodeGraphs:
+        """Static-buffer decode replays for batch sizes up to max_num_seqs (not captured
+        yet); `use_graphs=False` runs them eagerly, which tests use on CPU."""
+        return DecodeGraphs(self.model, self.backend, self.kv_caches,
+                            capture_sizes(self.config.max_num_seqs),
+                            -(-self.max_model_len // self.block_size), self.device, use_graphs)
 
     @property
     def bytes_per_block(self) -> int:
@@ -75,9 +90,12 @@ class ModelRunner:
         """Run one step; returns the sampled token and logprobs of each request that
         reached the end of its known tokens."""
         batch = build_batch(out.scheduled, block_ids_of, self.block_size, self.device)
-        ctx = ForwardContext(self.backend, self.backend.build_metadata(batch.layout),
-                             self.kv_caches)
-        hidden = self.model(batch.input_ids, batch.positions, ctx)  # (T, h)
+        if self.graphs is not None and self.graphs.can_run(batch):
+            hidden = self.graphs.run(batch)  # (T, h), T = number of decodes
+        else:
+            ctx = ForwardContext(self.backend, self.backend.build_metadata(batch.layout),
+                                 self.kv_caches)
+            hidden = self.model(batch.input_ids, batch.positions, ctx)  # (T, h)
         if not batch.sampling_entries:
             return {}, {}
         rows = torch.tensor(batch.logits_indices, device=hidden.device)
