@@ -8,6 +8,7 @@ SCHEDULING_POLICIES = ("fcfs", "priority", "static")
 KV_FAILURE_POLICIES = ("recompute", "fail")
 DTYPES = ("float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
+LOAD_FORMATS = ("auto", "dummy")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 
 
@@ -20,6 +21,7 @@ class EngineConfig:
     """
 
     model: str | None = None
+    load_format: str = "auto"  # "dummy": config.json only, random weights (benchmarks)
     dtype: str = "bfloat16"
     device: str = "auto"
     block_size: int = 16
@@ -47,6 +49,8 @@ class EngineConfig:
     kv_failure_policy: str = "recompute"
 
     def __post_init__(self) -> None:
+        _check(self.load_format in LOAD_FORMATS, "load_format", self.load_format,
+               f"must be one of {LOAD_FORMATS}")
         _check(self.dtype in DTYPES, "dtype", self.dtype, f"must be one of {DTYPES}")
         _check(self.device in DEVICES, "device", self.device, f"must be one of {DEVICES}")
         _check(0 <= self.kv_port < 65536, "kv_port", self.kv_port, "must be 0..65535")

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
@@ -61,3 +62,23 @@ def test_tiny_random_models_match_transformers(kind, tmp_path, model_dir):
 def test_unknown_model_path_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="never downloads"):
         LLM(str(tmp_path / "nope"))
+
+
+def test_dummy_load_format_needs_only_config_json(tmp_path, model_dir):
+    """Random weights from config.json alone (benchmarks of shapes we have no weights for)."""
+    cfg = json.loads((model_dir / "config.json").read_text())
+    cfg.update(num_hidden_layers=2, hidden_size=128, intermediate_size=256,
+               num_attention_heads=2, num_key_value_heads=1)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(model_dir / name, tmp_path / name)
+    llm = LLM(str(tmp_path), load_format="dummy", dtype="float32", num_kv_blocks=16)
+    model = llm.engine.runner.model
+    assert torch.equal(model.norm.weight, torch.ones(128))
+    w = model.layers[1].mlp.down_proj.weight
+    assert w.shape == (128, 256) and 0 < w.abs().max().item() <= 0.02
+    out = llm.generate([[5, 6, 7]], SamplingParams(max_tokens=5, ignore_eos=True),
+                       use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 5
+    with pytest.raises(ValueError, match="load_format"):
+        LLM(str(tmp_path), load_format="npz")

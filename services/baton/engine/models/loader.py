@@ -92,14 +92,20 @@ def convert_gguf(gguf: Path, cache: Path) -> Path:
 
 
 def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device,
-               max_positions: int) -> tuple[LlamaForCausalLM, ModelConfig]:
+               max_positions: int, load_format: str = "auto"
+               ) -> tuple[LlamaForCausalLM, ModelConfig]:
+    """`load_format="dummy"` reads only config.json and fills the weights with small random
+    values on the device (benchmarks of large shapes without their weight files)."""
     cfg = ModelConfig.from_dir(model_dir)
-    hf_weights = _read_safetensors(model_dir)
-    state = map_hf_weights(hf_weights, cfg)
     with torch.device("meta"):
         model = LlamaForCausalLM(cfg, max_positions)
-    state = {k: v.to(dtype) for k, v in state.items()}
-    model.load_state_dict(state, strict=True, assign=True)
+    if load_format == "dummy":
+        model = model.to(dtype).to_empty(device=device)
+        _fill_dummy(model)
+    else:
+        state = map_hf_weights(_read_safetensors(model_dir), cfg)
+        state = {k: v.to(dtype) for k, v in state.items()}
+        model.load_state_dict(state, strict=True, assign=True)
     model.rotary = RotaryEmbedding(cfg, max_positions)  # buffers were built on meta
     model = model.to(device).eval()
     from baton.engine.models.cpu_packing import can_pack
@@ -107,6 +113,19 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device,
     if can_pack(dtype, device):
         model.prepack_for_cpu()
     return model, cfg
+
+
+@torch.no_grad()
+def _fill_dummy(model: torch.nn.Module, seed: int = 0) -> None:
+    """Norm weights 1, biases 0, every matrix uniform in +-0.02 (seeded, made on device)."""
+    gen = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.fill_(1.0)
+        elif p.dim() == 1:
+            p.zero_()
+        else:
+            p.uniform_(-0.02, 0.02, generator=gen)
 
 
 def _read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:

@@ -35,7 +35,7 @@ class ModelRunner:
         self.device = resolve_device(config.device)
         self.dtype = DTYPES[config.dtype]
         self.model, self.model_config = load_model(model_dir, self.dtype, self.device,
-                                                   max_model_len)
+                                                   max_model_len, config.load_format)
         self.block_size = config.block_size
         self.num_blocks = self._num_blocks()
         cfg = self.model_config
