@@ -11,7 +11,7 @@ PORT     ?= 8000
 # transport installed (NIXL, else TCP). Colocated instead: make run CLUSTER="--workers 2"
 CLUSTER  ?= --prefill 1 --decode 1 --transport auto
 
-.PHONY: setup system-deps k8s-tools run test test-fast bench bench-router bench-loadgen clean
+.PHONY: setup system-deps k8s-tools run test test-fast bench bench-gpu bench-router bench-loadgen clean
 
 setup: $(STAMP)
 
@@ -56,6 +56,11 @@ test-fast: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m baton_loadtest.offline_bench
+
+# On a CUDA machine: the decode-attention kernel and the engine's decode throughput (random
+# Llama-3-8B weights) against the device's copy bandwidth. Needs triton (the gpu extra).
+bench-gpu: $(STAMP)
+	$(PY) -m baton_loadtest.gpu_bench all
 
 bench-router: $(STAMP)
 	$(PY) -m baton_loadtest.router_bench --pin
