@@ -1,33 +1,21 @@
-"""A small C kernel for paged decode attention on CPU, built with the system C compiler on
-first use and loaded with ctypes.
+"""A small C kernel for paged decode attention on CPU (built by `baton.engine.native`).
 
 Why: on CPU, gathering every sequence's pages and calling SDPA spends most of a large decode
 step copying K/V and padding (measured ~2.5 ms per layer at 64 sequences x 300 tokens); the
-kernel reads the pages in place. It links the same libgomp that torch loaded (by soname), so
-both share one OpenMP thread pool. When no compiler is available, `load()` returns None and
-the torch backend keeps its gather + SDPA path.
+kernel reads the pages in place. When it cannot be built, `load()` returns None and the torch
+backend keeps its gather + SDPA path.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
-import logging
-import shutil
-import subprocess
-import tempfile
-import threading
 from pathlib import Path
 
 import torch
 
-log = logging.getLogger(__name__)
+from baton.engine.native import load_library
 
 _SOURCE = Path(__file__).parent / "csrc" / "paged_decode.c"
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11",
-          "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]
-_lock = threading.Lock()
-_cached: dict[str, object] = {}
 
 
 class NativeDecodeAttention:
@@ -72,32 +60,5 @@ class NativeDecodeAttention:
 
 def load(cache_dir: Path) -> NativeDecodeAttention | None:
     """Build (once per source version) and load the kernel; None if it cannot be built."""
-    with _lock:
-        key = str(cache_dir)
-        if key not in _cached:
-            _cached[key] = _build_and_load(cache_dir)
-        return _cached[key]  # type: ignore[return-value]
-
-
-def _build_and_load(cache_dir: Path) -> NativeDecodeAttention | None:
-    cc = shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        log.warning("no C compiler found: CPU decode attention uses gather + SDPA")
-        return None
-    src = _SOURCE.read_bytes()
-    digest = hashlib.sha1(src + " ".join(_FLAGS).encode()).hexdigest()[:12]
-    lib_path = cache_dir / "kernels" / f"paged_decode-{digest}.so"
-    try:
-        if not lib_path.exists():
-            lib_path.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.TemporaryDirectory(dir=lib_path.parent) as tmp:
-                tmp_lib = Path(tmp) / lib_path.name
-                subprocess.run([cc, *_FLAGS, str(_SOURCE), "-o", str(tmp_lib), "-lm"],
-                               check=True, capture_output=True, timeout=120)
-                tmp_lib.replace(lib_path)  # atomic: concurrent builders agree
-        # torch has loaded its libgomp.so.1 already; the soname match makes us share it.
-        return NativeDecodeAttention(ctypes.CDLL(str(lib_path)))
-    except (OSError, subprocess.SubprocessError) as err:
-        log.warning("could not build the native CPU decode kernel (%s): using gather + SDPA",
-                    err)
-        return None
+    lib = load_library(_SOURCE, cache_dir)
+    return None if lib is None else NativeDecodeAttention(lib)

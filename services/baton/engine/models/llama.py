@@ -106,14 +106,15 @@ class LlamaForCausalLM(nn.Module):
             return F.linear(hidden, self.embed_tokens.weight).float()
         return self.lm_head(hidden).float()
 
-    def prepack_for_cpu(self) -> None:
-        """Swap linears for oneDNN-prepacked ones (bf16 on CPU); a tied head gets its own
-        packed copy of the embedding."""
-        from baton.engine.models.cpu_packing import pack_linears
+    def prepack_for_cpu(self, cache_dir) -> None:
+        """Swap linears for oneDNN-prepacked ones with a native small-batch GEMV (bf16 on
+        CPU; `cache_dir` holds the built GEMV); a tied head gets its own packed copy of the
+        embedding."""
+        from baton.engine.models.cpu_packing import load_gemv, pack_linears
 
         if self.lm_head is None:
             self.lm_head = nn.Linear(self.cfg.hidden_size, self.cfg.vocab_size, bias=False,
                                      device=self.embed_tokens.weight.device,
                                      dtype=self.embed_tokens.weight.dtype)
             self.lm_head.weight = self.embed_tokens.weight
-        pack_linears(self)
+        pack_linears(self, load_gemv(cache_dir))

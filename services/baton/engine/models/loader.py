@@ -92,7 +92,7 @@ def convert_gguf(gguf: Path, cache: Path) -> Path:
 
 
 def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device,
-               max_positions: int, load_format: str = "auto"
+               max_positions: int, load_format: str = "auto", cache_dir: Path | None = None
                ) -> tuple[LlamaForCausalLM, ModelConfig]:
     """`load_format="dummy"` reads only config.json and fills the weights with small random
     values on the device (benchmarks of large shapes without their weight files)."""
@@ -111,7 +111,7 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device,
     from baton.engine.models.cpu_packing import can_pack
 
     if can_pack(dtype, device):
-        model.prepack_for_cpu()
+        model.prepack_for_cpu(cache_dir or default_cache_dir())
     return model, cfg
 
 

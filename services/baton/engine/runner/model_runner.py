@@ -34,8 +34,9 @@ class ModelRunner:
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = DTYPES[config.dtype]
+        cache_dir = Path(config.cache_dir) if config.cache_dir else default_cache_dir()
         self.model, self.model_config = load_model(model_dir, self.dtype, self.device,
-                                                   max_model_len, config.load_format)
+                                                   max_model_len, config.load_format, cache_dir)
         self.block_size = config.block_size
         self.num_blocks = self._num_blocks()
         cfg = self.model_config
@@ -48,8 +49,7 @@ class ModelRunner:
                           for i in range(cfg.num_layers)]
         self.backend = make_attention_backend(
             config.attention_backend, self.device, self.dtype,
-            (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim),
-            Path(config.cache_dir) if config.cache_dir else default_cache_dir())
+            (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim), cache_dir)
         self.sampler = Sampler(config.seed)
         self.max_model_len = max_model_len
         self.graphs: DecodeGraphs | None = None

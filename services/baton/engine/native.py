@@ -1,0 +1,57 @@
+"""Small C kernels for CPU, built with the system C compiler on first use and loaded with
+ctypes (`attention/csrc/paged_decode.c`, `models/csrc/gemv_bf16.c`).
+
+A library is built once per source version into `<cache_dir>/kernels/` (an atomic rename, so
+concurrent builders agree). It links the libgomp that torch has loaded (by soname), so both
+share one OpenMP thread pool and its thread count. Without a compiler, or when the build
+fails, `load_library` returns None and callers keep their torch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11",
+         "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]
+_lock = threading.Lock()
+_cached: dict[tuple[str, str], ctypes.CDLL | None] = {}
+
+
+def load_library(source: Path, cache_dir: Path) -> ctypes.CDLL | None:
+    """The compiled `source`, or None (logged once) when it cannot be built here."""
+    with _lock:
+        key = (str(source), str(cache_dir))
+        if key not in _cached:
+            _cached[key] = _build_and_load(source, Path(cache_dir))
+        return _cached[key]
+
+
+def _build_and_load(source: Path, cache_dir: Path) -> ctypes.CDLL | None:
+    cc = shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        log.warning("no C compiler found: %s is not built, the torch path is used",
+                    source.name)
+        return None
+    digest = hashlib.sha1(source.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:12]
+    lib_path = cache_dir / "kernels" / f"{source.stem}-{digest}.so"
+    try:
+        if not lib_path.exists():
+            lib_path.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=lib_path.parent) as tmp:
+                tmp_lib = Path(tmp) / lib_path.name
+                subprocess.run([cc, *FLAGS, str(source), "-o", str(tmp_lib), "-lm"],
+                               check=True, capture_output=True, timeout=120)
+                tmp_lib.replace(lib_path)
+        return ctypes.CDLL(str(lib_path))
+    except (OSError, subprocess.SubprocessError) as err:
+        log.warning("could not build %s (%s): the torch path is used", source.name, err)
+        return None

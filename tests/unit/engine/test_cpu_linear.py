@@ -1,0 +1,61 @@
+"""The bf16 linear paths on CPU: the native small-batch GEMV and oneDNN's packed GEMM
+against a float32 reference, with and without bias, at the row counts each one serves."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from baton.engine.models.cpu_packing import NativeGemv, PackedLinear, can_pack, load_gemv
+
+pytestmark = pytest.mark.skipif(not can_pack(torch.bfloat16, torch.device("cpu")),
+                                reason="oneDNN is not available in this torch build")
+
+
+@pytest.fixture(scope="module")
+def gemv(tmp_path_factory):
+    g = load_gemv(tmp_path_factory.mktemp("kernels"))
+    if g is None:
+        pytest.skip("no C compiler: the native GEMV cannot be built here")
+    return g
+
+
+def reference(x, w, b):
+    y = x.float() @ w.float().T
+    return y if b is None else y + b.float()
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 8])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_gemv_matches_reference(gemv, rows, with_bias):
+    g = torch.Generator().manual_seed(rows)
+    w = torch.randn(301, 576, generator=g).bfloat16()  # odd N: no row is left out
+    b = torch.randn(301, generator=g).bfloat16() if with_bias else None
+    x = torch.randn(rows, 576, generator=g).bfloat16()
+    y = gemv(x, w, b)
+    ref = reference(x, w, b)
+    # bf16 output: at most half an ulp of rounding on top of fp32 summation-order noise.
+    assert y.dtype == torch.bfloat16 and y.shape == (rows, 301)
+    assert ((y.float() - ref).abs() <= ref.abs() * 2 ** -8 + 1e-2).all()
+
+
+def test_gemv_rejects_too_many_rows(gemv):
+    w = torch.randn(16, 32).bfloat16()
+    with pytest.raises(RuntimeError, match="GEMV failed"):
+        gemv(torch.randn(9, 32).bfloat16(), w, None)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 64])
+def test_packed_linear_paths_agree(gemv, rows):
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(96, 128, generator=g).bfloat16()
+    b = torch.randn(96, generator=g).bfloat16()
+    x = torch.randn(rows, 128, generator=g).bfloat16()
+    with_gemv, plain = PackedLinear(w, b, gemv), PackedLinear(w, b)
+    assert plain.weight is None  # no second copy of the weight without the GEMV
+    ref = reference(x, w, b)
+    for layer in (with_gemv, plain):
+        y = layer(x).float()
+        assert ((y - ref).abs() <= ref.abs() * 2 ** -7 + 2e-2).all()
+    if rows <= NativeGemv.MAX_ROWS:  # small batches take the GEMV, bit for bit
+        assert torch.equal(with_gemv(x), gemv(x, w, b))
