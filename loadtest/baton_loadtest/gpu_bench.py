@@ -50,12 +50,13 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
+
+from baton_loadtest.timing import measure_copy_bandwidth, release, time_calls
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -105,48 +106,6 @@ SHAPES = {
 SHAPE_OVERRIDES = ("layers", "hidden_size", "intermediate_size", "num_heads", "num_kv_heads",
                    "head_dim", "vocab_size")
 FIRST_PROMPT_ID, TOKENIZER_VOCAB = 256, 49152  # the bundled tokenizer's ordinary ids
-
-
-# -- timing ------------------------------------------------------------------------------------
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def release(device: torch.device) -> None:
-    """Hand the allocator's freed blocks back, so that free memory reads true."""
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
-def time_calls(fn: Callable[[], object], device: torch.device, repeats: int,
-               warmup: int = 2) -> list[float]:
-    """Seconds per call of `fn`, `repeats` times after `warmup` untimed calls."""
-    for _ in range(warmup):
-        fn()
-    sync(device)
-    times = []
-    for _ in range(repeats):
-        if device.type == "cuda":
-            start = torch.cuda.Event(enable_timing=True)
-            end = torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    return times
-
-
-def measure_copy_bandwidth(device: torch.device, nbytes: int, repeats: int) -> dict:
-    src = torch.ones(nbytes, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    best = min(time_calls(lambda: dst.copy_(src), device, repeats))
-    return {"bytes": nbytes, "best_s": best, "gbps": 2 * nbytes / best / 1e9}
 
 
 # -- kernels -----------------------------------------------------------------------------------

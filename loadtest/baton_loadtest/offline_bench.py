@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from baton_loadtest.timing import measure_copy_bandwidth
 from baton_loadtest.workload import OfflineRequest, chat_workload
 
 
@@ -125,14 +126,8 @@ def decode_step_vs_weight_stream(dtype: str) -> dict:
     # Every weight is read once per step (the tied embedding as the LM head).
     weight_bytes = engine.model_config.num_params * torch.finfo(engine.runner.dtype).bits // 8
     # Memory bandwidth from a large copy (read + write), then the floor = bytes / bandwidth.
-    src = torch.empty(256 << 20, dtype=torch.uint8).fill_(1)
-    dst = torch.empty_like(src)
-    copies = []
-    for _ in range(7):
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        copies.append(time.perf_counter() - t0)
-    bandwidth = 2 * src.numel() / statistics.median(copies[1:])
+    copy = measure_copy_bandwidth(torch.device("cpu"), 256 << 20, repeats=6)
+    bandwidth = copy["median_gbps"] * 1e9
     floor = weight_bytes / bandwidth
     return {"decode_step_ms": step * 1e3, "weight_bytes": weight_bytes,
             "copy_bandwidth_gbs": bandwidth / 1e9, "weight_stream_ms": floor * 1e3,

@@ -84,8 +84,7 @@ class TritonAttentionBackend(AttentionBackend):
         if p is None:
             return ops.paged_decode_attention(q, k_cache, v_cache, d.block_tables, d.seq_lens,
                                               scale)
-        prefill_q = q[nd:] if nd else q
-        out_p = ops.paged_prefill_attention(prefill_q, k_cache, v_cache, p.block_tables,
+        out_p = ops.paged_prefill_attention(q[nd:], k_cache, v_cache, p.block_tables,
                                             p.query_start_loc, p.seq_lens, scale)
         if d is None:
             return out_p
