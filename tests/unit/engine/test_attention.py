@@ -83,3 +83,44 @@ def test_padding_rows_are_not_written(tmp_path):
     backend.forward(q, k, v, k_cache, v_cache, backend.build_metadata(layout))
     changed = (k_cache != before).any(-1).any(-1).view(-1)  # per slot
     assert int(changed.sum()) == len(layout.slot_mapping) - 1
+
+
+@pytest.fixture(scope="module")
+def native_kernel(tmp_path_factory):
+    native = cpu_native.load(tmp_path_factory.mktemp("kernels"))
+    if native is None:
+        pytest.skip("no C compiler: the native kernel cannot be built here")
+    return native
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (32, 8, 128), (10, 2, 96),
+                                                     (4, 4, 64)])
+@pytest.mark.parametrize("block_size", [1, 16, 32])
+def test_native_decode_kernel_shapes(dtype, tol, heads, kv_heads, head_dim, block_size,
+                                     native_kernel):
+    """The native decode kernel alone, specialised (G, D) and generic, over block sizes and
+    lengths from 0 (a padding row: zero output) to several blocks, on shuffled blocks."""
+    native = native_kernel
+    g = torch.Generator().manual_seed(heads * block_size)
+    lens = [0, 1, block_size, block_size + 1, 3 * block_size - 1, 77]
+    width = max(-(-n // block_size) for n in lens)
+    num_blocks = len(lens) * width + 3
+    perm = torch.randperm(num_blocks, generator=g)
+    tables = perm[: len(lens) * width].view(len(lens), width).contiguous()
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g).to(dtype)
+    q = torch.randn(len(lens), heads, head_dim, generator=g).to(dtype)
+    out = torch.full_like(q, float("nan"))
+    native(q, k_cache, v_cache, tables, torch.tensor(lens), head_dim ** -0.5, out)
+    group = heads // kv_heads
+    for i, n in enumerate(lens):
+        if n == 0:
+            assert torch.equal(out[i], torch.zeros_like(out[i]))
+            continue
+        k = k_cache[tables[i]].reshape(-1, kv_heads, head_dim)[:n].float()
+        v = v_cache[tables[i]].reshape(-1, kv_heads, head_dim)[:n].float()
+        k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        scores = torch.einsum("hd,lhd->hl", q[i].float(), k) * head_dim ** -0.5
+        ref = torch.einsum("hl,lhd->hd", scores.softmax(-1), v)
+        assert (out[i].float() - ref).abs().max().item() < tol, (i, n)

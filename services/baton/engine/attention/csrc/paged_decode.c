@@ -6,10 +6,15 @@
  *   k/v cache     [num_blocks, block_size, KVH, D]
  *   block_tables  [n, bt_stride] int64
  *   seq_lens      [n] int64 (tokens to attend to, the new one included)
- * Work is split over (sequence, kv head) pairs with OpenMP; each pair keeps its G = H / KVH
- * query heads in fp32 arrays. Accumulation is fp32. The dot products are vectorised by
- * allowing re-association (-fassociative-math): the summation order differs from SDPA's by
- * rounding only, and is fixed at compile time, so results stay deterministic.
+ * One OpenMP task per sequence, all heads: a cache block's rows (every kv head of a token)
+ * are read front to back, and while one block is scored the next K block and this block's
+ * V are prefetched. A decode step is bound by reading the cache from DRAM (a step of the
+ * bundled model at 55 sequences x 260 tokens reads ~330 MB), and tasks per (sequence, kv
+ * head) read a third of each row and left the hardware prefetchers short streams (measured
+ * 780 -> 580 us per layer at 55 x 128-256 tokens, cache cold). Accumulation is fp32. The dot
+ * products are vectorised by allowing re-association (-fassociative-math): the summation
+ * order differs from SDPA's by rounding only, and is fixed at compile time, so results stay
+ * deterministic.
  */
 #include <math.h>
 #include <stdint.h>
@@ -51,8 +56,16 @@ static inline uint16_t bf16_round(float f) {
     return (uint16_t)((v.u + rounding) >> 16);
 }
 
-/* GC / DC > 0 fix the query-group size / head dim at compile time, so the accumulators stay
- * in registers and loops unroll (measured 1.5-2x faster than the generic version, 0 = any). */
+static inline void prefetch_rows(const void *p, int64_t bytes, int locality) {
+    const char *c = (const char *)p;
+    for (int64_t off = 0; off < bytes; off += 64) {
+        if (locality == 3) __builtin_prefetch(c + off, 0, 3);
+        else __builtin_prefetch(c + off, 0, 2);
+    }
+}
+
+/* GC / DC > 0 fix the query-group size / head dim at compile time, so the inner loops
+ * unroll and vectorise (measured 1.5-2x faster than the generic version, 0 = any). */
 #define DEFINE_KERNEL(NAME, T, LOAD, STORE, GC, DC)                                            \
 int NAME(const T *q, const T *kc, const T *vc, const int64_t *bt, int64_t bt_stride,          \
          const int64_t *seq_lens, T *out, int64_t n, int64_t H, int64_t KVH, int64_t d_arg,   \
@@ -60,62 +73,72 @@ int NAME(const T *q, const T *kc, const T *vc, const int64_t *bt, int64_t bt_str
     const int64_t D = DC ? DC : d_arg;                                                        \
     const int64_t G = GC ? GC : H / KVH;                                                      \
     if ((DC && d_arg != DC) || (GC && H / KVH != GC)) return -3;                              \
-    if (bs & (bs - 1)) return -1; /* a power of two: block index and offset are shifts */     \
-    int shift = 0;                                                                            \
-    while ((1 << shift) < bs) shift++;                                                        \
-    if (G > MAX_G || D > MAX_D) return -1;                                                                     \
+    if (bs & (bs - 1)) return -1; /* a power of two */                                        \
+    if (G > MAX_G || D > MAX_D) return -1;                                                    \
+    const int64_t row = KVH * D, blk = bs * row; /* elements per token row, per block */      \
     int failed = 0;                                                                           \
-    _Pragma("omp parallel for collapse(2) schedule(dynamic, 1)")                              \
+    _Pragma("omp parallel for schedule(dynamic, 1)")                                          \
     for (int64_t b = 0; b < n; b++) {                                                         \
-        for (int64_t h = 0; h < KVH; h++) {                                                   \
-            const int64_t L = seq_lens[b];                                                    \
-            float qf[MAX_G][MAX_D], acc[MAX_G][MAX_D], mx[MAX_G], sum[MAX_G];                 \
-            const T *kp = kc, *vp = vc;                                                       \
-            float *s = (float *)malloc(sizeof(float) * (size_t)(G * (L > 0 ? L : 1)));        \
-            if (!s) { failed = 1; continue; }                                                 \
-            for (int64_t g = 0; g < G; g++) {                                                 \
-                for (int64_t d = 0; d < D; d++) {                                             \
-                    qf[g][d] = LOAD(q, (b * H + h * G + g) * D + d) * scale;                  \
-                    acc[g][d] = 0.f;                                                          \
-                }                                                                             \
-                mx[g] = -INFINITY;                                                            \
-                sum[g] = 0.f;                                                                 \
-            }                                                                                 \
-            for (int64_t t = 0; t < L; t++) {                                                 \
-                if ((t & (bs - 1)) == 0) kp = kc + (bt[b * bt_stride + (t >> shift)] * bs * KVH + h) * D; \
-                else kp += KVH * D;                                                           \
-                float kf[MAX_D];                                                              \
-                for (int64_t d = 0; d < D; d++) kf[d] = LOAD(kp, d);                          \
-                for (int64_t g = 0; g < G; g++) {                                             \
-                    float dot = 0.f;                                                          \
-                    for (int64_t d = 0; d < D; d++) dot += qf[g][d] * kf[d];                  \
-                    s[g * L + t] = dot;                                                       \
-                    if (dot > mx[g]) mx[g] = dot;                                             \
-                }                                                                             \
-            }                                                                                 \
-            for (int64_t g = 0; g < G; g++)                                                   \
-                for (int64_t t = 0; t < L; t++) {                                             \
-                    float e = exp_nonpos(s[g * L + t] - mx[g]);                                     \
-                    s[g * L + t] = e;                                                         \
-                    sum[g] += e;                                                              \
-                }                                                                             \
-            for (int64_t t = 0; t < L; t++) {                                                 \
-                if ((t & (bs - 1)) == 0) vp = vc + (bt[b * bt_stride + (t >> shift)] * bs * KVH + h) * D; \
-                else vp += KVH * D;                                                           \
-                float vf[MAX_D];                                                              \
-                for (int64_t d = 0; d < D; d++) vf[d] = LOAD(vp, d);                          \
-                for (int64_t g = 0; g < G; g++) {                                             \
-                    const float p = s[g * L + t];                                             \
-                    for (int64_t d = 0; d < D; d++) acc[g][d] += p * vf[d];                   \
-                }                                                                             \
-            }                                                                                 \
-            for (int64_t g = 0; g < G; g++) {                                                 \
-                const float inv = 1.f / sum[g];                                               \
-                T *op = out + (b * H + h * G + g) * D;                                        \
-                for (int64_t d = 0; d < D; d++) op[d] = STORE(acc[g][d] * inv);               \
-            }                                                                                 \
-            free(s);                                                                          \
+        const int64_t L = seq_lens[b];                                                        \
+        T *ob = out + b * H * D;                                                              \
+        if (L <= 0) { for (int64_t i = 0; i < H * D; i++) ob[i] = STORE(0.f); continue; }    \
+        const int64_t nblk = (L + bs - 1) / bs;                                               \
+        const int64_t *tab = bt + b * bt_stride;                                              \
+        /* scores s[j * L + t] of the H query heads; fp32 q, accumulators, 1 / sums */      \
+        float *s = (float *)malloc(sizeof(float) * (size_t)(H * L + 2 * H * D + H));          \
+        if (!s) { failed = 1; continue; }                                                     \
+        float *qf = s + H * L, *acc = qf + H * D, *inv = acc + H * D;                         \
+        for (int64_t i = 0; i < H * D; i++) {                                                 \
+            qf[i] = LOAD(q, b * H * D + i) * scale;                                           \
+            acc[i] = 0.f;                                                                     \
         }                                                                                     \
+        prefetch_rows(kc + tab[0] * blk, blk * (int64_t)sizeof(T), 3);                        \
+        for (int64_t i = 0; i < nblk; i++) {                                                  \
+            if (i + 1 < nblk) prefetch_rows(kc + tab[i + 1] * blk, blk * (int64_t)sizeof(T), 3); \
+            prefetch_rows(vc + tab[i] * blk, blk * (int64_t)sizeof(T), 2);                    \
+            const T *kb = kc + tab[i] * blk;                                                  \
+            const int64_t nt = L - i * bs < bs ? L - i * bs : bs;                             \
+            for (int64_t t = 0; t < nt; t++) {                                                \
+                for (int64_t h = 0; h < KVH; h++) {                                           \
+                    float kf[DC ? DC : MAX_D];                                                \
+                    for (int64_t d = 0; d < D; d++) kf[d] = LOAD(kb, t * row + h * D + d);   \
+                    for (int64_t g = 0; g < G; g++) {                                         \
+                        const float *qj = qf + (h * G + g) * D;                               \
+                        float dot = 0.f;                                                      \
+                        for (int64_t d = 0; d < D; d++) dot += qj[d] * kf[d];                 \
+                        s[(h * G + g) * L + i * bs + t] = dot;                                \
+                    }                                                                         \
+                }                                                                             \
+            }                                                                                 \
+        }                                                                                     \
+        for (int64_t j = 0; j < H; j++) {                                                     \
+            float *sj = s + j * L, m = -INFINITY, sum = 0.f;                                  \
+            for (int64_t t = 0; t < L; t++) m = sj[t] > m ? sj[t] : m;                        \
+            for (int64_t t = 0; t < L; t++) {                                                 \
+                const float e = exp_nonpos(sj[t] - m);                                        \
+                sj[t] = e;                                                                    \
+                sum += e;                                                                     \
+            }                                                                                 \
+            inv[j] = 1.f / sum;                                                               \
+        }                                                                                     \
+        for (int64_t i = 0; i < nblk; i++) {                                                  \
+            const T *vb = vc + tab[i] * blk;                                                  \
+            const int64_t nt = L - i * bs < bs ? L - i * bs : bs;                             \
+            for (int64_t t = 0; t < nt; t++) {                                                \
+                for (int64_t h = 0; h < KVH; h++) {                                           \
+                    float vf[DC ? DC : MAX_D];                                                \
+                    for (int64_t d = 0; d < D; d++) vf[d] = LOAD(vb, t * row + h * D + d);   \
+                    for (int64_t g = 0; g < G; g++) {                                         \
+                        const float p = s[(h * G + g) * L + i * bs + t];                      \
+                        float *aj = acc + (h * G + g) * D;                                    \
+                        for (int64_t d = 0; d < D; d++) aj[d] += p * vf[d];                   \
+                    }                                                                         \
+                }                                                                             \
+            }                                                                                 \
+        }                                                                                     \
+        for (int64_t j = 0; j < H; j++)                                                       \
+            for (int64_t d = 0; d < D; d++) ob[j * D + d] = STORE(acc[j * D + d] * inv[j]);  \
+        free(s);                                                                              \
     }                                                                                         \
     return failed ? -2 : 0;                                                                   \
 }
