@@ -108,10 +108,13 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device,
         model.load_state_dict(state, strict=True, assign=True)
     model.rotary = RotaryEmbedding(cfg, max_positions)  # buffers were built on meta
     model = model.to(device).eval()
+    from baton.engine.models import cpu_ops
     from baton.engine.models.cpu_packing import can_pack
 
     if can_pack(dtype, device):
         model.prepack_for_cpu(cache_dir or default_cache_dir())
+    if device.type == "cpu" and dtype in cpu_ops.CpuOps.DTYPES:
+        model.use_native_ops(cpu_ops.load(cache_dir or default_cache_dir()))
     return model, cfg
 
 

@@ -1,13 +1,17 @@
 """Rotary position embeddings (Hugging Face's rotate-half layout), with Llama 3 and linear
-scaling."""
+scaling. Each step makes one StepRotary that every layer calls on its qkv rows: torch ops
+over looked-up rows of the tables, or on CPU the native kernel (`cpu_ops.py`) reading the
+tables by position."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
 from baton.engine.models.config import ModelConfig
+from baton.engine.models.cpu_ops import CpuOps
 
 
 def inverse_frequencies(cfg: ModelConfig) -> torch.Tensor:
@@ -49,11 +53,49 @@ class RotaryEmbedding(torch.nn.Module):
         # rotate_half(x) * sin == swap_halves(x) * signed_sin: one op less per call.
         signed = torch.cat((-freqs.sin(), freqs.sin()), dim=-1)
         self.register_buffer("signed_sin", signed, persistent=False)
+        self._converted: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype):
         """(T,) positions -> cos, signed sin of shape (T, 1, D) in `dtype`."""
         return (self.cos.index_select(0, positions).to(dtype).unsqueeze(1),
                 self.signed_sin.index_select(0, positions).to(dtype).unsqueeze(1))
+
+    def tables(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole cos, signed sin tables (P, D) in `dtype`, converted once per dtype."""
+        if dtype == self.cos.dtype:
+            return self.cos, self.signed_sin
+        cached = self._converted.get(dtype)
+        if cached is None or cached[0].device != self.cos.device:
+            cached = self._converted[dtype] = (self.cos.to(dtype), self.signed_sin.to(dtype))
+        return cached
+
+    def for_step(self, positions: torch.Tensor, dtype: torch.dtype,
+                 native: CpuOps | None = None) -> StepRotary:
+        """The rotation of one step's (T,) positions, for every layer's qkv; `native` (on
+        CPU) reads the whole tables by position instead of looking them up here."""
+        if native is not None:
+            return StepRotary(positions, *self.tables(dtype), native)
+        return StepRotary(positions, *self.lookup(positions, dtype), None)
+
+
+@dataclass(frozen=True)
+class StepRotary:
+    """Rotates the q and k heads of qkv rows: `rope(qkv, H, KVH, D) -> q (T, H, D),
+    k (T, KVH, D)`. cos / sin are (T, 1, D) rows for the torch path, or the (P, D) tables
+    for the native kernel."""
+
+    positions: torch.Tensor  # (T,) int64
+    cos: torch.Tensor
+    signed_sin: torch.Tensor
+    native: CpuOps | None
+
+    def __call__(self, qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int):
+        H, KVH, D = num_heads, num_kv_heads, head_dim
+        if self.native is not None:
+            return self.native.rotary(qkv, self.positions, self.cos, self.signed_sin, H, KVH, D)
+        qk = apply_rotary(qkv[:, :(H + KVH) * D].view(-1, H + KVH, D), self.cos,
+                          self.signed_sin)  # one call for q and k: (T, H + KVH, D)
+        return qk.split([H, KVH], dim=1)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:

@@ -29,7 +29,8 @@
 static inline float exp_nonpos(float x) {
     x = x < -87.f ? -87.f : x;
     const float n = __builtin_roundf(x * 1.44269504088896341f);
-    const float r = x - n * 0.693145751953125f - n * 1.428606765330187e-06f;
+    /* fmaf keeps the two-step ln2 reduction apart under -fassociative-math */
+    const float r = fmaf(-n, 1.428606765330187e-06f, fmaf(-n, 0.693145751953125f, x));
     float p = 1.f / 720.f;
     p = p * r + 1.f / 120.f;
     p = p * r + 1.f / 24.f;
