@@ -16,14 +16,17 @@ def make_attention_backend(name: str, device: torch.device, dtype: torch.dtype,
     if name == "torch":
         from baton.engine.attention.torch_backend import TorchAttentionBackend
 
-        native = None
+        native = prefill = None
         if device.type == "cpu":
-            from baton.engine.attention import cpu_native
+            from baton.engine.attention import cpu_native, cpu_prefill
 
             native = cpu_native.load(cache_dir)
             if native is not None and not native.supports(dtype, *model_shape):
                 native = None
-        return TorchAttentionBackend(dtype, native)
+            prefill = cpu_prefill.load(cache_dir)
+            if prefill is not None and not prefill.supports(dtype, *model_shape):
+                prefill = None
+        return TorchAttentionBackend(dtype, native, prefill)
     if name == "triton":
         if not _triton_backend_available():
             raise ValueError("attention_backend='triton' needs the triton package "

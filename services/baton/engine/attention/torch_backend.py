@@ -3,8 +3,10 @@
 Decodes: when the native kernel (`cpu_native`) could be built, it reads the pages in place;
 otherwise each group of similar-length decodes gathers its pages (`index_select`) and makes
 one SDPA call with q grouped as (n, KVH, G, D), so GQA needs no K/V repetition, and an
-additive mask hides the padding. Prefill chunks run one SDPA call each, causal with an
-offset for their cached context.
+additive mask hides the padding. Prefill chunks: when the native kernel (`cpu_prefill`) could
+be built, one call per layer runs them all, reading the pages in place; otherwise each chunk
+runs `_prefill_attention` (causal with an offset for its cached context), also the kernel's
+reference in the tests.
 """
 
 from __future__ import annotations
@@ -36,14 +38,19 @@ class TorchAttentionMetadata:
     decode_groups: list[DecodeGroup]  # empty when the native kernel does the decodes
     decode_seq_lens: torch.Tensor | None  # (Bd,) int64 for the native kernel
     prefill_masks: list[torch.Tensor]  # per prefill seq: (Q, L) additive float32 0 / -inf
+    # (Bp, 3) int64 for the native prefill kernel: first row in q, query count, context
+    # length per prefill sequence; None when the torch path (prefill_masks) runs them.
+    prefill_seqs: torch.Tensor | None = None
 
 
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
-    def __init__(self, dtype: torch.dtype = torch.float32, native=None) -> None:
+    def __init__(self, dtype: torch.dtype = torch.float32, native=None,
+                 native_prefill=None) -> None:
         self.dtype = dtype
         self.native = native  # cpu_native.NativeDecodeAttention or None
+        self.native_prefill = native_prefill  # cpu_prefill.NativePrefillAttention or None
 
     def build_metadata(self, layout: BatchLayout) -> TorchAttentionMetadata:
         slots = layout.slot_mapping
@@ -57,14 +64,20 @@ class TorchAttentionBackend(AttentionBackend):
         else:
             groups = [self._decode_group(layout, a, b) for a, b in _split_by_length(
                 layout.seq_lens[:nd])]
-        masks = []
-        for i in range(nd, layout.num_seqs):
-            ctx, seq = layout.context_lens[i], layout.seq_lens[i]
-            # Query row r sits at position ctx + r and sees keys 0..ctx + r.
-            masks.append(torch.full((seq - ctx, seq), float("-inf"), device=slots.device)
-                         .triu_(ctx + 1))  # (Q, L) additive, float32
+        masks, prefill_seqs = [], None
+        if self.native_prefill is not None and nd < layout.num_seqs:
+            prefill_seqs = torch.tensor(
+                [[layout.query_start_loc[i], layout.seq_lens[i] - layout.context_lens[i],
+                  layout.context_lens[i]] for i in range(nd, layout.num_seqs)],
+                dtype=torch.int64)  # (Bp, 3)
+        elif self.native_prefill is None:
+            for i in range(nd, layout.num_seqs):
+                ctx, seq = layout.context_lens[i], layout.seq_lens[i]
+                # Query row r sits at position ctx + r and sees keys 0..ctx + r.
+                masks.append(torch.full((seq - ctx, seq), float("-inf"), device=slots.device)
+                             .triu_(ctx + 1))  # (Q, L) additive, float32
         return TorchAttentionMetadata(layout, write_rows, write_slots, groups, native_lens,
-                                      masks)
+                                      masks, prefill_seqs)
 
     def _decode_group(self, layout: BatchLayout, start: int, end: int) -> DecodeGroup:
         bs, dev = layout.block_size, layout.slot_mapping.device
@@ -101,6 +114,10 @@ class TorchAttentionBackend(AttentionBackend):
             qd = q[g.start:g.end].reshape(n, KVH, H // KVH, D)  # (n, KVH, G, D)
             od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=g.mask)  # (n, KVH, G, D)
             out[g.start:g.end] = od.reshape(n, H, D)
+        if meta.prefill_seqs is not None:  # every chunk's own K/V are in the cache by now
+            self.native_prefill(q, k_cache, v_cache, layout.block_tables[nd:],
+                                meta.prefill_seqs, D ** -0.5, out)
+            return out
         for j, i in enumerate(range(nd, layout.num_seqs)):
             start, end = layout.query_start_loc[i], layout.query_start_loc[i + 1]
             if layout.context_lens[i] == 0:  # the chunk's own K/V are the whole sequence

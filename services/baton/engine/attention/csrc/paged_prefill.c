@@ -1,0 +1,460 @@
+/* Paged prefill attention for CPUs, flash-attention style: every prefill chunk of a step in
+ * one call, K/V read in place from the paged cache (the chunk's own K/V are already there),
+ * online softmax in fp32, no score matrix in memory.
+ *
+ * Layouts:
+ *   q, out        [T, H, D], row stride q_stride / out_stride elements, head stride D
+ *   k/v cache     [num_blocks, block_size, KVH, D] contiguous
+ *   block_tables  [n, bt_stride] int64, row i for prefill sequence i
+ *   seqs          [n, 3] int64: first query row in q, query count Q, context length ctx
+ * Query row r of a sequence sits at position ctx + r and sees keys 0..ctx + r. Keys past a
+ * task's last row are never read: those slots can hold another request's data.
+ *
+ * Work is split over tasks (sequence, kv head, tile of query rows), longest first. A task
+ * holds its rows x G query vectors (G = H / KVH, vector v = row * G + g, at most NV) and
+ * walks the keys in tiles of KT with an online softmax (running max and sum per vector):
+ *   - q is transposed once per task, qt[d][v], so the scores s[j][v] = k[j] . q[v] are
+ *     vectorised over the query vectors (a key element broadcast, no horizontal sums) and
+ *     the softmax runs lane-wise; the K/V tile is converted row by row (contiguous);
+ *   - acc[v][0:D] += s[j][v] * v[j][0:D], vectorised over D;
+ *   both register-blocked (4 keys or 4 vectors x 4 registers of 16 floats).
+ * fp32 accumulation. bf16 on CPUs with AVX512-BF16 multiplies bf16 pairs directly
+ * (vdpbf16ps, twice the FMA rate), with the probabilities rounded to bf16 for P.V as the
+ * torch path does; `dot` = 0 keeps the fp32 path. The summation order is fixed at compile
+ * time, so results are deterministic whatever the thread count.
+ */
+#include <float.h>
+#include <math.h>
+#include <omp.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+/* -std=c11 turns off contraction of a * b + c into FMA in GCC: turn it back on here (one
+ * rounding instead of two, half the instructions in the inner loops). */
+#if defined(__clang__)
+#pragma clang fp contract(fast)
+#elif defined(__GNUC__)
+#pragma GCC optimize("fp-contract=fast")
+#endif
+
+#define MAX_G 16
+#define MAX_D 256
+#define NV 64 /* query vectors per task (rows x G): 4 registers of 16 floats */
+#define KT 32 /* keys per tile (measured: 16 and 64 no faster) */
+
+/* 16 floats in whatever vector registers the target has; unaligned, may alias float. */
+typedef float v16 __attribute__((vector_size(64), aligned(4), may_alias));
+
+struct task { int64_t seq, head, r0, r1, cost; };
+
+/* 2^x for x <= 0 (scores are kept in log2 units: log2(e) is folded into q's scale),
+ * vectorisable: x = n + r with |r| <= 1/2, 2^r = e^(r ln2) by a degree-6 Taylor polynomial
+ * (relative error < 2e-7), 2^n built in the exponent bits. Below -126 gives ~0; inputs > 0
+ * occur only in masked lanes, whose result is discarded. */
+static inline float exp2_nonpos(float x) {
+    x = x < -126.f ? -126.f : x > 0.f ? 0.f : x;
+    const float n = __builtin_roundf(x);
+    const float r = x - n;
+    float p = 1.5403530393381609e-4f;       /* ln2^6 / 6! */
+    p = p * r + 1.3333558146428443e-3f;     /* ln2^5 / 5! */
+    p = p * r + 9.6181291076284772e-3f;     /* ln2^4 / 4! */
+    p = p * r + 5.5504108664821580e-2f;     /* ln2^3 / 3! */
+    p = p * r + 0.24022650695910071f;       /* ln2^2 / 2! */
+    p = p * r + 0.69314718055994531f;       /* ln2 */
+    p = p * r + 1.f;
+    union { uint32_t u; float f; } scale;
+    scale.u = (uint32_t)((int32_t)n + 127) << 23;
+    return p * scale.f;
+}
+
+/* Keeps a vector in a register: without it GCC re-loads it as a memory operand of every FMA
+ * that uses it, and the loads, not the FMAs, set the pace. Only where 16 floats fill one
+ * register (AVX-512); elsewhere the compiler splits the vector and chooses. */
+#if defined(__AVX512F__) && defined(__GNUC__)
+#define IN_REGISTER(x) __asm__("" : "+v"(x))
+#else
+#define IN_REGISTER(x) (void)0
+#endif
+
+static inline float bf16_to_f32(uint16_t h) {
+    union { uint32_t u; float f; } v;
+    v.u = ((uint32_t)h) << 16;
+    return v.f;
+}
+
+static inline uint16_t bf16_round(float f) {
+    union { uint32_t u; float f; } v;
+    v.f = f;
+    if ((v.u & 0x7f800000u) == 0x7f800000u) return (uint16_t)(v.u >> 16); /* inf / nan */
+    uint32_t rounding = 0x7fffu + ((v.u >> 16) & 1u);                     /* to nearest even */
+    return (uint16_t)((v.u + rounding) >> 16);
+}
+
+/* Element i of a bf16 (BF16 = 1) or f32 array, as f32. */
+static inline float load(const void *p, int64_t i, const int BF16) {
+    return BF16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+static inline void store(void *p, int64_t i, float x, const int BF16) {
+    if (BF16) ((uint16_t *)p)[i] = bf16_round(x);
+    else ((float *)p)[i] = x;
+}
+
+static int by_cost_desc(const void *a, const void *b) {
+    const int64_t ca = ((const struct task *)a)->cost, cb = ((const struct task *)b)->cost;
+    return (ca < cb) - (ca > cb);
+}
+
+/* The tasks of a call, longest first (malloc'd; NULL on failure). Rows per task fill NV
+ * query vectors, halved while there are fewer than 4 tasks per thread. */
+static struct task *plan_tasks(const int64_t *seqs, int64_t n, int64_t KVH, int64_t G,
+                               int64_t *num_tasks) {
+    int64_t rows = NV / G, count = 0;
+    const int64_t want = 4 * (int64_t)omp_get_max_threads();
+    for (;;) {
+        count = 0;
+        for (int64_t b = 0; b < n; b++) count += KVH * ((seqs[3 * b + 1] + rows - 1) / rows);
+        if (count >= want || rows <= 4) break;
+        rows /= 2;
+    }
+    struct task *tasks = (struct task *)malloc(sizeof(struct task) * (size_t)(count ? count : 1));
+    if (!tasks) return NULL;
+    int64_t i = 0;
+    for (int64_t b = 0; b < n; b++) {
+        const int64_t Q = seqs[3 * b + 1], ctx = seqs[3 * b + 2];
+        for (int64_t r0 = 0; r0 < Q; r0 += rows) {
+            const int64_t r1 = r0 + rows < Q ? r0 + rows : Q;
+            for (int64_t h = 0; h < KVH; h++)
+                tasks[i++] = (struct task){b, h, r0, r1, (r1 - r0) * (ctx + r1)};
+        }
+    }
+    qsort(tasks, (size_t)count, sizeof(struct task), by_cost_desc);
+    *num_tasks = count;
+    return tasks;
+}
+
+/* Keys t0..t0 + nk of kv head h into kf[KT][D] and vf[KT][D] as fp32; zeros past nk. */
+static inline __attribute__((always_inline)) void load_tile(
+        const void *kc, const void *vc, const int64_t *bt, int64_t KVH, int64_t h,
+        int64_t bs, int shift, int64_t t0, int64_t nk, float *kf, float *vf,
+        const int BF16, const int64_t D) {
+    for (int64_t j = 0; j < KT; j++) {
+        float *kr = kf + j * D, *vr = vf + j * D;
+        if (j < nk) {
+            const int64_t pos = t0 + j;
+            const int64_t at = ((bt[pos >> shift] * bs + (pos & (bs - 1))) * KVH + h) * D;
+            for (int64_t d = 0; d < D; d++) kr[d] = load(kc, at + d, BF16);
+            for (int64_t d = 0; d < D; d++) vr[d] = load(vc, at + d, BF16);
+        } else {
+            for (int64_t d = 0; d < D; d++) kr[d] = vr[d] = 0.f;
+        }
+    }
+}
+
+/* s[j][0:16 NC] = kf[j] . qt[:, 0:16 NC] for the tile's keys, 4 keys at a time (4 NC
+ * accumulators; a key element is broadcast, 16 query vectors per register). */
+static inline __attribute__((always_inline)) void scores(
+        const float *qt, const float *kf, float *s, const int NC, const int64_t D) {
+    for (int64_t j = 0; j < KT; j += 4) {
+        v16 a[4][4];
+        for (int i = 0; i < 4; i++)
+            for (int c = 0; c < NC; c++) a[i][c] = (v16){0};
+        for (int64_t d = 0; d < D; d++) {
+            v16 x[4];
+            for (int c = 0; c < NC; c++) {
+                x[c] = *(const v16 *)(qt + d * 16 * NC + 16 * c);
+                IN_REGISTER(x[c]);
+            }
+            for (int i = 0; i < 4; i++) {
+                const float kd = kf[(j + i) * D + d];
+                for (int c = 0; c < NC; c++) a[i][c] += kd * x[c];
+            }
+        }
+        for (int i = 0; i < 4; i++)
+            for (int c = 0; c < NC; c++) *(v16 *)(s + (j + i) * 16 * NC + 16 * c) = a[i][c];
+    }
+}
+
+/* Online softmax over one key tile, vectorised over the query vectors (lanes): s becomes
+ * probabilities (exactly 0 where masked), m / l / acc move to the new running max. Vector v
+ * sees keys below lim[v]; MASKED = 0 when every vector sees the whole tile. */
+static inline __attribute__((always_inline)) void softmax_tile(
+        float *s, float *m, float *l, float *acc, const float *lim, int64_t t0, const int NC,
+        const int64_t D, const int MASKED) {
+    const int V = 16 * NC;
+    float mx[NV], sum[NV];
+    for (int v = 0; v < V; v++) mx[v] = m[v], sum[v] = 0.f;
+    for (int j = 0; j < KT; j++) {
+        const float pos = (float)(t0 + j);
+        for (int v = 0; v < V; v++) {
+            const float x = !MASKED || pos < lim[v] ? s[j * V + v] : -FLT_MAX;
+            mx[v] = x > mx[v] ? x : mx[v];
+        }
+    }
+    for (int j = 0; j < KT; j++) {
+        const float pos = (float)(t0 + j);
+        for (int v = 0; v < V; v++) {
+            const float p = exp2_nonpos(s[j * V + v] - mx[v]);
+            s[j * V + v] = !MASKED || pos < lim[v] ? p : 0.f;
+            sum[v] += s[j * V + v];
+        }
+    }
+    for (int v = 0; v < V; v++) {
+        if (mx[v] != m[v]) {
+            const float corr = exp2_nonpos(m[v] - mx[v]);
+            for (int64_t d = 0; d < D; d++) acc[v * D + d] *= corr;
+            l[v] *= corr;
+            m[v] = mx[v];
+        }
+        l[v] += sum[v];
+    }
+}
+
+/* acc[v][0:D] += sum_j s[j][v] * vf[j][0:D] for v < nv (a multiple of 4), 4 vectors x 64
+ * dims at a time (16 accumulators). */
+static inline __attribute__((always_inline)) void accumulate(
+        const float *s, const float *vf, float *acc, int64_t nv, const int NC, const int64_t D) {
+    for (int64_t v = 0; v < nv; v += 4) {
+        for (int64_t c = 0; c < D; c += 64) {
+            const int64_t nc = D - c >= 64 ? 4 : (D - c) / 16;
+            v16 a[4][4];
+            for (int i = 0; i < 4; i++)
+                for (int64_t k = 0; k < nc; k++) a[i][k] = *(v16 *)(acc + (v + i) * D + c + 16 * k);
+            for (int j = 0; j < KT; j++) {
+                v16 x[4];
+                for (int64_t k = 0; k < nc; k++) {
+                    x[k] = *(const v16 *)(vf + j * D + c + 16 * k);
+                    IN_REGISTER(x[k]);
+                }
+                for (int i = 0; i < 4; i++) {
+                    const float p = s[j * 16 * NC + v + i];
+                    for (int64_t k = 0; k < nc; k++) a[i][k] += p * x[k];
+                }
+            }
+            for (int i = 0; i < 4; i++)
+                for (int64_t k = 0; k < nc; k++) *(v16 *)(acc + (v + i) * D + c + 16 * k) = a[i][k];
+        }
+    }
+}
+
+#if defined(__AVX512BF16__)
+#include <immintrin.h>
+#define HAVE_BF16_DOT 1
+/* bf16 x bf16 -> fp32 dot products (vdpbf16ps: 2 products per lane and instruction, twice
+ * the FMA rate), for bf16 models on CPUs that have them. Operands pair two consecutive
+ * elements of the reduced dimension in each 32-bit lane: d for scores, keys for P.V. */
+
+/* kb[KT][D/2]: the tile's keys as stored (pairs of d); vp[KT/2][D]: pairs of keys'
+ * values, (v[2i][d], v[2i+1][d]); zeros past nk. */
+static inline __attribute__((always_inline)) void load_tile_dot(
+        const uint16_t *kc, const uint16_t *vc, const int64_t *bt, int64_t KVH, int64_t h,
+        int64_t bs, int shift, int64_t t0, int64_t nk, uint32_t *kb, uint32_t *vp,
+        const int64_t D) {
+    static const uint16_t zeros[MAX_D];
+    for (int64_t j = 0; j < KT; j += 2) {
+        const uint16_t *vr[2];
+        for (int i = 0; i < 2; i++) {
+            const int64_t pos = t0 + j + i;
+            const int64_t at = j + i < nk
+                ? ((bt[pos >> shift] * bs + (pos & (bs - 1))) * KVH + h) * D : -1;
+            __builtin_memcpy(kb + (j + i) * D / 2, at < 0 ? zeros : kc + at, 2 * (size_t)D);
+            vr[i] = at < 0 ? zeros : vc + at;
+        }
+        for (int64_t d = 0; d < D; d++)
+            vp[j / 2 * D + d] = (uint32_t)vr[0][d] | (uint32_t)vr[1][d] << 16;
+    }
+}
+
+/* As `scores`, from qp[D/2][16 NC] (pairs of q's d, unscaled) and kb; times qscale. */
+static inline __attribute__((always_inline)) void scores_dot(
+        const uint32_t *qp, const uint32_t *kb, float *s, float qscale, const int NC,
+        const int64_t D) {
+    for (int64_t j = 0; j < KT; j += 4) {
+        __m512 a[4][4];
+        for (int i = 0; i < 4; i++)
+            for (int c = 0; c < NC; c++) a[i][c] = _mm512_setzero_ps();
+        for (int64_t e = 0; e < D / 2; e++) {
+            __m512bh x[4];
+            for (int c = 0; c < NC; c++) {
+                x[c] = (__m512bh)_mm512_loadu_si512(qp + e * 16 * NC + 16 * c);
+                IN_REGISTER(x[c]);
+            }
+            for (int i = 0; i < 4; i++) {
+                const __m512bh kd = (__m512bh)_mm512_set1_epi32((int)kb[(j + i) * D / 2 + e]);
+                for (int c = 0; c < NC; c++) a[i][c] = _mm512_dpbf16_ps(a[i][c], x[c], kd);
+            }
+        }
+        for (int i = 0; i < 4; i++)
+            for (int c = 0; c < NC; c++)
+                _mm512_storeu_ps(s + (j + i) * 16 * NC + 16 * c,
+                                 _mm512_mul_ps(a[i][c], _mm512_set1_ps(qscale)));
+    }
+}
+
+/* As `accumulate`, with the probabilities rounded to bf16 and paired by key:
+ * pp[KT/2][16 NC] = (p[2i][v], p[2i+1][v]). */
+static inline __attribute__((always_inline)) void accumulate_dot(
+        const float *s, uint32_t *pp, const uint32_t *vp, float *acc, int64_t nv,
+        const int NC, const int64_t D) {
+    const int V = 16 * NC;
+    for (int j = 0; j < KT; j += 2)
+        for (int v = 0; v < V; v++)
+            pp[j / 2 * V + v] = (uint32_t)bf16_round(s[j * V + v])
+                                | (uint32_t)bf16_round(s[(j + 1) * V + v]) << 16;
+    for (int64_t v = 0; v < nv; v += 4) {
+        for (int64_t c = 0; c < D; c += 64) {
+            const int64_t nc = D - c >= 64 ? 4 : (D - c) / 16;
+            __m512 a[4][4];
+            float *at = acc + v * D + c;
+            for (int i = 0; i < 4; i++)
+                for (int64_t k = 0; k < nc; k++) a[i][k] = _mm512_loadu_ps(at + i * D + 16 * k);
+            for (int j = 0; j < KT / 2; j++) {
+                __m512bh x[4];
+                for (int64_t k = 0; k < nc; k++) {
+                    x[k] = (__m512bh)_mm512_loadu_si512(vp + j * D + c + 16 * k);
+                    IN_REGISTER(x[k]);
+                }
+                for (int i = 0; i < 4; i++) {
+                    const __m512bh p = (__m512bh)_mm512_set1_epi32((int)pp[j * V + v + i]);
+                    for (int64_t k = 0; k < nc; k++) a[i][k] = _mm512_dpbf16_ps(a[i][k], x[k], p);
+                }
+            }
+            for (int i = 0; i < 4; i++)
+                for (int64_t k = 0; k < nc; k++) _mm512_storeu_ps(at + i * D + 16 * k, a[i][k]);
+        }
+    }
+}
+#else
+#define HAVE_BF16_DOT 0
+#endif
+
+/* One task with at most 16 NC query vectors; w is the thread's workspace (WORKSPACE_FLOATS). */
+static inline __attribute__((always_inline)) void run_task(
+        const void *q, int64_t q_stride, const void *kc, const void *vc, const int64_t *bt,
+        int64_t bt_stride, const int64_t *seqs, void *out, int64_t out_stride, int64_t H,
+        int64_t KVH, int64_t bs, int shift, float scale, const struct task *t, float *w,
+        const int BF16, const int DOT, const int NC, const int64_t D) {
+    const int64_t V = 16 * NC;
+    const int64_t G = H / KVH, h = t->head, r0 = t->r0;
+    const int64_t first = seqs[3 * t->seq], ctx = seqs[3 * t->seq + 2];
+    const int64_t nvec = (t->r1 - r0) * G;
+    const float qscale = scale * 1.44269504088896341f; /* scores in log2 units for exp2 */
+    const int64_t *table = bt + t->seq * bt_stride;
+    float *qt = w, *acc = qt + NV * D, *kf = acc + NV * D, *vf = kf + KT * D;
+    float *s = vf + KT * D, *m = s + NV * KT, *l = m + NV, *lim = l + NV;
+    uint32_t *qp = (uint32_t *)qt, *kb = (uint32_t *)kf, *vp = (uint32_t *)vf;
+    uint32_t *pp = (uint32_t *)(lim + NV);
+    (void)kb, (void)vp, (void)pp; /* unused where the build has no dot path */
+    /* q transposed: qt[d][v] scaled fp32, or qp[d / 2][v] pairs of raw bf16 for DOT */
+    for (int64_t v = 0; v < V; v++) {
+        const int64_t row = first + r0 + v / G, head = h * G + v % G;
+        const int64_t at = row * q_stride + head * D;
+        if (DOT)
+            for (int64_t e = 0; e < D / 2; e++) {
+                uint32_t pair = 0;
+                if (v < nvec) __builtin_memcpy(&pair, (const uint16_t *)q + at + 2 * e, 4);
+                qp[e * V + v] = pair;
+            }
+        else
+            for (int64_t d = 0; d < D; d++)
+                qt[d * V + v] = v < nvec ? load(q, at + d, BF16) * qscale : 0.f;
+        /* positions stay exact in float up to 2^24 tokens; padding vectors see nothing */
+        lim[v] = v < nvec ? (float)(ctx + r0 + v / G + 1) : 0.f;
+        m[v] = -FLT_MAX; /* not -inf: a fully masked tile must give exp(0), not exp(nan) */
+        l[v] = 0.f;
+    }
+    for (int64_t i = 0; i < V * D; i++) acc[i] = 0.f;
+    const int64_t kend = ctx + t->r1, nv = (nvec + 3) & ~(int64_t)3;
+    for (int64_t t0 = 0; t0 < kend; t0 += KT) {
+        const int64_t nk = kend - t0 < KT ? kend - t0 : KT;
+#if HAVE_BF16_DOT
+        if (DOT) {
+            load_tile_dot(kc, vc, table, KVH, h, bs, shift, t0, nk, kb, vp, D);
+            scores_dot(qp, kb, s, qscale, NC, D);
+        }
+#endif
+        if (!DOT) {
+            load_tile(kc, vc, table, KVH, h, bs, shift, t0, nk, kf, vf, BF16, D);
+            scores(qt, kf, s, NC, D);
+        }
+        if (t0 + KT <= ctx + r0 + 1) /* below the first row's diagonal */
+            softmax_tile(s, m, l, acc, lim, t0, NC, D, 0);
+        else
+            softmax_tile(s, m, l, acc, lim, t0, NC, D, 1);
+#if HAVE_BF16_DOT
+        if (DOT) accumulate_dot(s, pp, vp, acc, nv, NC, D);
+#endif
+        if (!DOT) accumulate(s, vf, acc, nv, NC, D);
+    }
+    for (int64_t v = 0; v < nvec; v++) {
+        const int64_t row = first + r0 + v / G, head = h * G + v % G;
+        const float inv = 1.f / l[v];
+        for (int64_t d = 0; d < D; d++)
+            store(out, row * out_stride + head * D + d, acc[v * D + d] * inv, BF16);
+    }
+}
+
+/* The task with as few 16-vector register columns as it needs. */
+static inline __attribute__((always_inline)) void dispatch(
+        const void *q, int64_t q_stride, const void *kc, const void *vc, const int64_t *bt,
+        int64_t bt_stride, const int64_t *seqs, void *out, int64_t out_stride, int64_t H,
+        int64_t KVH, int64_t bs, int shift, float scale, const struct task *t, float *w,
+        const int BF16, const int DOT, const int64_t D) {
+    const int64_t nvec = (t->r1 - t->r0) * (H / KVH);
+#define RUN(NC) run_task(q, q_stride, kc, vc, bt, bt_stride, seqs, out, out_stride, H, KVH, bs, \
+                         shift, scale, t, w, BF16, DOT, NC, D)
+    if (nvec > 32) RUN(4);
+    else if (nvec > 16) RUN(2);
+    else RUN(1);
+#undef RUN
+}
+
+#define WORKSPACE_FLOATS(D) (2 * NV * (D) + 2 * KT * (D) + NV * KT * 3 / 2 + 3 * NV)
+
+/* DC > 0 fixes the head dim at compile time (loops unroll, accumulators stay in registers);
+ * 0 = any multiple of 16 up to MAX_D. Returns 0, or -1 bad shape, -2 out of memory, -3 a
+ * specialisation called with another head dim. */
+#define DEFINE_KERNEL(NAME, T, BF16, DC)                                                       \
+int NAME(const T *q, int64_t q_stride, const T *kc, const T *vc, const int64_t *bt,           \
+         int64_t bt_stride, const int64_t *seqs, T *out, int64_t out_stride, int64_t n,       \
+         int64_t H, int64_t KVH, int64_t d_arg, int64_t bs, float scale, int64_t dot) {       \
+    if (DC && d_arg != DC) return -3;                                                         \
+    if (KVH <= 0 || H % KVH || H / KVH > MAX_G || d_arg > MAX_D || d_arg % 16) return -1;     \
+    if (bs <= 0 || (bs & (bs - 1))) return -1; /* a power of two: shifts, not divisions */   \
+    int shift = 0;                                                                            \
+    while ((1 << shift) < bs) shift++;                                                        \
+    int64_t num_tasks = 0;                                                                    \
+    struct task *tasks = plan_tasks(seqs, n, KVH, H / KVH, &num_tasks);                       \
+    if (!tasks) return -2;                                                                    \
+    const size_t bytes = sizeof(float) * (size_t)WORKSPACE_FLOATS(d_arg);                     \
+    int failed = 0;                                                                           \
+    _Pragma("omp parallel")                                                                   \
+    {                                                                                         \
+        float *w = (float *)aligned_alloc(64, (bytes + 63) & ~(size_t)63);                    \
+        _Pragma("omp for schedule(dynamic, 1)")                                               \
+        for (int64_t i = 0; i < num_tasks; i++) {                                             \
+            if (!w) { failed = 1; continue; }                                                 \
+            if (BF16 && HAVE_BF16_DOT && dot)                                                 \
+                dispatch(q, q_stride, kc, vc, bt, bt_stride, seqs, out, out_stride, H, KVH,   \
+                         bs, shift, scale, &tasks[i], w, BF16, 1, DC ? DC : d_arg);           \
+            else                                                                              \
+                dispatch(q, q_stride, kc, vc, bt, bt_stride, seqs, out, out_stride, H, KVH,   \
+                         bs, shift, scale, &tasks[i], w, BF16, 0, DC ? DC : d_arg);           \
+        }                                                                                     \
+        free(w);                                                                              \
+    }                                                                                         \
+    free(tasks);                                                                              \
+    return failed ? -2 : 0;                                                                   \
+}
+
+#define DEFINE_BOTH(SUFFIX, DC)                                                                \
+    DEFINE_KERNEL(paged_prefill_f32##SUFFIX, float, 0, DC)                                     \
+    DEFINE_KERNEL(paged_prefill_bf16##SUFFIX, uint16_t, 1, DC)
+
+DEFINE_BOTH(, 0)
+/* Specialisations by head dim: those of common models. */
+DEFINE_BOTH(_d64, 64)
+DEFINE_BOTH(_d128, 128)
+
+/* 1 when the bf16 kernels can take the dot-product path (their `dot` argument). */
+int paged_prefill_has_bf16_dot(void) { return HAVE_BF16_DOT; }
