@@ -124,3 +124,8 @@ def test_native_decode_kernel_shapes(dtype, tol, heads, kv_heads, head_dim, bloc
         scores = torch.einsum("hd,lhd->hl", q[i].float(), k) * head_dim ** -0.5
         ref = torch.einsum("hl,lhd->hd", scores.softmax(-1), v)
         assert (out[i].float() - ref).abs().max().item() < tol, (i, n)
+        # Alone, the sequence is split over its kv heads: the same arithmetic per head.
+        one = torch.full_like(q[i:i + 1], float("nan"))
+        native(q[i:i + 1], k_cache, v_cache, tables[i:i + 1], torch.tensor([n]),
+               head_dim ** -0.5, one)
+        assert torch.equal(one[0], out[i])

@@ -17,6 +17,7 @@
  * deterministic.
  */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -77,19 +78,26 @@ int NAME(const T *q, const T *kc, const T *vc, const int64_t *bt, int64_t bt_str
     if (bs & (bs - 1)) return -1; /* a power of two */                                        \
     if (G > MAX_G || D > MAX_D) return -1;                                                    \
     const int64_t row = KVH * D, blk = bs * row; /* elements per token row, per block */      \
+    /* Few sequences: one task per (sequence, kv head), so every thread has work. */          \
+    const int64_t parts = n < 2 * omp_get_max_threads() ? KVH : 1;                            \
     int failed = 0;                                                                           \
     _Pragma("omp parallel for schedule(dynamic, 1)")                                          \
-    for (int64_t b = 0; b < n; b++) {                                                         \
+    for (int64_t task = 0; task < n * parts; task++) {                                        \
+        const int64_t b = task / parts, h0 = task % parts * KVH / parts;                      \
+        const int64_t h1 = (task % parts + 1) * KVH / parts;                                  \
         const int64_t L = seq_lens[b];                                                        \
         T *ob = out + b * H * D;                                                              \
-        if (L <= 0) { for (int64_t i = 0; i < H * D; i++) ob[i] = STORE(0.f); continue; }    \
+        if (L <= 0) {                                                                         \
+            for (int64_t i = h0 * G * D; i < h1 * G * D; i++) ob[i] = STORE(0.f);             \
+            continue;                                                                         \
+        }                                                                                     \
         const int64_t nblk = (L + bs - 1) / bs;                                               \
         const int64_t *tab = bt + b * bt_stride;                                              \
         /* scores s[j * L + t] of the H query heads; fp32 q, accumulators, 1 / sums */      \
         float *s = (float *)malloc(sizeof(float) * (size_t)(H * L + 2 * H * D + H));          \
         if (!s) { failed = 1; continue; }                                                     \
         float *qf = s + H * L, *acc = qf + H * D, *inv = acc + H * D;                         \
-        for (int64_t i = 0; i < H * D; i++) {                                                 \
+        for (int64_t i = h0 * G * D; i < h1 * G * D; i++) {                                   \
             qf[i] = LOAD(q, b * H * D + i) * scale;                                           \
             acc[i] = 0.f;                                                                     \
         }                                                                                     \
@@ -100,7 +108,7 @@ int NAME(const T *q, const T *kc, const T *vc, const int64_t *bt, int64_t bt_str
             const T *kb = kc + tab[i] * blk;                                                  \
             const int64_t nt = L - i * bs < bs ? L - i * bs : bs;                             \
             for (int64_t t = 0; t < nt; t++) {                                                \
-                for (int64_t h = 0; h < KVH; h++) {                                           \
+                for (int64_t h = h0; h < h1; h++) {                                           \
                     float kf[DC ? DC : MAX_D];                                                \
                     for (int64_t d = 0; d < D; d++) kf[d] = LOAD(kb, t * row + h * D + d);   \
                     for (int64_t g = 0; g < G; g++) {                                         \
@@ -112,7 +120,7 @@ int NAME(const T *q, const T *kc, const T *vc, const int64_t *bt, int64_t bt_str
                 }                                                                             \
             }                                                                                 \
         }                                                                                     \
-        for (int64_t j = 0; j < H; j++) {                                                     \
+        for (int64_t j = h0 * G; j < h1 * G; j++) {                                           \
             float *sj = s + j * L, m = -INFINITY, sum = 0.f;                                  \
             for (int64_t t = 0; t < L; t++) m = sj[t] > m ? sj[t] : m;                        \
             for (int64_t t = 0; t < L; t++) {                                                 \
@@ -126,7 +134,7 @@ int NAME(const T *q, const T *kc, const T *vc, const int64_t *bt, int64_t bt_str
             const T *vb = vc + tab[i] * blk;                                                  \
             const int64_t nt = L - i * bs < bs ? L - i * bs : bs;                             \
             for (int64_t t = 0; t < nt; t++) {                                                \
-                for (int64_t h = 0; h < KVH; h++) {                                           \
+                for (int64_t h = h0; h < h1; h++) {                                           \
                     float vf[DC ? DC : MAX_D];                                                \
                     for (int64_t d = 0; d < D; d++) vf[d] = LOAD(vb, t * row + h * D + d);   \
                     for (int64_t g = 0; g < G; g++) {                                         \
@@ -137,7 +145,7 @@ int NAME(const T *q, const T *kc, const T *vc, const int64_t *bt, int64_t bt_str
                 }                                                                             \
             }                                                                                 \
         }                                                                                     \
-        for (int64_t j = 0; j < H; j++)                                                       \
+        for (int64_t j = h0 * G; j < h1 * G; j++)                                             \
             for (int64_t d = 0; d < D; d++) ob[j * D + d] = STORE(acc[j * D + d] * inv[j]);  \
         free(s);                                                                              \
     }                                                                                         \
