@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from baton.engine.models.cpu_packing import NativeGemv, PackedLinear, can_pack, load_gemv
+from baton.engine.models.cpu_packing import PackedLinear, can_pack, load_gemv
 
 pytestmark = pytest.mark.skipif(not can_pack(torch.bfloat16, torch.device("cpu")),
                                 reason="oneDNN is not available in this torch build")
@@ -25,13 +25,14 @@ def reference(x, w, b):
     return y if b is None else y + b.float()
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, 8])
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 8])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_gemv_matches_reference(gemv, rows, with_bias):
+@pytest.mark.parametrize("k", [576, 577])  # 577: a partial 32-element step at the end
+def test_gemv_matches_reference(gemv, rows, with_bias, k):
     g = torch.Generator().manual_seed(rows)
-    w = torch.randn(301, 576, generator=g).bfloat16()  # odd N: no row is left out
+    w = torch.randn(301, k, generator=g).bfloat16()  # odd N: no row is left out
     b = torch.randn(301, generator=g).bfloat16() if with_bias else None
-    x = torch.randn(rows, 576, generator=g).bfloat16()
+    x = torch.randn(rows, k, generator=g).bfloat16()
     y = gemv(x, w, b)
     ref = reference(x, w, b)
     # bf16 output: at most half an ulp of rounding on top of fp32 summation-order noise.
@@ -57,5 +58,15 @@ def test_packed_linear_paths_agree(gemv, rows):
     for layer in (with_gemv, plain):
         y = layer(x).float()
         assert ((y - ref).abs() <= ref.abs() * 2 ** -7 + 2e-2).all()
-    if rows <= NativeGemv.MAX_ROWS:  # small batches take the GEMV, bit for bit
+    if rows <= gemv.max_rows:  # small batches take the GEMV, bit for bit
         assert torch.equal(with_gemv(x), gemv(x, w, b))
+
+
+def test_gemv_row_limit_matches_the_cpu(gemv):
+    """8 rows where the build has vdpbf16ps (AVX512-BF16), 2 on the portable path."""
+    import re
+    from pathlib import Path
+
+    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
+    has_bf16 = re.search(r"\bavx512_bf16\b", flags) is not None
+    assert gemv.max_rows == (8 if has_bf16 else 2)

@@ -2,8 +2,8 @@
 small batches.
 
 A prepacked weight skips the per-call reorder that `F.linear` pays (measured: 45 us vs 87 us
-for a 3072x576 bf16 linear at batch 1, identical results). At up to `NativeGemv.MAX_ROWS`
-rows a step is bound by reading the weights, and oneDNN reads them on one core: the native
+for a 3072x576 bf16 linear at batch 1, identical results). At up to `NativeGemv.max_rows`
+rows (8 with AVX512-BF16, else 2) a step is bound by reading the weights, and oneDNN reads them on one core: the native
 GEMV (`csrc/gemv_bf16.c`) splits the output rows over every thread instead (measured on the
 bundled model's 121 linears with weights out of cache: 5.6-7.8 ms against oneDNN's 9.2-10.7
 ms per batch-1 step). It reads the weights in their row-major layout, which PackedLinear keeps
@@ -25,16 +25,18 @@ _GEMV_SOURCE = Path(__file__).parent / "csrc" / "gemv_bf16.c"
 
 
 class NativeGemv:
-    MAX_ROWS = 2  # measured: the GEMV wins at 1-2 rows, oneDNN from 4 on
-
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._fn = lib.gemv_bf16
         self._fn.restype = ctypes.c_int
         self._fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
+        # Rows up to which the GEMV beats oneDNN on this CPU (measured): 8 with AVX512-BF16,
+        # 2 on the portable path.
+        lib.gemv_bf16_max_rows.restype = ctypes.c_int
+        self.max_rows = int(lib.gemv_bf16_max_rows())
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor,
                  bias: torch.Tensor | None) -> torch.Tensor:
-        """x (M, K) with M <= MAX_ROWS, weight (N, K) contiguous, bias (N,) -> (M, N)."""
+        """x (M, K) with M <= 8, weight (N, K) contiguous, bias (N,) -> (M, N)."""
         x = x.contiguous()
         M, K = x.shape
         N = weight.shape[0]
@@ -63,7 +65,7 @@ class PackedLinear(nn.Module):
         self.weight = weight.detach().contiguous() if gemv is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gemv is not None and x.dim() == 2 and x.shape[0] <= NativeGemv.MAX_ROWS:
+        if self.gemv is not None and x.dim() == 2 and x.shape[0] <= self.gemv.max_rows:
             return self.gemv(x, self.weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
