@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import logging
+import re
 import shutil
 import subprocess
 import tempfile
@@ -42,7 +43,12 @@ def _build_and_load(source: Path, cache_dir: Path) -> ctypes.CDLL | None:
         log.warning("no C compiler found: %s is not built, the torch path is used",
                     source.name)
         return None
-    digest = hashlib.sha1(source.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:12]
+    try:
+        text = _source_with_headers(source)
+    except OSError as err:
+        log.warning("cannot read %s (%s): the torch path is used", source.name, err)
+        return None
+    digest = hashlib.sha1(text + " ".join(FLAGS).encode()).hexdigest()[:12]
     lib_path = cache_dir / "kernels" / f"{source.stem}-{digest}.so"
     try:
         if not lib_path.exists():
@@ -56,3 +62,11 @@ def _build_and_load(source: Path, cache_dir: Path) -> ctypes.CDLL | None:
     except (OSError, subprocess.SubprocessError) as err:
         log.warning("could not build %s (%s): the torch path is used", source.name, err)
         return None
+
+
+def _source_with_headers(source: Path) -> bytes:
+    """The source and the local headers it includes (`#include "..."`): a change to either
+    makes a new build."""
+    text = source.read_bytes()
+    headers = re.findall(rb'^#include "([^"]+)"', text, flags=re.MULTILINE)
+    return text + b"".join((source.parent / h.decode()).read_bytes() for h in headers)

@@ -21,6 +21,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "../../csrc/bf16.h"
+
 #define MAX_G 16
 #define MAX_D 256
 
@@ -42,20 +44,6 @@ static inline float exp_nonpos(float x) {
     union { uint32_t u; float f; } scale;
     scale.u = (uint32_t)((int32_t)n + 127) << 23;
     return p * scale.f;
-}
-
-static inline float bf16_load(const uint16_t *p, int64_t i) {
-    union { uint32_t u; float f; } v;
-    v.u = ((uint32_t)p[i]) << 16;
-    return v.f;
-}
-
-static inline uint16_t bf16_round(float f) {
-    union { uint32_t u; float f; } v;
-    v.f = f;
-    if ((v.u & 0x7f800000u) == 0x7f800000u) return (uint16_t)(v.u >> 16); /* inf / nan */
-    uint32_t rounding = 0x7fffu + ((v.u >> 16) & 1u);                     /* to nearest even */
-    return (uint16_t)((v.u + rounding) >> 16);
 }
 
 static inline void prefetch_rows(const void *p, int64_t bytes, int locality) {
@@ -154,7 +142,7 @@ int NAME(const T *q, const T *kc, const T *vc, const int64_t *bt, int64_t bt_str
 
 #define F32_LOAD(p, i) ((p)[i])
 #define F32_STORE(x) (x)
-#define BF16_LOAD(p, i) bf16_load((p), (i))
+#define BF16_LOAD(p, i) bf16_to_f32((p)[i])
 #define BF16_STORE(x) bf16_round(x)
 
 #define DEFINE_BOTH(SUFFIX, GC, DC)                                                            \

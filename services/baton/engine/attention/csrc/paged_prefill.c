@@ -29,6 +29,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "../../csrc/bf16.h"
+
 /* -std=c11 turns off contraction of a * b + c into FMA in GCC: turn it back on here (one
  * rounding instead of two, half the instructions in the inner loops). */
 #if defined(__clang__)
@@ -75,20 +77,6 @@ static inline float exp2_nonpos(float x) {
 #else
 #define IN_REGISTER(x) (void)0
 #endif
-
-static inline float bf16_to_f32(uint16_t h) {
-    union { uint32_t u; float f; } v;
-    v.u = ((uint32_t)h) << 16;
-    return v.f;
-}
-
-static inline uint16_t bf16_round(float f) {
-    union { uint32_t u; float f; } v;
-    v.f = f;
-    if ((v.u & 0x7f800000u) == 0x7f800000u) return (uint16_t)(v.u >> 16); /* inf / nan */
-    uint32_t rounding = 0x7fffu + ((v.u >> 16) & 1u);                     /* to nearest even */
-    return (uint16_t)((v.u + rounding) >> 16);
-}
 
 /* Element i of a bf16 (BF16 = 1) or f32 array, as f32. */
 static inline float load(const void *p, int64_t i, const int BF16) {

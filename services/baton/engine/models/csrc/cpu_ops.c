@@ -18,24 +18,13 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "../../csrc/bf16.h"
+
 /* Work is counted in RMSNorm elements (one thread, AVX-512 development machine, bf16:
  * RMSNorm ~0.34 ns per element, SiLU * up ~0.47 ns per output, rotary ~0.18 ns per element).
  * 32768 of them (~11 us, torch's own grain size) is where splitting them over threads saves
  * clearly more than a parallel region's start-up (~1-5 us, depending on the thread count). */
 #define PARALLEL_MIN_ELEMS 32768
-
-static inline float bf16_load(uint16_t h) {
-    union { uint32_t u; float f; } v;
-    v.u = ((uint32_t)h) << 16;
-    return v.f;
-}
-
-static inline uint16_t bf16_round(float f) {
-    union { uint32_t u; float f; } v;
-    v.f = f;
-    if ((v.u & 0x7f800000u) == 0x7f800000u) return (uint16_t)(v.u >> 16); /* inf / nan */
-    return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);      /* nearest even */
-}
 
 /* e^x for any float x, vectorisable: x = n ln2 + r with |r| <= ln2 / 2, e^r by Cephes'
  * expf polynomial, times 2^n built in the exponent bits; ~1.3 ulp. Written with fmaf: the
@@ -65,9 +54,9 @@ static inline float exp_any(float x) {
 #define F32_LOAD(p, i) ((p)[i])
 #define F32_STORE(p, i, v) ((p)[i] = (v))
 #define F32_ROUND(v) (v)
-#define BF16_LOAD(p, i) bf16_load((p)[i])
+#define BF16_LOAD(p, i) bf16_to_f32((p)[i])
 #define BF16_STORE(p, i, v) ((p)[i] = bf16_round(v))
-#define BF16_ROUND(v) bf16_load(bf16_round(v))
+#define BF16_ROUND(v) bf16_to_f32(bf16_round(v))
 
 /* Runs STATEMENT for t in [0, rows), over the OpenMP threads when the work is large enough
  * (without an `if` clause: a region that runs on one thread still costs a call into libgomp). */

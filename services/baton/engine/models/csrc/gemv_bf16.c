@@ -15,6 +15,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "../../csrc/bf16.h"
+
 #define MAX_M 8
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
@@ -23,19 +25,6 @@
 #else
 #define HAVE_DPBF16 0
 #endif
-
-static inline float bf16_to_f32(uint16_t h) {
-    union { uint32_t u; float f; } v;
-    v.u = ((uint32_t)h) << 16;
-    return v.f;
-}
-
-static inline uint16_t f32_to_bf16(float f) {
-    union { uint32_t u; float f; } v;
-    v.f = f;
-    if ((v.u & 0x7f800000u) == 0x7f800000u) return (uint16_t)(v.u >> 16); /* inf / nan */
-    return (uint16_t)((v.u + 0x7fffu + ((v.u >> 16) & 1u)) >> 16);      /* nearest even */
-}
 
 #if HAVE_DPBF16
 /* With AVX512-BF16, vdpbf16ps multiplies bf16 pairs straight from the weight stream into fp32
@@ -69,7 +58,7 @@ __attribute__((always_inline)) static inline void gemv_row_dp(
     for (int m = 0; m < M; m++) {
         __m512 sum = acc[m][0];
         for (int u = 1; u < U; u++) sum = _mm512_add_ps(sum, acc[m][u]);
-        y[m * N + o] = f32_to_bf16(_mm512_reduce_add_ps(sum) + b);
+        y[m * N + o] = bf16_round(_mm512_reduce_add_ps(sum) + b);
     }
 }
 
@@ -110,7 +99,7 @@ int gemv_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16
             const float *xr = xf + m * K;
             float s = 0.f;
             for (int64_t k = 0; k < K; k++) s += bf16_to_f32(wr[k]) * xr[k];
-            y[m * N + o] = f32_to_bf16(s + b);
+            y[m * N + o] = bf16_round(s + b);
         }
     }
     free(xf);
