@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from baton.engine.attention import cpu_native
 from baton.engine.attention.base import BatchLayout
 from baton.engine.attention.torch_backend import TorchAttentionBackend
 
@@ -59,10 +58,8 @@ def make_case(dtype, seed=0, D=32):
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("use_native", [True, False])
 @pytest.mark.parametrize("head_dim", [32, 64])  # 64 with G=3 takes a specialised kernel
-def test_backend_matches_reference(dtype, tol, use_native, head_dim, tmp_path):
-    native = cpu_native.load(tmp_path) if use_native else None
-    if use_native and native is None:
-        pytest.skip("no C compiler: the native kernel cannot be built here")
+def test_backend_matches_reference(dtype, tol, use_native, head_dim, request):
+    native = request.getfixturevalue("native_decode") if use_native else None
     q, k, v, k_cache, v_cache, layout, tables = make_case(dtype, D=head_dim)
     D = head_dim
     backend = TorchAttentionBackend(dtype, native)
@@ -85,23 +82,15 @@ def test_padding_rows_are_not_written(tmp_path):
     assert int(changed.sum()) == len(layout.slot_mapping) - 1
 
 
-@pytest.fixture(scope="module")
-def native_kernel(tmp_path_factory):
-    native = cpu_native.load(tmp_path_factory.mktemp("kernels"))
-    if native is None:
-        pytest.skip("no C compiler: the native kernel cannot be built here")
-    return native
-
-
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (32, 8, 128), (10, 2, 96),
                                                      (4, 4, 64)])
 @pytest.mark.parametrize("block_size", [1, 16, 32])
 def test_native_decode_kernel_shapes(dtype, tol, heads, kv_heads, head_dim, block_size,
-                                     native_kernel):
+                                     native_decode):
     """The native decode kernel alone, specialised (G, D) and generic, over block sizes and
     lengths from 0 (a padding row: zero output) to several blocks, on shuffled blocks."""
-    native = native_kernel
+    native = native_decode
     g = torch.Generator().manual_seed(heads * block_size)
     lens = [0, 1, block_size, block_size + 1, 3 * block_size - 1, 77]
     width = max(-(-n // block_size) for n in lens)

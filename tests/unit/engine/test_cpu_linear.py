@@ -6,18 +6,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from baton.engine.models.cpu_packing import PackedLinear, can_pack, load_gemv
+from baton.engine.models.cpu_packing import PackedLinear, can_pack
 
 pytestmark = pytest.mark.skipif(not can_pack(torch.bfloat16, torch.device("cpu")),
                                 reason="oneDNN is not available in this torch build")
 
 
 @pytest.fixture(scope="module")
-def gemv(tmp_path_factory):
-    g = load_gemv(tmp_path_factory.mktemp("kernels"))
-    if g is None:
-        pytest.skip("no C compiler: the native GEMV cannot be built here")
-    return g
+def gemv(native_gemv):
+    return native_gemv
 
 
 def reference(x, w, b):

@@ -10,7 +10,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from baton.engine.models import cpu_ops
 from baton.engine.models.config import ModelConfig
 from baton.engine.models.llama import RMSNorm
 from baton.engine.models.loader import load_model
@@ -20,11 +19,8 @@ DTYPES = [torch.float32, torch.bfloat16]
 
 
 @pytest.fixture(scope="module")
-def ops(tmp_path_factory):
-    built = cpu_ops.load(tmp_path_factory.mktemp("kernels"))
-    if built is None:
-        pytest.skip("no C compiler: the native CPU ops cannot be built here")
-    return built
+def ops(native_ops):
+    return native_ops
 
 
 def ordered(t: torch.Tensor) -> torch.Tensor:
