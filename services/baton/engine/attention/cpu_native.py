@@ -41,6 +41,12 @@ class NativeDecodeAttention:
         return ((dtype, 0, 0) in self._fns and head_dim <= 256
                 and num_heads // num_kv_heads <= 16)
 
+    def kernel(self, dtype: torch.dtype, num_heads: int, num_kv_heads: int,
+               head_dim: int) -> ctypes._CFuncPtr:
+        """The C function for these shapes: a specialised one, else the generic one."""
+        return (self._fns.get((dtype, num_heads // num_kv_heads, head_dim))
+                or self._fns[(dtype, 0, 0)])
+
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                  out: torch.Tensor) -> None:
@@ -48,9 +54,7 @@ class NativeDecodeAttention:
         int64 with unit column stride; seq_lens (n,) int64. Writes `out`."""
         n, H, D = q.shape
         bs, KVH = k_cache.shape[1], k_cache.shape[2]
-        G = H // KVH
-        fn = self._fns.get((q.dtype, G, D)) or self._fns[(q.dtype, 0, 0)]
-        rc = fn(
+        rc = self.kernel(q.dtype, H, KVH, D)(
             q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
             block_tables.stride(0), seq_lens.data_ptr(), out.data_ptr(), n, H, KVH, D, bs,
             scale)

@@ -39,6 +39,12 @@ class CpuOps:
         self._rotary = {dt: _fn(lib, f"rotary_{n}", [_P, _I, _P, _P, _P, _I, _P, _P] + [_I] * 4)
                         for dt, n in _NAMES.items()}
 
+    def kernels(self, dtype: torch.dtype) -> dict[str, ctypes._CFuncPtr]:
+        """The C functions for `dtype` by op name (norm, silu_mul, rotary), for native
+        callers such as `native_decode`."""
+        return {"norm": self._norm[dtype], "silu_mul": self._silu[dtype],
+                "rotary": self._rotary[dtype]}
+
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor | None,
                      weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
         """x, residual (T, h) or None, weight (h,) -> (normed, x + residual), as RMSNorm does.

@@ -26,9 +26,9 @@ _GEMV_SOURCE = Path(__file__).parent / "csrc" / "gemv_bf16.c"
 
 class NativeGemv:
     def __init__(self, lib: ctypes.CDLL) -> None:
-        self._fn = lib.gemv_bf16
-        self._fn.restype = ctypes.c_int
-        self._fn.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
+        self.kernel = lib.gemv_bf16
+        self.kernel.restype = ctypes.c_int
+        self.kernel.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
         # Rows up to which the GEMV beats oneDNN on this CPU (measured): 8 with AVX512-BF16,
         # 2 on the portable path.
         lib.gemv_bf16_max_rows.restype = ctypes.c_int
@@ -41,7 +41,7 @@ class NativeGemv:
         M, K = x.shape
         N = weight.shape[0]
         y = torch.empty(M, N, dtype=x.dtype)
-        rc = self._fn(x.data_ptr(), weight.data_ptr(),
+        rc = self.kernel(x.data_ptr(), weight.data_ptr(),
                       None if bias is None else bias.data_ptr(), y.data_ptr(), M, N, K)
         if rc != 0:
             raise RuntimeError(f"native bf16 GEMV failed (code {rc}) for x {tuple(x.shape)}, "

@@ -50,6 +50,13 @@ class ModelRunner:
         self.backend = make_attention_backend(
             config.attention_backend, self.device, self.dtype,
             (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim), cache_dir)
+        # On CPU in bfloat16, decode steps of a few rows run as one native call.
+        self.native_decode = None
+        if self.device.type == "cpu" and self.dtype == torch.bfloat16:
+            from baton.engine.models import native_decode
+
+            self.native_decode = native_decode.load(self.model, self.kv_caches, self.backend,
+                                                    cache_dir)
         self.sampler = Sampler(config.seed)
         self.max_model_len = max_model_len
         self.graphs: DecodeGraphs | None = None
@@ -92,6 +99,8 @@ class ModelRunner:
         batch = build_batch(out.scheduled, block_ids_of, self.block_size, self.device)
         if self.graphs is not None and self.graphs.can_run(batch):
             hidden = self.graphs.run(batch)  # (T, h), T = number of decodes
+        elif self.native_decode is not None and self.native_decode.can_run(batch):
+            hidden = self.native_decode(batch)  # (T, h)
         else:
             ctx = ForwardContext(self.backend, self.backend.build_metadata(batch.layout),
                                  self.kv_caches)

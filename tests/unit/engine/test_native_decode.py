@@ -1,0 +1,160 @@
+"""The one-call native decode step (`models/native_decode.py`) against the Python path it
+replaces: the same final hidden states and the same KV-cache writes, bit for bit, on the
+bundled model (a specialised attention kernel) and on a tiny model with q/k/v biases and
+another head shape (the generic kernel); padding rows; the batches it must leave to the Python
+path; a bad position failing clearly with the cache untouched."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from baton import LLM, SamplingParams
+from baton.engine.attention import ForwardContext
+from baton.engine.runner.batch import build_batch
+
+
+def _tiny_biased_model(path, model_dir):
+    cfg = json.loads((model_dir / "config.json").read_text())
+    cfg.update(num_hidden_layers=3, hidden_size=128, intermediate_size=320,
+               num_attention_heads=4, num_key_value_heads=2, attention_bias=True)
+    (path / "config.json").write_text(json.dumps(cfg))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(model_dir / name, path / name)
+
+
+@pytest.fixture(scope="module", params=["bundled", "tiny-biased"])
+def llm(request, tmp_path_factory, model_dir, kernel_cache):
+    args = dict(dtype="bfloat16", block_size=16, num_kv_blocks=96, cache_dir=str(kernel_cache))
+    if request.param == "bundled":
+        llm = LLM(**args)
+    else:
+        path = tmp_path_factory.mktemp("tiny")
+        _tiny_biased_model(path, model_dir)
+        llm = LLM(str(path), load_format="dummy", **args)
+        g = torch.Generator().manual_seed(0)
+        with torch.no_grad():  # non-zero biases, read in place by both paths
+            for layer in llm.engine.runner.model.layers:
+                bias = layer.attn.qkv_proj.bias
+                bias.copy_(torch.randn(bias.shape, generator=g).to(bias.dtype))
+    if llm.engine.runner.native_decode is None:
+        pytest.skip("the native decode step needs a C compiler")
+    return llm
+
+
+def _decode_batch(llm, lengths: list[int]):
+    """Prefill one request per length (Python path), then schedule the next step: all decodes."""
+    engine, runner = llm.engine, llm.engine.runner
+    runner.native_decode, native = None, runner.native_decode
+    try:
+        for i, n in enumerate(lengths):
+            engine.add_request(f"r{len(lengths)}-{i}", [(37 * i + 11 * j) % 4000 + 10
+                                                        for j in range(n)],
+                               SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+        while any(r.num_computed_tokens < r.num_prompt_tokens for r in
+                  list(engine.scheduler.running) + list(engine.scheduler.waiting)):
+            engine.step()
+    finally:
+        runner.native_decode = native
+    sched = engine.scheduler.schedule()
+    return sched, build_batch(sched.scheduled, engine.kv.get_block_ids, runner.block_size,
+                              runner.device)
+
+
+def _both_paths(runner, batch):
+    """(hidden, cache) after the native step and after the Python step, from one start."""
+    before = runner.kv_cache.clone()
+    native_hidden = runner.native_decode(batch)
+    native_cache = runner.kv_cache.clone()
+    runner.kv_cache.copy_(before)
+    ctx = ForwardContext(runner.backend, runner.backend.build_metadata(batch.layout),
+                         runner.kv_caches)
+    with torch.inference_mode():
+        python_hidden = runner.model(batch.input_ids, batch.positions, ctx)
+    return (native_hidden, native_cache), (python_hidden, runner.kv_cache.clone()), before
+
+
+def _finish(llm, sched):
+    """Hand the scheduled step back to the engine and run everything to completion."""
+    engine = llm.engine
+    sampled, _ = engine.runner.execute(sched, engine.kv.get_block_ids)
+    engine.scheduler.update_from_output(sched, sampled)
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.check_integrity()
+    assert engine.kv.pool.counts()[2] == 0  # no block left in use
+
+
+@pytest.mark.parametrize("lengths", [[5], [17, 40, 3], [1, 16, 31, 32, 33, 64, 70, 9]])
+def test_native_step_equals_python_step_bit_for_bit(llm, lengths):
+    sched, batch = _decode_batch(llm, lengths)
+    runner = llm.engine.runner
+    assert runner.native_decode.can_run(batch)
+    (nh, ncache), (ph, pcache), before = _both_paths(runner, batch)
+    assert nh.dtype == torch.bfloat16 and nh.shape == ph.shape == (len(lengths), nh.shape[1])
+    assert torch.equal(nh, ph)
+    assert torch.equal(ncache, pcache)
+    assert not torch.equal(ncache, before)  # the step's K/V were written
+    _finish(llm, sched)
+
+
+def test_padding_rows_write_nothing(llm):
+    sched, batch = _decode_batch(llm, [20, 7, 33])
+    runner = llm.engine.runner
+    batch.layout.slot_mapping[1] = -1  # a static-policy padding row: attends, never writes
+    (nh, ncache), (ph, pcache), before = _both_paths(runner, batch)
+    assert torch.equal(nh, ph) and torch.equal(ncache, pcache)
+    slots = batch.layout.slot_mapping[[0, 2]]
+    changed = (ncache != before).any(-1).any(-1).any(0).any(0)  # (blocks, block_size)
+    assert sorted(changed.flatten().nonzero().squeeze(1).tolist()) == sorted(slots.tolist())
+    _finish(llm, sched)
+
+
+def test_prefill_and_oversized_steps_take_the_python_path(llm):
+    runner = llm.engine.runner
+    sched, batch = _decode_batch(llm, [4] * (runner.native_decode.max_rows + 1))
+    assert not runner.native_decode.can_run(batch)
+    _finish(llm, sched)
+    engine = llm.engine
+    engine.add_request("p", list(range(10, 40)), SamplingParams(max_tokens=2))
+    sched = engine.scheduler.schedule()
+    prefill = build_batch(sched.scheduled, engine.kv.get_block_ids, runner.block_size,
+                          runner.device)
+    assert not runner.native_decode.can_run(prefill)
+    _finish(llm, sched)
+
+
+def test_generate_is_the_same_with_and_without_the_native_step(llm):
+    """Whole runs with every kind of step (prefill chunks, mixed, 9+ and 1-8 decode rows)."""
+    runner = llm.engine.runner
+    prompts = [[(13 * i + 7 * j) % 3000 + 20 for j in range(5 + 9 * i)] for i in range(12)]
+    params = [SamplingParams(temperature=0, max_tokens=6 + 3 * i, ignore_eos=True)
+              for i in range(12)]
+    native = runner.native_decode
+    with_native = llm.generate(prompts, params, use_tqdm=False)
+    runner.native_decode = None
+    try:
+        without = llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        runner.native_decode = native
+    assert ([o.outputs[0].token_ids for o in with_native]
+            == [o.outputs[0].token_ids for o in without])
+
+
+def test_a_position_outside_the_rope_tables_fails_clearly_and_writes_nothing(llm):
+    sched, batch = _decode_batch(llm, [6, 9])
+    runner = llm.engine.runner
+    batch.positions[1] = runner.model.rotary.cos.shape[0]
+    before = runner.kv_cache.clone()
+    with pytest.raises(RuntimeError, match="native decode step failed"):
+        runner.native_decode(batch)
+    assert torch.equal(runner.kv_cache, before)
+    _finish(llm, sched)
+
+
+def test_float32_runs_keep_the_python_path(model_dir):
+    llm = LLM(dtype="float32", num_kv_blocks=8)
+    assert llm.engine.runner.native_decode is None
