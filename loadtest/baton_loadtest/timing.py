@@ -1,5 +1,5 @@
 """Timing helpers shared by the benchmarks: calls timed on CPU or CUDA, and the device's
-copy bandwidth, the yardstick for memory-bound work (weights, KV reads)."""
+copy and read bandwidths, the yardsticks for memory-bound work (weights, KV reads)."""
 
 from __future__ import annotations
 
@@ -53,3 +53,13 @@ def measure_copy_bandwidth(device: torch.device, nbytes: int, repeats: int) -> d
     best, median = min(times), statistics.median(times)
     return {"bytes": nbytes, "best_s": best, "gbps": 2 * nbytes / best / 1e9,
             "median_gbps": 2 * nbytes / median / 1e9}
+
+
+def measure_read_bandwidth(device: torch.device, nbytes: int, repeats: int) -> dict:
+    """One pass reading `nbytes` of bfloat16 (a `sum`, the way a decode step streams its
+    weights); GB/s count the bytes read, from the best and the median call."""
+    src = torch.ones(nbytes // 2, dtype=torch.bfloat16, device=device)
+    times = time_calls(src.sum, device, repeats)
+    best, median = min(times), statistics.median(times)
+    return {"bytes": nbytes, "best_s": best, "gbps": nbytes / best / 1e9,
+            "median_gbps": nbytes / median / 1e9, "times": times}

@@ -13,6 +13,7 @@ from baton.engine.config import EngineConfig
 from baton.engine.models.loader import default_cache_dir, load_model
 from baton.engine.runner.batch import build_batch
 from baton.engine.runner.cuda_graphs import DecodeGraphs, capture_sizes
+from baton.engine.runner.host_malloc import tune_malloc_for_cpu_inference
 from baton.engine.sampler import Sampler, TokenLogprobs
 from baton.engine.scheduler.output import SchedulerOutput
 
@@ -33,6 +34,8 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, model_dir: Path, max_model_len: int) -> None:
         self.config = config
         self.device = resolve_device(config.device)
+        if self.device.type == "cpu":
+            tune_malloc_for_cpu_inference()
         self.dtype = DTYPES[config.dtype]
         cache_dir = Path(config.cache_dir) if config.cache_dir else default_cache_dir()
         self.model, self.model_config = load_model(model_dir, self.dtype, self.device,

@@ -1,0 +1,58 @@
+"""glibc malloc settings for running the model on CPU.
+
+Why: a CPU step allocates its activations afresh on every op (a 2,048-token prefill step of
+the bundled model makes tens of 2-13 MB tensors per layer). glibc serves blocks above its
+mmap threshold with fresh mmaps and gives a freed heap top back to the kernel past its trim
+threshold, so each such tensor paid for new zeroed pages: ~90k minor page faults and 20% of
+a 2,048-token prefill step (measured 772 -> 593 ms median with the settings below, 650 ms
+with tcmalloc-like padding only). vLLM answers the same problem by preloading tcmalloc; a
+preload cannot be set from inside a running process, mallopt can.
+
+The settings: blocks up to 32 MiB (glibc's ceiling for this option) come from the heap, and
+up to 1 GiB of freed heap top stays mapped for the next step. Setting either turns off
+glibc's dynamic threshold, so both are set. Process-wide, applied once; a no-op (logged)
+where libc has no mallopt (musl, macOS). BATON_MALLOC_TUNING=0 leaves malloc alone.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import logging
+import os
+import threading
+
+log = logging.getLogger(__name__)
+
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc's malloc.h
+MMAP_THRESHOLD = 32 << 20
+TRIM_THRESHOLD = 1 << 30
+
+_lock = threading.Lock()
+_applied: bool | None = None
+
+
+def tune_malloc_for_cpu_inference() -> bool:
+    """Apply the settings (once per process); True when they are in force."""
+    global _applied
+    with _lock:
+        if _applied is None:
+            _applied = _apply()
+        return _applied
+
+
+def _apply() -> bool:
+    if os.environ.get("BATON_MALLOC_TUNING", "1") == "0":
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        log.info("libc has no mallopt: malloc keeps its defaults")
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    ok = (mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1
+          and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1)
+    if not ok:
+        log.warning("mallopt refused the CPU inference settings: malloc keeps its defaults")
+    return ok
