@@ -7,7 +7,7 @@ import pytest
 
 from baton.engine.attention import cpu_native, cpu_prefill
 from baton.engine.models import cpu_ops
-from baton.engine.models.cpu_packing import load_gemv
+from baton.engine.models.cpu_packing import load_linear_kernels
 
 
 @pytest.fixture(scope="session")
@@ -37,5 +37,5 @@ def native_ops(kernel_cache):
 
 
 @pytest.fixture(scope="session")
-def native_gemv(kernel_cache):
-    return _built(load_gemv(kernel_cache), "the native GEMV")
+def native_linear(kernel_cache):
+    return _built(load_linear_kernels(kernel_cache), "the native linear kernels")

@@ -28,7 +28,7 @@ def _tiny_biased_model(path, model_dir):
 
 @pytest.fixture(scope="module", params=["bundled", "tiny-biased"])
 def llm(request, tmp_path_factory, model_dir, kernel_cache):
-    args = dict(dtype="bfloat16", block_size=16, num_kv_blocks=96, cache_dir=str(kernel_cache))
+    args = dict(dtype="bfloat16", block_size=16, num_kv_blocks=256, cache_dir=str(kernel_cache))
     if request.param == "bundled":
         llm = LLM(**args)
     else:
@@ -88,7 +88,8 @@ def _finish(llm, sched):
     assert engine.kv.pool.counts()[2] == 0  # no block left in use
 
 
-@pytest.mark.parametrize("lengths", [[5], [17, 40, 3], [1, 16, 31, 32, 33, 64, 70, 9]])
+@pytest.mark.parametrize("lengths", [[5], [17, 40, 3], [1, 16, 31, 32, 33, 64, 70, 9],
+                                     [3 + 7 * i for i in range(20)]])
 def test_native_step_equals_python_step_bit_for_bit(llm, lengths):
     sched, batch = _decode_batch(llm, lengths)
     runner = llm.engine.runner
@@ -115,8 +116,9 @@ def test_padding_rows_write_nothing(llm):
 
 def test_prefill_and_oversized_steps_take_the_python_path(llm):
     runner = llm.engine.runner
-    sched, batch = _decode_batch(llm, [4] * (runner.native_decode.max_rows + 1))
-    assert not runner.native_decode.can_run(batch)
+    max_rows = runner.native_decode.max_rows  # None with the packed GEMM: any batch
+    sched, batch = _decode_batch(llm, [4] * (max_rows + 1 if max_rows else 24))
+    assert runner.native_decode.can_run(batch) == (max_rows is None)
     _finish(llm, sched)
     engine = llm.engine
     engine.add_request("p", list(range(10, 40)), SamplingParams(max_tokens=2))

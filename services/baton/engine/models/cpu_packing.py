@@ -1,14 +1,13 @@
-"""Linear layers for bfloat16 on CPU: oneDNN prepacked weights, and a streaming GEMV for
-small batches.
+"""Linear layers for bfloat16 on CPU: our own GEMM over weights packed once, or oneDNN's.
 
-A prepacked weight skips the per-call reorder that `F.linear` pays (measured: 45 us vs 87 us
-for a 3072x576 bf16 linear at batch 1, identical results). At up to `NativeGemv.max_rows`
-rows (8 with AVX512-BF16, else 2) a step is bound by reading the weights, and oneDNN reads them on one core: the native
-GEMV (`csrc/gemv_bf16.c`) splits the output rows over every thread instead (measured on the
-bundled model's 121 linears with weights out of cache: 5.6-7.8 ms against oneDNN's 9.2-10.7
-ms per batch-1 step). It reads the weights in their row-major layout, which PackedLinear keeps
-beside the packed copy when the GEMV is available: a second copy of every linear weight
-(269 MB for the bundled model), the price of both fast paths.
+Where the CPU has AVX512-BF16, every linear runs the native GEMM of `csrc/linear_bf16.c`
+over its weight packed into pairs of k (the same bytes as the weight; the row-major and
+oneDNN copies are dropped): it beat oneDNN's prepacked bf16 GEMM at every batch measured
+(1 to 2,048 rows of the bundled model's layers, 8-36% less time) and the row-major GEMV it
+replaced at 1-8 rows. Elsewhere oneDNN's prepacked weight serves (a prepacked weight skips
+the per-call reorder that `F.linear` pays: 45 us vs 87 us for a 3072x576 bf16 linear at batch
+1), with a native GEMV over a row-major copy for 1-2 rows, where a step is bound by reading
+the weights and oneDNN reads them on one core.
 """
 
 from __future__ import annotations
@@ -21,52 +20,93 @@ from torch import nn
 
 from baton.engine.native import load_library
 
-_GEMV_SOURCE = Path(__file__).parent / "csrc" / "gemv_bf16.c"
+_SOURCE = Path(__file__).parent / "csrc" / "linear_bf16.c"
+_P, _I = ctypes.c_void_p, ctypes.c_int64
 
 
-class NativeGemv:
+class NativeLinear:
+    """The kernels of linear_bf16.c: `gemm` (packed weights, when `has_vnni`) and `gemv`
+    (row-major weights, up to `gemv_max_rows` rows). Both write y (M, N) from x (M, K)."""
+
     def __init__(self, lib: ctypes.CDLL) -> None:
-        self.kernel = lib.gemv_bf16
-        self.kernel.restype = ctypes.c_int
-        self.kernel.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
-        # Rows up to which the GEMV beats oneDNN on this CPU (measured): 8 with AVX512-BF16,
-        # 2 on the portable path.
+        lib.linear_bf16_has_vnni.restype = ctypes.c_int
         lib.gemv_bf16_max_rows.restype = ctypes.c_int
-        self.max_rows = int(lib.gemv_bf16_max_rows())
+        self.has_vnni = bool(lib.linear_bf16_has_vnni())
+        self.gemv_max_rows = int(lib.gemv_bf16_max_rows())
+        self.gemm_kernel, self.gemv_kernel = lib.gemm_vnni_bf16, lib.gemv_bf16
+        for fn in (self.gemm_kernel, self.gemv_kernel):
+            fn.restype, fn.argtypes = ctypes.c_int, [_P] * 4 + [_I] * 3
+        self._pack = lib.pack_vnni_bf16
+        self._pack.restype, self._pack.argtypes = ctypes.c_int, [_P, _P, _I, _I]
 
-    def __call__(self, x: torch.Tensor, weight: torch.Tensor,
-                 bias: torch.Tensor | None) -> torch.Tensor:
-        """x (M, K) with M <= 8, weight (N, K) contiguous, bias (N,) -> (M, N)."""
+    def pack(self, weight: torch.Tensor) -> torch.Tensor | None:
+        """weight (N, K) bf16 -> its VNNI packing for `gemm`, or None where the GEMM cannot
+        serve it (no AVX512-BF16, N not a multiple of 16, K odd)."""
+        N, K = weight.shape
+        if not self.has_vnni or weight.dtype != torch.bfloat16 or N % 16 or K % 2:
+            return None
+        weight = weight.detach().contiguous()
+        packed = torch.empty(N * K, dtype=torch.bfloat16)
+        if self._pack(weight.data_ptr(), packed.data_ptr(), N, K) != 0:
+            return None
+        return packed
+
+    def gemm(self, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+             n: int) -> torch.Tensor:
+        """x (M, K) bf16, `packed` from pack() of an (n, K) weight -> (M, n)."""
+        return self._run(self.gemm_kernel, x, packed, bias, n, "GEMM")
+
+    def gemv(self, x: torch.Tensor, weight: torch.Tensor,
+             bias: torch.Tensor | None) -> torch.Tensor:
+        """x (M, K) with M <= gemv_max_rows, weight (N, K) contiguous -> (M, N)."""
+        return self._run(self.gemv_kernel, x, weight, bias, weight.shape[0], "GEMV")
+
+    @staticmethod
+    def _run(fn, x, w, bias, n: int, what: str) -> torch.Tensor:
         x = x.contiguous()
         M, K = x.shape
-        N = weight.shape[0]
-        y = torch.empty(M, N, dtype=x.dtype)
-        rc = self.kernel(x.data_ptr(), weight.data_ptr(),
-                      None if bias is None else bias.data_ptr(), y.data_ptr(), M, N, K)
+        y = torch.empty(M, n, dtype=x.dtype)
+        if M == 0:
+            return y
+        rc = fn(x.data_ptr(), w.data_ptr(), None if bias is None else bias.data_ptr(),
+                y.data_ptr(), M, n, K)
         if rc != 0:
-            raise RuntimeError(f"native bf16 GEMV failed (code {rc}) for x {tuple(x.shape)}, "
-                               f"weight {tuple(weight.shape)}")
+            raise RuntimeError(f"native bf16 {what} failed (code {rc}) for x {tuple(x.shape)}, "
+                               f"{n} outputs")
         return y
 
 
-def load_gemv(cache_dir: Path) -> NativeGemv | None:
-    lib = load_library(_GEMV_SOURCE, cache_dir)
-    return None if lib is None else NativeGemv(lib)
+def load_linear_kernels(cache_dir: Path) -> NativeLinear | None:
+    lib = load_library(_SOURCE, cache_dir)
+    return None if lib is None else NativeLinear(lib)
 
 
 class PackedLinear(nn.Module):
+    """One of three forms, chosen once: `vnni` (the native GEMM for every batch), or oneDNN's
+    `packed` weight plus, with native kernels, a row-major `weight` for the GEMV."""
+
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None,
-                 gemv: NativeGemv | None = None) -> None:
+                 native: NativeLinear | None = None) -> None:
         super().__init__()
-        self.out_features = weight.shape[0]
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
+        self.out_features, self.in_features = weight.shape
         self.bias = None if bias is None else bias.detach().contiguous()
-        self.gemv = gemv
-        self.weight = weight.detach().contiguous() if gemv is not None else None
+        self.native = native
+        self.vnni = None if native is None else native.pack(weight)
+        self.packed = self.weight = None
+        if self.vnni is None:
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
+            if native is not None:
+                self.weight = weight.detach().contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gemv is not None and x.dim() == 2 and x.shape[0] <= self.gemv.max_rows:
-            return self.gemv(x, self.weight, self.bias)
+        if self.vnni is not None and x.dim() == 2:
+            return self.native.gemm(x, self.vnni, self.bias, self.out_features)
+        if self.weight is not None and x.dim() == 2 and x.shape[0] <= self.native.gemv_max_rows:
+            return self.native.gemv(x, self.weight, self.bias)
+        if self.packed is None:  # a batch of another rank: flatten it through the GEMM
+            y = self.native.gemm(x.reshape(-1, self.in_features), self.vnni, self.bias,
+                                 self.out_features)
+            return y.view(*x.shape[:-1], self.out_features)
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
@@ -75,10 +115,10 @@ def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
             and torch.backends.mkldnn.is_available())
 
 
-def pack_linears(model: nn.Module, gemv: NativeGemv | None = None) -> None:
+def pack_linears(model: nn.Module, native: NativeLinear | None = None) -> None:
     """Replace every nn.Linear under `model` by a PackedLinear (in place)."""
     for name, child in list(model.named_children()):
         if isinstance(child, nn.Linear):
-            setattr(model, name, PackedLinear(child.weight, child.bias, gemv))
+            setattr(model, name, PackedLinear(child.weight, child.bias, native))
         else:
-            pack_linears(child, gemv)
+            pack_linears(child, native)

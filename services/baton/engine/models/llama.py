@@ -125,14 +125,14 @@ class LlamaForCausalLM(nn.Module):
                 module.native = ops
 
     def prepack_for_cpu(self, cache_dir) -> None:
-        """Swap linears for oneDNN-prepacked ones with a native small-batch GEMV (bf16 on
-        CPU; `cache_dir` holds the built GEMV); a tied head gets its own packed copy of the
-        embedding."""
-        from baton.engine.models.cpu_packing import load_gemv, pack_linears
+        """Swap linears for packed ones (`cpu_packing`: the native GEMM, else oneDNN's; bf16
+        on CPU; `cache_dir` holds the built kernels); a tied head gets its own packed copy of
+        the embedding."""
+        from baton.engine.models.cpu_packing import load_linear_kernels, pack_linears
 
         if self.lm_head is None:
             self.lm_head = nn.Linear(self.cfg.hidden_size, self.cfg.vocab_size, bias=False,
                                      device=self.embed_tokens.weight.device,
                                      dtype=self.embed_tokens.weight.dtype)
             self.lm_head.weight = self.embed_tokens.weight
-        pack_linears(self, load_gemv(cache_dir))
+        pack_linears(self, load_linear_kernels(cache_dir))

@@ -1,14 +1,14 @@
-"""Decode steps of a few sequences in one native call on CPU (`csrc/llama_decode.c`).
+"""Decode steps in one native call on CPU (`csrc/llama_decode.c`).
 
-Why: at 1-8 decode rows a bfloat16 step of the bundled model is bound by streaming its
-weights (~270 MB), yet driving its ~360 kernels from Python added ~1.5 ms of interpreter,
-dispatcher and allocation overhead per step. The C driver calls the very kernels the Python
-path uses (the GEMV, the fused norm / SiLU / rotary ops, the paged decode attention), through
-function pointers taken from their libraries, so its hidden states equal the Python path's
-bit for bit (the tests compare them). It runs where every one of those kernels is in use:
-bfloat16 on CPU, the torch attention backend with its native decode kernel, a step whose
-rows are all single-token decodes and no more than the GEMV's row limit. Elsewhere the
-model runner keeps the Python path.
+Why: driving a decode step's ~360 kernels from Python added ~1.5 ms of interpreter,
+dispatcher and allocation overhead per step (15% of a batch-1 step of the bundled model, and
+~10 ms of a 60-row one). The C driver calls the very kernels the Python path uses (the linear
+kernel, the fused norm / SiLU / rotary ops, the paged decode attention), through function
+pointers taken from their libraries, so its hidden states equal the Python path's bit for bit
+(the tests compare them). It runs where every one of those kernels is in use: bfloat16 on
+CPU, the torch attention backend with its native decode kernel, and a step whose rows are all
+single-token decodes; with the packed GEMM (AVX512-BF16) at any row count, with the portable
+GEMV up to its row limit. Elsewhere the model runner keeps the Python path.
 """
 
 from __future__ import annotations
@@ -29,12 +29,12 @@ class LlamaStack(ctypes.Structure):
     """`llama_stack` in llama_decode.c, field by field."""
 
     _fields_ = ([(n, _I) for n in ("layers", "hidden", "heads", "kv_heads", "head_dim",
-                                   "inter", "block_size", "rope_positions")]
+                                   "inter", "block_size", "rope_positions", "workspace_rows")]
                 + [("eps", ctypes.c_float), ("scale", ctypes.c_float)]
                 + [(n, ctypes.POINTER(_P)) for n in (
                     "input_norm", "qkv", "qkv_bias", "o_proj", "post_norm", "gate_up", "down",
                     "k_cache", "v_cache")]
-                + [(n, _P) for n in ("final_norm", "cos", "sin", "workspace", "gemv", "norm",
+                + [(n, _P) for n in ("final_norm", "cos", "sin", "workspace", "linear", "norm",
                                      "silu", "rotary", "attn")])
 
 
@@ -43,13 +43,17 @@ def _address(fn: ctypes._CFuncPtr) -> int:
 
 
 class NativeDecodeStep:
-    def __init__(self, lib: ctypes.CDLL, model, kv_caches, attention, max_rows: int) -> None:
+    def __init__(self, lib: ctypes.CDLL, model, kv_caches, attention) -> None:
         cfg, layers = model.cfg, model.layers
         self._step = lib.llama_decode_step
         self._step.restype = ctypes.c_int
         self._step.argtypes = [ctypes.POINTER(LlamaStack), _P, _P, _P, _P, _I, _P, _I, _P]
-        lib.llama_decode_max_rows.restype = ctypes.c_int
-        self.max_rows = min(max_rows, int(lib.llama_decode_max_rows()))
+        native = layers[0].attn.qkv_proj.native
+        packed = layers[0].attn.qkv_proj.vnni is not None
+        # The packed GEMM serves any batch; the portable GEMV only a few rows.
+        self.max_rows = None if packed else native.gemv_max_rows
+        linear = native.gemm_kernel if packed else native.gemv_kernel
+        weight = (lambda m: m.vnni) if packed else (lambda m: m.weight)
         self._embed = model.embed_tokens
         cos, sin = model.rotary.tables(torch.bfloat16)
         # Everything the struct points at stays referenced here.
@@ -61,39 +65,43 @@ class NativeDecodeStep:
             return ctypes.cast(arr, ctypes.POINTER(_P))
 
         ops = model.native.kernels(torch.bfloat16)
-        gemv = layers[0].attn.qkv_proj.gemv
         s = LlamaStack(
             layers=len(layers), hidden=cfg.hidden_size, heads=cfg.num_heads,
             kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, inter=cfg.intermediate_size,
             block_size=kv_caches[0][0].shape[1], rope_positions=cos.shape[0],
             eps=model.norm.eps, scale=cfg.head_dim ** -0.5,
             input_norm=pointers([ly.input_norm.weight for ly in layers]),
-            qkv=pointers([ly.attn.qkv_proj.weight for ly in layers]),
+            qkv=pointers([weight(ly.attn.qkv_proj) for ly in layers]),
             qkv_bias=pointers([ly.attn.qkv_proj.bias for ly in layers]),
-            o_proj=pointers([ly.attn.o_proj.weight for ly in layers]),
+            o_proj=pointers([weight(ly.attn.o_proj) for ly in layers]),
             post_norm=pointers([ly.post_attn_norm.weight for ly in layers]),
-            gate_up=pointers([ly.mlp.gate_up_proj.weight for ly in layers]),
-            down=pointers([ly.mlp.down_proj.weight for ly in layers]),
+            gate_up=pointers([weight(ly.mlp.gate_up_proj) for ly in layers]),
+            down=pointers([weight(ly.mlp.down_proj) for ly in layers]),
             k_cache=pointers([k for k, _ in kv_caches]),
             v_cache=pointers([v for _, v in kv_caches]),
             final_norm=model.norm.weight.data_ptr(), cos=cos.data_ptr(), sin=sin.data_ptr(),
-            gemv=_address(gemv.kernel), norm=_address(ops["norm"]),
+            linear=_address(linear), norm=_address(ops["norm"]),
             silu=_address(ops["silu_mul"]), rotary=_address(ops["rotary"]),
             attn=_address(attention.kernel(torch.bfloat16, cfg.num_heads, cfg.num_kv_heads,
                                            cfg.head_dim)))
-        lib.llama_decode_workspace_elems.restype = _I
-        lib.llama_decode_workspace_elems.argtypes = [ctypes.POINTER(LlamaStack)]
-        self._workspace = torch.empty(int(lib.llama_decode_workspace_elems(ctypes.byref(s))),
-                                      dtype=torch.bfloat16)
-        s.workspace = self._workspace.data_ptr()
+        lib.llama_decode_row_elems.restype = _I
+        lib.llama_decode_row_elems.argtypes = [ctypes.POINTER(LlamaStack)]
+        self._row_elems = int(lib.llama_decode_row_elems(ctypes.byref(s)))
         self._stack = s
+        self._workspace = torch.empty(0, dtype=torch.bfloat16)
         self.hidden_size = cfg.hidden_size
 
     def can_run(self, batch) -> bool:
         """Whether `batch` (a runner FlatBatch) is all single-token decodes, few enough."""
         layout = batch.layout
-        return (layout.num_decodes == layout.num_seqs
-                and len(batch.input_ids) == layout.num_seqs <= self.max_rows)
+        return (layout.num_decodes == layout.num_seqs == len(batch.input_ids)
+                and (self.max_rows is None or layout.num_seqs <= self.max_rows))
+
+    def _reserve(self, rows: int) -> None:
+        """Grow the workspace (never shrunk: a step's batch only grows to max_num_seqs)."""
+        if rows > self._stack.workspace_rows:
+            self._workspace = torch.empty(rows * self._row_elems, dtype=torch.bfloat16)
+            self._stack.workspace, self._stack.workspace_rows = self._workspace.data_ptr(), rows
 
     def __call__(self, batch) -> torch.Tensor:
         """The final hidden states (T, h) of a batch that `can_run`, writing this step's K/V
@@ -106,6 +114,7 @@ class NativeDecodeStep:
         tables = layout.block_tables.contiguous()
         seq_lens = torch.tensor(layout.seq_lens, dtype=torch.int64)
         out = torch.empty(T, self.hidden_size, dtype=torch.bfloat16)
+        self._reserve(T)
         rc = self._step(ctypes.byref(self._stack), x.data_ptr(), positions.data_ptr(),
                         slots.data_ptr(), tables.data_ptr(), tables.stride(0),
                         seq_lens.data_ptr(), T, out.data_ptr())
@@ -124,10 +133,13 @@ def load(model, kv_caches, backend, cache_dir: Path) -> NativeDecodeStep | None:
                          layer.mlp.down_proj)]
     if (attention is None or model.native is None or not kv_caches
             or kv_caches[0][0].dtype != torch.bfloat16 or not kv_caches[0][0].is_cpu
-            or not all(isinstance(m, PackedLinear) and m.weight is not None for m in linears)):
+            or not all(isinstance(m, PackedLinear) and m.native is not None for m in linears)):
+        return None
+    # One linear kernel for all: every weight packed, or every weight row-major.
+    if not (all(m.vnni is not None for m in linears)
+            or all(m.weight is not None for m in linears)):
         return None
     lib = load_library(_SOURCE, cache_dir)
     if lib is None:
         return None
-    return NativeDecodeStep(lib, model, kv_caches, attention,
-                            model.layers[0].attn.qkv_proj.gemv.max_rows)
+    return NativeDecodeStep(lib, model, kv_caches, attention)

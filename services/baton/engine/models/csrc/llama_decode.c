@@ -1,24 +1,24 @@
 /* A whole decode step of a Llama-family decoder in bfloat16 on CPU, in one call: every layer's
- * add + RMSNorm, qkv GEMV, rotary, KV-cache write, paged attention, o GEMV, add + RMSNorm,
- * gate/up GEMV, SiLU * up and down GEMV, then the final norm. Up to a few rows (one token per
- * sequence), the batch size where a step is bound by streaming the weights.
+ * add + RMSNorm, qkv linear, rotary, KV-cache write, paged attention, o linear, add + RMSNorm,
+ * gate/up linear, SiLU * up and down linear, then the final norm; one token per sequence.
  *
  * Why: the same step driven from Python makes ~12 kernel calls per layer, each paying
  * interpreter, dispatcher and allocation overhead (~1.5 ms per step for the bundled model's 30
  * layers, 15% of a batch-1 step). This file is only the driver: the kernels are the ones the
- * Python path calls (`gemv_bf16.c`, `cpu_ops.c`, `attention/csrc/paged_decode.c`), reached
+ * Python path calls (`linear_bf16.c`, `cpu_ops.c`, `attention/csrc/paged_decode.c`), reached
  * through function pointers taken from their loaded libraries, so the two paths compute the
  * same bits and there is one copy of each kernel.
  *
  * Layouts: x_in, out [M, hidden]; positions, slots, seq_lens [M] int64 (slot < 0: the row's
  * K/V are not written, a padding row); block_tables [M, bt_stride] int64; each layer's caches
- * [num_blocks, block_size, KVH, D]; weights row-major [out, in] (qkv: q rows, then k, then v;
- * gate_up: gate rows, then up). The workspace holds MAX_ROWS rows of every intermediate.
+ * [num_blocks, block_size, KVH, D]; weights as the linear kernel takes them (qkv: q outputs,
+ * then k, then v; gate_up: gate outputs, then up). The workspace holds `workspace_rows` rows
+ * of every intermediate.
  */
 #include <stdint.h>
 #include <string.h>
 
-typedef int (*gemv_fn)(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y,
+typedef int (*linear_fn)(const uint16_t *x, const uint16_t *w, const uint16_t *bias, uint16_t *y,
                        int64_t M, int64_t N, int64_t K);
 typedef int (*norm_fn)(const uint16_t *x, const uint16_t *res, const uint16_t *w, uint16_t *out,
                        uint16_t *res_out, int64_t rows, int64_t h, float eps);
@@ -31,19 +31,18 @@ typedef int (*attn_fn)(const uint16_t *q, const uint16_t *kc, const uint16_t *vc
                        uint16_t *out, int64_t n, int64_t H, int64_t KVH, int64_t D, int64_t bs,
                        float scale);
 
-#define MAX_ROWS 8
-
 /* Mirrored field by field by `LlamaStack` in `native_decode.py`. Per-layer arrays have
  * `layers` entries; qkv_bias entries may be NULL. */
 typedef struct {
     int64_t layers, hidden, heads, kv_heads, head_dim, inter, block_size, rope_positions;
+    int64_t workspace_rows;
     float eps, scale;
     const uint16_t *const *input_norm, *const *qkv, *const *qkv_bias, *const *o_proj;
     const uint16_t *const *post_norm, *const *gate_up, *const *down;
     uint16_t *const *k_cache, *const *v_cache;
     const uint16_t *final_norm, *cos, *sin;
-    uint16_t *workspace; /* workspace_elems(stack) elements */
-    gemv_fn gemv;
+    uint16_t *workspace; /* workspace_rows * llama_decode_row_elems(stack) elements */
+    linear_fn linear;
     norm_fn norm;
     silu_fn silu;
     rotary_fn rotary;
@@ -55,13 +54,10 @@ static int64_t qkv_width(const llama_stack *s) {
     return (s->heads + 2 * s->kv_heads) * s->head_dim;
 }
 
-int64_t llama_decode_workspace_elems(const llama_stack *s) {
-    const int64_t per_row = 4 * s->hidden + qkv_width(s) + 2 * s->heads * s->head_dim
-                            + s->kv_heads * s->head_dim + 3 * s->inter;
-    return MAX_ROWS * per_row;
+int64_t llama_decode_row_elems(const llama_stack *s) {
+    return 4 * s->hidden + qkv_width(s) + 2 * s->heads * s->head_dim
+           + s->kv_heads * s->head_dim + 3 * s->inter;
 }
-
-int llama_decode_max_rows(void) { return MAX_ROWS; }
 
 #define CHECK(call)              \
     do {                         \
@@ -74,18 +70,18 @@ int llama_decode_max_rows(void) { return MAX_ROWS; }
 int llama_decode_step(const llama_stack *s, const uint16_t *x_in, const int64_t *positions,
                       const int64_t *slots, const int64_t *block_tables, int64_t bt_stride,
                       const int64_t *seq_lens, int64_t M, uint16_t *out) {
-    if (M < 1 || M > MAX_ROWS || s->layers < 1 || s->kv_heads < 1
+    if (M < 1 || M > s->workspace_rows || s->layers < 1 || s->kv_heads < 1
         || s->heads % s->kv_heads)
         return -1;
     for (int64_t m = 0; m < M; m++)
         if (positions[m] < 0 || positions[m] >= s->rope_positions) return -1;
     const int64_t h = s->hidden, H = s->heads, KVH = s->kv_heads, D = s->head_dim;
     const int64_t I = s->inter, W = qkv_width(s), kv_row = KVH * D;
-    uint16_t *normed = s->workspace, *res_a = normed + MAX_ROWS * h;
-    uint16_t *res_b = res_a + MAX_ROWS * h, *x = res_b + MAX_ROWS * h;
-    uint16_t *qkv = x + MAX_ROWS * h, *q = qkv + MAX_ROWS * W, *k = q + MAX_ROWS * H * D;
-    uint16_t *attn = k + MAX_ROWS * kv_row, *gate_up = attn + MAX_ROWS * H * D;
-    uint16_t *act = gate_up + MAX_ROWS * 2 * I;
+    uint16_t *normed = s->workspace, *res_a = normed + M * h;
+    uint16_t *res_b = res_a + M * h, *x = res_b + M * h;
+    uint16_t *qkv = x + M * h, *q = qkv + M * W, *k = q + M * H * D;
+    uint16_t *attn = k + M * kv_row, *gate_up = attn + M * H * D;
+    uint16_t *act = gate_up + M * 2 * I;
 
     const uint16_t *hidden = x_in, *residual = NULL;
     for (int64_t l = 0; l < s->layers; l++) {
@@ -94,7 +90,7 @@ int llama_decode_step(const llama_stack *s, const uint16_t *x_in, const int64_t 
         CHECK(s->norm(hidden, residual, s->input_norm[l], normed, residual ? res_next : NULL,
                       M, h, s->eps));
         residual = residual ? res_next : hidden;
-        CHECK(s->gemv(normed, s->qkv[l], s->qkv_bias[l], qkv, M, W, h));
+        CHECK(s->linear(normed, s->qkv[l], s->qkv_bias[l], qkv, M, W, h));
         CHECK(s->rotary(qkv, W, positions, s->cos, s->sin, s->rope_positions, q, k, M, H, KVH,
                         D));
         for (int64_t m = 0; m < M; m++) {
@@ -105,13 +101,13 @@ int llama_decode_step(const llama_stack *s, const uint16_t *x_in, const int64_t 
         }
         CHECK(s->attn(q, s->k_cache[l], s->v_cache[l], block_tables, bt_stride, seq_lens, attn,
                       M, H, KVH, D, s->block_size, s->scale));
-        CHECK(s->gemv(attn, s->o_proj[l], NULL, x, M, h, H * D));
+        CHECK(s->linear(attn, s->o_proj[l], NULL, x, M, h, H * D));
         res_next = residual == res_a ? res_b : res_a;
         CHECK(s->norm(x, residual, s->post_norm[l], normed, res_next, M, h, s->eps));
         residual = res_next;
-        CHECK(s->gemv(normed, s->gate_up[l], NULL, gate_up, M, 2 * I, h));
+        CHECK(s->linear(normed, s->gate_up[l], NULL, gate_up, M, 2 * I, h));
         CHECK(s->silu(gate_up, act, M, I));
-        CHECK(s->gemv(act, s->down[l], NULL, x, M, h, I));
+        CHECK(s->linear(act, s->down[l], NULL, x, M, h, I));
         hidden = x;
     }
     uint16_t *res_next = residual == res_a ? res_b : res_a;
