@@ -24,7 +24,7 @@ COPY loadtest /src/loadtest
 
 # -- CPU ---------------------------------------------------------------------------------
 FROM ${PYTHON_IMAGE} AS cpu-base
-# A C compiler: the CPU kernels (attention, GEMV, layer ops) build on first use (into /cache).
+# A C compiler: the CPU kernels (attention, GEMM, layer ops, decode step) build on first use (into /cache).
 RUN apt-get update \
     && apt-get install -y --no-install-recommends gcc libc6-dev \
     && rm -rf /var/lib/apt/lists/* \

@@ -48,5 +48,33 @@ def test_tuned_malloc_stops_page_faults_in_prefill_steps(model_dir):
     applied, tuned_faults = _probe(model_dir, "1")
     off, default_faults = _probe(model_dir, "0")
     assert applied and not off
-    assert default_faults > 5000  # measured ~14k: fresh pages for most activations
-    assert tuned_faults < 500  # measured ~15
+    # Measured: ~3k faults by default (~14k with oneDNN's linears, where AVX512-BF16 is
+    # missing), ~15 tuned.
+    assert default_faults > 4 * tuned_faults
+    assert tuned_faults < 500
+
+
+_RELEASE_PROBE = """
+import re, torch
+from baton.engine.runner.host_malloc import release_free_heap, tune_malloc_for_cpu_inference
+
+def rss_mb():
+    return int(re.search(r"VmRSS:\\s+(\\d+)", open("/proc/self/status").read()).group(1)) >> 10
+
+assert tune_malloc_for_cpu_inference()
+held = [torch.ones(1 << 20) for _ in range(100)]  # 400 MiB of 4 MiB tensors, on the heap
+keep = held[::10]  # a few survivors pin the heap top
+del held
+before = rss_mb()
+release_free_heap()
+print(before, rss_mb())
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux")
+                    or not os.confstr("CS_GNU_LIBC_VERSION"), reason="malloc_trim is glibc's")
+def test_release_free_heap_returns_freed_tensors_to_the_kernel():
+    out = subprocess.run([sys.executable, "-c", _RELEASE_PROBE], capture_output=True, text=True,
+                         timeout=120, check=True).stdout.split()
+    before, after = int(out[-2]), int(out[-1])
+    assert before - after > 250  # ~360 MiB freed but resident until released

@@ -13,7 +13,7 @@ from baton.engine.config import EngineConfig
 from baton.engine.models.loader import default_cache_dir, load_model
 from baton.engine.runner.batch import build_batch
 from baton.engine.runner.cuda_graphs import DecodeGraphs, capture_sizes
-from baton.engine.runner.host_malloc import tune_malloc_for_cpu_inference
+from baton.engine.runner.host_malloc import release_free_heap, tune_malloc_for_cpu_inference
 from baton.engine.sampler import Sampler, TokenLogprobs
 from baton.engine.scheduler.output import SchedulerOutput
 
@@ -60,6 +60,8 @@ class ModelRunner:
 
             self.native_decode = native_decode.load(self.model, self.kv_caches, self.backend,
                                                     cache_dir)
+        if self.device.type == "cpu":
+            release_free_heap()  # the checkpoint's tensors, freed by packing
         self.sampler = Sampler(config.seed)
         self.max_model_len = max_model_len
         self.graphs: DecodeGraphs | None = None
