@@ -146,10 +146,14 @@ def test_generate_is_the_same_with_and_without_the_native_step(llm):
             == [o.outputs[0].token_ids for o in without])
 
 
-def test_a_position_outside_the_rope_tables_fails_clearly_and_writes_nothing(llm):
+@pytest.mark.parametrize("bad", ["position", "slot"])
+def test_an_out_of_range_position_or_slot_fails_clearly_and_writes_nothing(llm, bad):
     sched, batch = _decode_batch(llm, [6, 9])
     runner = llm.engine.runner
-    batch.positions[1] = runner.model.rotary.cos.shape[0]
+    if bad == "position":  # past the rotary tables
+        batch.positions[1] = runner.model.rotary.cos.shape[0]
+    else:  # past the cache
+        batch.layout.slot_mapping[1] = runner.num_blocks * runner.block_size
     before = runner.kv_cache.clone()
     with pytest.raises(RuntimeError, match="native decode step failed"):
         runner.native_decode(batch)

@@ -29,7 +29,8 @@ class LlamaStack(ctypes.Structure):
     """`llama_stack` in llama_decode.c, field by field."""
 
     _fields_ = ([(n, _I) for n in ("layers", "hidden", "heads", "kv_heads", "head_dim",
-                                   "inter", "block_size", "rope_positions", "workspace_rows")]
+                                   "inter", "block_size", "rope_positions", "workspace_rows",
+                                   "cache_slots")]
                 + [("eps", ctypes.c_float), ("scale", ctypes.c_float)]
                 + [(n, ctypes.POINTER(_P)) for n in (
                     "input_norm", "qkv", "qkv_bias", "o_proj", "post_norm", "gate_up", "down",
@@ -69,6 +70,7 @@ class NativeDecodeStep:
             layers=len(layers), hidden=cfg.hidden_size, heads=cfg.num_heads,
             kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, inter=cfg.intermediate_size,
             block_size=kv_caches[0][0].shape[1], rope_positions=cos.shape[0],
+            cache_slots=kv_caches[0][0].shape[0] * kv_caches[0][0].shape[1],
             eps=model.norm.eps, scale=cfg.head_dim ** -0.5,
             input_norm=pointers([ly.input_norm.weight for ly in layers]),
             qkv=pointers([weight(ly.attn.qkv_proj) for ly in layers]),
@@ -120,7 +122,7 @@ class NativeDecodeStep:
                         seq_lens.data_ptr(), T, out.data_ptr())
         if rc != 0:
             raise RuntimeError(f"native decode step failed (code {rc}) for {T} rows at "
-                               f"positions {positions.tolist()}")
+                               f"positions {positions.tolist()}, slots {slots.tolist()}")
         return out
 
 

@@ -35,7 +35,7 @@ typedef int (*attn_fn)(const uint16_t *q, const uint16_t *kc, const uint16_t *vc
  * `layers` entries; qkv_bias entries may be NULL. */
 typedef struct {
     int64_t layers, hidden, heads, kv_heads, head_dim, inter, block_size, rope_positions;
-    int64_t workspace_rows;
+    int64_t workspace_rows, cache_slots; /* cache_slots: num_blocks * block_size */
     float eps, scale;
     const uint16_t *const *input_norm, *const *qkv, *const *qkv_bias, *const *o_proj;
     const uint16_t *const *post_norm, *const *gate_up, *const *down;
@@ -74,7 +74,8 @@ int llama_decode_step(const llama_stack *s, const uint16_t *x_in, const int64_t 
         || s->heads % s->kv_heads)
         return -1;
     for (int64_t m = 0; m < M; m++)
-        if (positions[m] < 0 || positions[m] >= s->rope_positions) return -1;
+        if (positions[m] < 0 || positions[m] >= s->rope_positions || slots[m] >= s->cache_slots)
+            return -1;
     const int64_t h = s->hidden, H = s->heads, KVH = s->kv_heads, D = s->head_dim;
     const int64_t I = s->inter, W = qkv_width(s), kv_row = KVH * D;
     uint16_t *normed = s->workspace, *res_a = normed + M * h;
