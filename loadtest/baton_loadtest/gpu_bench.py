@@ -259,7 +259,8 @@ def decode_throughput(engine, batch: int, prompt_len: int, max_tokens: int,
 
 def weight_bytes(engine) -> int:
     """Bytes one decode step reads from the weights, a tied head counted once. On CPU the bf16
-    linears are prepacked for oneDNN outside `parameters()`; there the config's count is used."""
+    linears are packed (our GEMM's layout or oneDNN's) outside `parameters()`; there the
+    config's count is used."""
     from baton.engine.models.cpu_packing import PackedLinear
 
     model = engine.runner.model

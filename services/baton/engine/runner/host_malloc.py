@@ -23,7 +23,6 @@ the bundled model in bfloat16).
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import logging
 import os
 import threading
@@ -47,26 +46,31 @@ def tune_malloc_for_cpu_inference() -> bool:
         return _applied
 
 
+def _libc_function(name: str, argtypes: list):
+    """`name` from the C library this process already runs on (no library search), or None
+    where it has no such function."""
+    try:
+        fn = getattr(ctypes.CDLL(None), name)
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes, fn.restype = argtypes, ctypes.c_int
+    return fn
+
+
 def release_free_heap() -> None:
     """glibc's malloc_trim(0): return every free heap page to the kernel (best effort)."""
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        libc.malloc_trim.argtypes, libc.malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
-        libc.malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
+    malloc_trim = _libc_function("malloc_trim", [ctypes.c_size_t])
+    if malloc_trim is not None:
+        malloc_trim(0)
 
 
 def _apply() -> bool:
     if os.environ.get("BATON_MALLOC_TUNING", "1") == "0":
         return False
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        mallopt = libc.mallopt
-    except (OSError, AttributeError):
+    mallopt = _libc_function("mallopt", [ctypes.c_int, ctypes.c_int])
+    if mallopt is None:
         log.info("libc has no mallopt: malloc keeps its defaults")
         return False
-    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     ok = (mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1
           and mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1)
     if not ok:
