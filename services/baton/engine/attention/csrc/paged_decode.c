@@ -15,6 +15,8 @@
  * products are vectorised by allowing re-association (-fassociative-math): the summation
  * order differs from SDPA's by rounding only, and is fixed at compile time, so results stay
  * deterministic.
+ * On CPUs with AVX512-BF16 the bf16 specialisations below take a single-pass kernel instead
+ * (online softmax over 16-token chunks, vdpbf16ps scores, paced prefetch of the next chunk).
  */
 #include <math.h>
 #include <omp.h>
@@ -145,11 +147,188 @@ int NAME(const T *q, const T *kc, const T *vc, const int64_t *bt, int64_t bt_str
 #define BF16_LOAD(p, i) bf16_to_f32((p)[i])
 #define BF16_STORE(x) bf16_round(x)
 
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#include <immintrin.h>
+
+/* bf16 on CPUs with AVX512-BF16: one pass per sequence over 16-token chunks with an online
+ * softmax (flash-decoding's recurrence), K and V of a chunk read together. Scores are
+ * vdpbf16ps dot products of the bf16 query and key rows (exact products, fp32 sums), and
+ * P.V accumulates in fp32. The cache lines of the next chunk are prefetched a few at a time
+ * between the score computations: a step is bound by streaming the cache from DRAM, and
+ * the two-pass kernel above left each core waiting on its misses (measured at 55 sequences
+ * x 128-256 tokens, bs 16, shuffled blocks, cache cold: 620-700 -> 370-430 us per layer). */
+
+/* exp(x) for x <= 0 in 16 lanes: exp_nonpos's reduction and polynomial. */
+static inline __m512 exp16_nonpos(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f),
+                                      _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x));
+    static const float c[6] = {1.f / 120.f, 1.f / 24.f, 1.f / 6.f, 0.5f, 1.f, 1.f};
+    __m512 poly = _mm512_set1_ps(1.f / 720.f);
+    for (int i = 0; i < 6; i++) poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(c[i]));
+    const __m512i e = _mm512_slli_epi32(
+        _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_mul_ps(poly, _mm512_castsi512_ps(e));
+}
+
+/* Lane i of the result is the sum of the 16 lanes of a[i]. */
+static inline __m512 sum_lanes16(const __m512 a[16]) {
+    __m512 b[8], c[4];
+    for (int i = 0; i < 8; i++)
+        b[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]),
+                             _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+    for (int i = 0; i < 4; i++) {
+        const __m512d x = _mm512_castps_pd(b[2 * i]), y = _mm512_castps_pd(b[2 * i + 1]);
+        c[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)),
+                             _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+    }
+    const __m512 g0 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88),
+                                    _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
+    const __m512 g1 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], 0x88),
+                                    _mm512_shuffle_f32x4(c[2], c[3], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(g0, g1, 0x88), _mm512_shuffle_f32x4(g0, g1, 0xDD));
+}
+
+static inline __m512 load_bf16x16(const uint16_t *p) {
+    const __m256i h = _mm256_loadu_si256((const __m256i *)p);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* Prefetch `lines` cache lines of the next chunk's rows, continuing where the last call
+ * stopped: rows[i] + 64 * j for j < per_row. */
+typedef struct { const char *rows[32]; int64_t nrows, per_row, row, line; } prefetcher;
+
+static inline void prefetch_some(prefetcher *pf, int64_t lines) {
+    for (; lines > 0 && pf->row < pf->nrows; lines--) {
+        __builtin_prefetch(pf->rows[pf->row] + 64 * pf->line, 0, 3);
+        if (++pf->line == pf->per_row) { pf->line = 0; pf->row++; }
+    }
+}
+
+/* One sequence, kv heads [h0, h1). acc holds H * D floats, m and l H floats each. */
+#define DEFINE_SEQ_AVX(NAME, GC, DC)                                                           \
+static void NAME(const uint16_t *q, const uint16_t *kc, const uint16_t *vc,                   \
+                 const int64_t *tab, int64_t L, uint16_t *out, int64_t KVH, int64_t bs,      \
+                 int shift, float scale, int64_t h0, int64_t h1, float *acc, float *m, float *l) { \
+    const int64_t row = KVH * DC, blk = bs * row, span = (h1 - h0) * DC;                      \
+    const int64_t steps = (h1 - h0) * GC;                                                    \
+    for (int64_t j = h0 * GC; j < h1 * GC; j++) {                                            \
+        m[j] = -INFINITY;                                                                    \
+        l[j] = 0.f;                                                                          \
+        for (int64_t d = 0; d < DC; d++) acc[j * DC + d] = 0.f;                              \
+    }                                                                                        \
+    for (int64_t c = 0; c < L; c += 16) {                                                    \
+        const int64_t nt = L - c < 16 ? L - c : 16;                                          \
+        const uint16_t *kr[16], *vr[16];                                                     \
+        for (int64_t t = 0; t < 16; t++) {                                                   \
+            const int64_t tt = c + (t < nt ? t : 0);                                         \
+            const int64_t off = tab[tt >> shift] * blk + (tt & (bs - 1)) * row + h0 * DC;    \
+            kr[t] = kc + off;                                                                \
+            vr[t] = vc + off;                                                                \
+        }                                                                                    \
+        prefetcher pf = {.nrows = 0, .per_row = (span * 2 + 63) / 64};                       \
+        for (int64_t t = c + 16; t < c + 32 && t < L; t++) {                                 \
+            const int64_t off = tab[t >> shift] * blk + (t & (bs - 1)) * row + h0 * DC;      \
+            pf.rows[pf.nrows++] = (const char *)(kc + off);                                  \
+            pf.rows[pf.nrows++] = (const char *)(vc + off);                                  \
+        }                                                                                    \
+        const int64_t total = pf.nrows * pf.per_row;                                         \
+        const __mmask16 valid = (__mmask16)(nt == 16 ? 0xffffu : (1u << nt) - 1u);          \
+        int64_t step = 0, issued = 0;                                                        \
+        for (int64_t h = h0; h < h1; h++) {                                                  \
+            const int64_t hd = (h - h0) * DC; /* the head's offset in a row pointer */        \
+            float p[GC][16];                                                                 \
+            __m512 ac[GC][DC / 16];                                                          \
+            for (int g = 0; g < GC; g++) {                                                   \
+                const int64_t j = h * GC + g;                                                \
+                const int64_t upto = total * ++step / steps;                                 \
+                prefetch_some(&pf, upto - issued);                                           \
+                issued = upto;                                                               \
+                __m512bh qv[DC / 32];                                                        \
+                for (int v = 0; v < DC / 32; v++)                                            \
+                    qv[v] = (__m512bh)_mm512_loadu_si512(q + j * DC + 32 * v);               \
+                __m512 dots[16];                                                             \
+                for (int t = 0; t < 16; t++) {                                               \
+                    __m512 x = _mm512_setzero_ps();                                          \
+                    for (int v = 0; v < DC / 32; v++)                                        \
+                        x = _mm512_dpbf16_ps(x, qv[v],                                       \
+                                (__m512bh)_mm512_loadu_si512(kr[t] + hd + 32 * v));          \
+                    dots[t] = x;                                                             \
+                }                                                                            \
+                const __m512 s = _mm512_mask_mov_ps(_mm512_set1_ps(-INFINITY), valid,        \
+                        _mm512_mul_ps(sum_lanes16(dots), _mm512_set1_ps(scale)));            \
+                const float mnew = fmaxf(m[j], _mm512_reduce_max_ps(s));                     \
+                const float corr = m[j] == -INFINITY ? 0.f : exp_nonpos(m[j] - mnew);        \
+                const __m512 e = _mm512_maskz_mov_ps(valid,                                  \
+                        exp16_nonpos(_mm512_sub_ps(s, _mm512_set1_ps(mnew))));               \
+                l[j] = l[j] * corr + _mm512_reduce_add_ps(e);                                \
+                m[j] = mnew;                                                                 \
+                _mm512_storeu_ps(p[g], e);                                                   \
+                for (int f = 0; f < DC / 16; f++)                                            \
+                    ac[g][f] = _mm512_mul_ps(_mm512_loadu_ps(acc + j * DC + 16 * f),         \
+                                             _mm512_set1_ps(corr));                          \
+            }                                                                                \
+            for (int64_t t = 0; t < nt; t++) {                                               \
+                __m512 vv[DC / 16];                                                          \
+                for (int f = 0; f < DC / 16; f++) vv[f] = load_bf16x16(vr[t] + hd + 16 * f); \
+                for (int g = 0; g < GC; g++) {                                               \
+                    const __m512 pt = _mm512_set1_ps(p[g][t]);                               \
+                    for (int f = 0; f < DC / 16; f++)                                        \
+                        ac[g][f] = _mm512_fmadd_ps(pt, vv[f], ac[g][f]);                     \
+                }                                                                            \
+            }                                                                                \
+            for (int g = 0; g < GC; g++)                                                     \
+                for (int f = 0; f < DC / 16; f++)                                            \
+                    _mm512_storeu_ps(acc + (h * GC + g) * DC + 16 * f, ac[g][f]);             \
+        }                                                                                    \
+    }                                                                                        \
+    for (int64_t j = h0 * GC; j < h1 * GC; j++)                                              \
+        for (int64_t d = 0; d < DC; d++) out[j * DC + d] = bf16_round(acc[j * DC + d] / l[j]); \
+}
+
+#define DEFINE_KERNEL_AVX(NAME, GC, DC)                                                        \
+DEFINE_SEQ_AVX(NAME##_seq, GC, DC)                                                             \
+int NAME(const uint16_t *q, const uint16_t *kc, const uint16_t *vc, const int64_t *bt,        \
+         int64_t bt_stride, const int64_t *seq_lens, uint16_t *out, int64_t n, int64_t H,    \
+         int64_t KVH, int64_t d_arg, int64_t bs, float scale) {                              \
+    if (d_arg != DC || H / KVH != GC) return -3;                                              \
+    if (bs <= 0 || (bs & (bs - 1))) return -1; /* a power of two */                           \
+    int shift = 0;                                                                            \
+    while ((1 << shift) < bs) shift++;                                                        \
+    const int64_t parts = n < 2 * omp_get_max_threads() ? KVH : 1;                            \
+    int failed = 0;                                                                           \
+    _Pragma("omp parallel for schedule(dynamic, 1)")                                          \
+    for (int64_t task = 0; task < n * parts; task++) {                                        \
+        const int64_t b = task / parts, h0 = task % parts * KVH / parts;                      \
+        const int64_t h1 = (task % parts + 1) * KVH / parts;                                  \
+        const int64_t L = seq_lens[b];                                                        \
+        uint16_t *ob = out + b * H * DC;                                                      \
+        if (L <= 0) {                                                                         \
+            for (int64_t i = h0 * GC * DC; i < h1 * GC * DC; i++) ob[i] = 0;                  \
+            continue;                                                                         \
+        }                                                                                     \
+        float *acc = (float *)malloc(sizeof(float) * (size_t)(H * DC + 2 * H));              \
+        if (!acc) { failed = 1; continue; }                                                   \
+        NAME##_seq(q + b * H * DC, kc, vc, bt + b * bt_stride, L, ob, KVH, bs, shift, scale,  \
+                   h0, h1, acc, acc + H * DC, acc + H * DC + H);                              \
+        free(acc);                                                                            \
+    }                                                                                         \
+    return failed ? -2 : 0;                                                                   \
+}
+#define DEFINE_BF16(SUFFIX, GC, DC) DEFINE_KERNEL_AVX(paged_decode_bf16##SUFFIX, GC, DC)
+#else
+#define DEFINE_BF16(SUFFIX, GC, DC)                                                            \
+    DEFINE_KERNEL(paged_decode_bf16##SUFFIX, uint16_t, BF16_LOAD, BF16_STORE, GC, DC)
+#endif
+
 #define DEFINE_BOTH(SUFFIX, GC, DC)                                                            \
     DEFINE_KERNEL(paged_decode_f32##SUFFIX, float, F32_LOAD, F32_STORE, GC, DC)                \
-    DEFINE_KERNEL(paged_decode_bf16##SUFFIX, uint16_t, BF16_LOAD, BF16_STORE, GC, DC)
+    DEFINE_BF16(SUFFIX, GC, DC)
 
-DEFINE_BOTH(, 0, 0)
+DEFINE_KERNEL(paged_decode_f32, float, F32_LOAD, F32_STORE, 0, 0)
+DEFINE_KERNEL(paged_decode_bf16, uint16_t, BF16_LOAD, BF16_STORE, 0, 0)
 /* Specialisations: (query heads per kv head, head dim) of common models. */
 DEFINE_BOTH(_g1_d64, 1, 64)
 DEFINE_BOTH(_g2_d64, 2, 64)
