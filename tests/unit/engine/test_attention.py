@@ -118,3 +118,32 @@ def test_native_decode_kernel_shapes(dtype, tol, heads, kv_heads, head_dim, bloc
         native(q[i:i + 1], k_cache, v_cache, tables[i:i + 1], torch.tensor([n]),
                head_dim ** -0.5, one)
         assert torch.equal(one[0], out[i])
+
+
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (32, 8, 128)])
+def test_native_decode_long_contexts_with_peaked_scores(heads, kv_heads, head_dim,
+                                                        native_decode):
+    """Hundreds of tokens whose largest scores sit in different 16-token chunks, with scores
+    spread over ~+-60: the running max moves from chunk to chunk, so the softmax is rescaled
+    many times (the single-pass bf16 kernel) and exp underflows for most tokens."""
+    g = torch.Generator().manual_seed(7)
+    block_size, lens = 16, [700, 333, 17]
+    width = -(-max(lens) // block_size)
+    num_blocks = len(lens) * width
+    tables = torch.randperm(num_blocks, generator=g).view(len(lens), width).contiguous()
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=g)
+    q = torch.randn(len(lens), heads, head_dim, generator=g) * 8  # scores of +-60
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        kc, vc, qd = k_cache.to(dtype), v_cache.to(dtype), q.to(dtype)
+        out = torch.full_like(qd, float("nan"))
+        native_decode(qd, kc, vc, tables, torch.tensor(lens), head_dim ** -0.5, out)
+        group = heads // kv_heads
+        for i, n in enumerate(lens):
+            k = kc[tables[i]].reshape(-1, kv_heads, head_dim)[:n].float()
+            v = vc[tables[i]].reshape(-1, kv_heads, head_dim)[:n].float()
+            k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+            scores = torch.einsum("hd,lhd->hl", qd[i].float(), k) * head_dim ** -0.5
+            assert scores.max() - scores.min() > 40  # really peaked
+            ref = torch.einsum("hl,lhd->hd", scores.softmax(-1), v)
+            assert (out[i].float() - ref).abs().max().item() < tol, (dtype, i, n)
