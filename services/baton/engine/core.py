@@ -198,7 +198,7 @@ class EngineCore:
         self.stats.preemptions_total = self.scheduler.num_preemptions
         for s in sched.scheduled:
             req = s.request
-            token = sampled.get(req.request_id)
+            token = None if s.is_padding else sampled.get(req.request_id)
             if token is None:
                 continue
             lp = logprobs.get(req.request_id)

@@ -163,9 +163,13 @@ def test_request_too_big_for_the_pool_ends_with_length():
 
 def test_static_policy_runs_groups_to_completion_with_padding():
     sched, kv = make_scheduler_for("static", num_blocks=100, max_seqs=2)
-    short, long_, third = make_request(0, 4, 2), make_request(1, 4, 6), make_request(2, 4, 2)
+    short, long_, third = make_request(0, 4, 2), make_request(1, 9, 6), make_request(2, 4, 2)
     for r in (short, long_, third):
         sched.add_request(r)
+    # The prefill step pads the shorter prompt to the group's longest.
+    _, out = fake_step(sched)
+    assert [(s.request, s.num_new_tokens, s.is_padding) for s in out.scheduled] == [
+        (short, 4, False), (short, 5, True), (long_, 9, False)]
     padded_steps = 0
     while not long_.is_finished:
         _, out = fake_step(sched)
@@ -175,3 +179,31 @@ def test_static_policy_runs_groups_to_completion_with_padding():
     while sched.has_unfinished_requests():
         fake_step(sched)
     assert third.num_output_tokens == 2 and kv.num_used_blocks == 0
+
+
+def test_static_prompt_padding_is_computed_but_writes_and_samples_nothing():
+    import torch
+
+    from baton.engine.runner.batch import PAD_TOKEN_ID, build_batch
+
+    sched, kv = make_scheduler_for("static", num_blocks=100, max_seqs=2)
+    short, long_ = make_request(0, 3, 2), make_request(1, 10, 2)
+    for r in (short, long_):
+        sched.add_request(r)
+    out = sched.schedule()
+    batch = build_batch(out.scheduled, kv.get_block_ids, 4, torch.device("cpu"))
+    rows = {(e.request.request_id, e.is_padding): (batch.layout.query_start_loc[i],
+                                                   batch.layout.query_start_loc[i + 1], i)
+            for i, e in enumerate(batch.entries)}
+    start, end, i = rows[("r0", True)]
+    assert end - start == 7  # 10 - 3
+    assert batch.input_ids[start:end].tolist() == [PAD_TOKEN_ID] * 7
+    assert batch.positions[start:end].tolist() == list(range(7))
+    assert batch.layout.slot_mapping[start:end].tolist() == [-1] * 7
+    assert (batch.layout.context_lens[i], batch.layout.seq_lens[i]) == (0, 7)
+    # Its table row reads only blocks of the batch's table (the longest prompt's width).
+    assert batch.layout.block_tables.shape[1] >= -(-7 // 4)
+    assert [e.request.request_id for e in batch.sampling_entries] == ["r0", "r1"]
+    real = [e for e in batch.entries if not e.is_padding]
+    written = batch.layout.slot_mapping[batch.layout.slot_mapping >= 0]
+    assert len(written) == sum(e.num_new_tokens for e in real) == 13

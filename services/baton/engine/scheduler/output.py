@@ -11,8 +11,10 @@ from baton.engine.request import Request
 class ScheduledRequest:
     """Run `num_new_tokens` tokens of `request` starting at its `num_computed_tokens`.
 
-    A padding row (static batching only) re-feeds a finished request's last token without
-    writing KV or sampling: it stands for the wasted slot of a padded static batch.
+    Padding (static batching only) is computed without writing KV or sampling, and stands
+    for the waste of a padded static batch: on a finished request, one row re-feeding its last
+    token (the slot it keeps until the group ends); on a request whose prompt runs this step,
+    `num_new_tokens` pad tokens at positions 0.. (its prompt padded to the group's longest).
     """
 
     request: Request

@@ -2,9 +2,12 @@
 
 A fixed group (up to `max_num_seqs`, FCFS, each with KV reserved for prompt + max_tokens) is
 prefilled whole in one step and decoded in lock-step until its longest member finishes;
-members that finish early keep their slot as padding rows (computed and thrown away), and
-nobody new joins until the whole group is done. Prompts are not padded to the longest one,
-which makes this baseline a little stronger than Hugging Face's padded `generate`.
+nobody new joins until the whole group is done. Padding is computed and thrown away, as in a
+padded batch: the prefill step pads every prompt to the group's longest (a padding entry of
+the missing length, which writes no KV and samples nothing), and members that finish early
+keep their slot as padding rows until the group ends. What is not reproduced is a padded
+batch's longer attention in decode (each row attending over the longest prompt): the paged
+kernels read only a sequence's own tokens.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ class StaticScheduler(Scheduler):
             self._release_group()
             self._admit_group()
         out = SchedulerOutput()
+        width = max(r.num_prompt_tokens for r in self._group) if self._group else 0
         for req in self._group:
             if req.is_finished:
                 if req.num_computed_tokens > 0:
@@ -34,6 +38,9 @@ class StaticScheduler(Scheduler):
             if self.kv.allocate_slots(req, num_new) is None:
                 raise RuntimeError(f"static batch lost its reservation for {req.request_id}")
             out.scheduled.append(ScheduledRequest(req, num_new))
+            if req.num_computed_tokens == 0 and req.num_prompt_tokens < width:
+                out.scheduled.append(ScheduledRequest(req, width - req.num_prompt_tokens,
+                                                      is_padding=True))
         return out
 
     def _admit_group(self) -> None:
