@@ -22,6 +22,7 @@
 #include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "../../csrc/bf16.h"
 
@@ -56,9 +57,108 @@ static inline void prefetch_rows(const void *p, int64_t bytes, int locality) {
     }
 }
 
+/* The shapes of one call, as the per-sequence functions see them. */
+typedef struct {
+    int64_t H, KVH, D, G, bs, shift, bt_stride;
+    float scale;
+} decode_shape;
+
+/* One sequence's attention for kv heads [h0, h1): q and out point at its rows, tab at its
+ * block-table row. Returns 0, or -2 when out of memory. */
+typedef int (*decode_seq_fn)(const void *q, const void *kc, const void *vc, const int64_t *tab,
+                             int64_t L, void *out, const decode_shape *sh, int64_t h0,
+                             int64_t h1);
+
+/* Runs `seq` over the batch on the OpenMP threads: one task per sequence or, with few
+ * sequences, one per (sequence, kv head) so that every thread has work. A sequence of length
+ * <= 0 (a padding row) gets a zero output (all-zero bits in f32 and bf16 alike). */
+static int run_tasks(decode_seq_fn seq, const void *q, const void *kc, const void *vc,
+                     const int64_t *bt, const int64_t *seq_lens, void *out, int64_t n,
+                     int64_t elem, const decode_shape *sh) {
+    const int64_t parts = n < 2 * omp_get_max_threads() ? sh->KVH : 1;
+    const int64_t seq_bytes = sh->H * sh->D * elem, head_bytes = sh->G * sh->D * elem;
+    int failed = 0;
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t task = 0; task < n * parts; task++) {
+        const int64_t b = task / parts, h0 = task % parts * sh->KVH / parts;
+        const int64_t h1 = (task % parts + 1) * sh->KVH / parts;
+        char *ob = (char *)out + b * seq_bytes;
+        if (seq_lens[b] <= 0)
+            memset(ob + h0 * head_bytes, 0, (size_t)((h1 - h0) * head_bytes));
+        else if (seq((const char *)q + b * seq_bytes, kc, vc, bt + b * sh->bt_stride,
+                     seq_lens[b], ob, sh, h0, h1))
+            failed = 1;
+    }
+    return failed ? -2 : 0;
+}
+
 /* GC / DC > 0 fix the query-group size / head dim at compile time, so the inner loops
  * unroll and vectorise (measured 1.5-2x faster than the generic version, 0 = any). */
 #define DEFINE_KERNEL(NAME, T, LOAD, STORE, GC, DC)                                            \
+static int NAME##_seq(const void *q_, const void *kc_, const void *vc_, const int64_t *tab,    \
+                      int64_t L, void *out_, const decode_shape *sh, int64_t h0, int64_t h1) { \
+    const T *q = q_, *kc = kc_, *vc = vc_;                                                    \
+    T *ob = out_;                                                                             \
+    const int64_t H = sh->H, bs = sh->bs, D = DC ? DC : sh->D, G = GC ? GC : sh->G;           \
+    const int64_t row = sh->KVH * D, blk = bs * row; /* elements per token row, per block */  \
+    const int64_t nblk = (L + bs - 1) / bs;                                                   \
+    /* scores s[j * L + t] of the H query heads; fp32 q, accumulators, 1 / sums */          \
+    float *s = (float *)malloc(sizeof(float) * (size_t)(H * L + 2 * H * D + H));              \
+    if (!s) return -2;                                                                        \
+    float *qf = s + H * L, *acc = qf + H * D, *inv = acc + H * D;                             \
+    for (int64_t i = h0 * G * D; i < h1 * G * D; i++) {                                       \
+        qf[i] = LOAD(q, i) * sh->scale;                                                       \
+        acc[i] = 0.f;                                                                         \
+    }                                                                                         \
+    prefetch_rows(kc + tab[0] * blk, blk * (int64_t)sizeof(T), 3);                            \
+    for (int64_t i = 0; i < nblk; i++) {                                                      \
+        if (i + 1 < nblk) prefetch_rows(kc + tab[i + 1] * blk, blk * (int64_t)sizeof(T), 3);  \
+        prefetch_rows(vc + tab[i] * blk, blk * (int64_t)sizeof(T), 2);                        \
+        const T *kb = kc + tab[i] * blk;                                                      \
+        const int64_t nt = L - i * bs < bs ? L - i * bs : bs;                                 \
+        for (int64_t t = 0; t < nt; t++) {                                                    \
+            for (int64_t h = h0; h < h1; h++) {                                               \
+                float kf[DC ? DC : MAX_D];                                                    \
+                for (int64_t d = 0; d < D; d++) kf[d] = LOAD(kb, t * row + h * D + d);       \
+                for (int64_t g = 0; g < G; g++) {                                             \
+                    const float *qj = qf + (h * G + g) * D;                                   \
+                    float dot = 0.f;                                                          \
+                    for (int64_t d = 0; d < D; d++) dot += qj[d] * kf[d];                     \
+                    s[(h * G + g) * L + i * bs + t] = dot;                                    \
+                }                                                                             \
+            }                                                                                 \
+        }                                                                                     \
+    }                                                                                         \
+    for (int64_t j = h0 * G; j < h1 * G; j++) {                                               \
+        float *sj = s + j * L, m = -INFINITY, sum = 0.f;                                      \
+        for (int64_t t = 0; t < L; t++) m = sj[t] > m ? sj[t] : m;                            \
+        for (int64_t t = 0; t < L; t++) {                                                     \
+            const float e = exp_nonpos(sj[t] - m);                                            \
+            sj[t] = e;                                                                        \
+            sum += e;                                                                         \
+        }                                                                                     \
+        inv[j] = 1.f / sum;                                                                   \
+    }                                                                                         \
+    for (int64_t i = 0; i < nblk; i++) {                                                      \
+        const T *vb = vc + tab[i] * blk;                                                      \
+        const int64_t nt = L - i * bs < bs ? L - i * bs : bs;                                 \
+        for (int64_t t = 0; t < nt; t++) {                                                    \
+            for (int64_t h = h0; h < h1; h++) {                                               \
+                float vf[DC ? DC : MAX_D];                                                    \
+                for (int64_t d = 0; d < D; d++) vf[d] = LOAD(vb, t * row + h * D + d);       \
+                for (int64_t g = 0; g < G; g++) {                                             \
+                    const float p = s[(h * G + g) * L + i * bs + t];                          \
+                    float *aj = acc + (h * G + g) * D;                                        \
+                    for (int64_t d = 0; d < D; d++) aj[d] += p * vf[d];                       \
+                }                                                                             \
+            }                                                                                 \
+        }                                                                                     \
+    }                                                                                         \
+    for (int64_t j = h0 * G; j < h1 * G; j++)                                                 \
+        for (int64_t d = 0; d < D; d++) ob[j * D + d] = STORE(acc[j * D + d] * inv[j]);      \
+    free(s);                                                                                  \
+    return 0;                                                                                 \
+}                                                                                             \
 int NAME(const T *q, const T *kc, const T *vc, const int64_t *bt, int64_t bt_stride,          \
          const int64_t *seq_lens, T *out, int64_t n, int64_t H, int64_t KVH, int64_t d_arg,   \
          int64_t bs, float scale) {                                                           \
@@ -67,79 +167,8 @@ int NAME(const T *q, const T *kc, const T *vc, const int64_t *bt, int64_t bt_str
     if ((DC && d_arg != DC) || (GC && H / KVH != GC)) return -3;                              \
     if (bs & (bs - 1)) return -1; /* a power of two */                                        \
     if (G > MAX_G || D > MAX_D) return -1;                                                    \
-    const int64_t row = KVH * D, blk = bs * row; /* elements per token row, per block */      \
-    /* Few sequences: one task per (sequence, kv head), so every thread has work. */          \
-    const int64_t parts = n < 2 * omp_get_max_threads() ? KVH : 1;                            \
-    int failed = 0;                                                                           \
-    _Pragma("omp parallel for schedule(dynamic, 1)")                                          \
-    for (int64_t task = 0; task < n * parts; task++) {                                        \
-        const int64_t b = task / parts, h0 = task % parts * KVH / parts;                      \
-        const int64_t h1 = (task % parts + 1) * KVH / parts;                                  \
-        const int64_t L = seq_lens[b];                                                        \
-        T *ob = out + b * H * D;                                                              \
-        if (L <= 0) {                                                                         \
-            for (int64_t i = h0 * G * D; i < h1 * G * D; i++) ob[i] = STORE(0.f);             \
-            continue;                                                                         \
-        }                                                                                     \
-        const int64_t nblk = (L + bs - 1) / bs;                                               \
-        const int64_t *tab = bt + b * bt_stride;                                              \
-        /* scores s[j * L + t] of the H query heads; fp32 q, accumulators, 1 / sums */      \
-        float *s = (float *)malloc(sizeof(float) * (size_t)(H * L + 2 * H * D + H));          \
-        if (!s) { failed = 1; continue; }                                                     \
-        float *qf = s + H * L, *acc = qf + H * D, *inv = acc + H * D;                         \
-        for (int64_t i = h0 * G * D; i < h1 * G * D; i++) {                                   \
-            qf[i] = LOAD(q, b * H * D + i) * scale;                                           \
-            acc[i] = 0.f;                                                                     \
-        }                                                                                     \
-        prefetch_rows(kc + tab[0] * blk, blk * (int64_t)sizeof(T), 3);                        \
-        for (int64_t i = 0; i < nblk; i++) {                                                  \
-            if (i + 1 < nblk) prefetch_rows(kc + tab[i + 1] * blk, blk * (int64_t)sizeof(T), 3); \
-            prefetch_rows(vc + tab[i] * blk, blk * (int64_t)sizeof(T), 2);                    \
-            const T *kb = kc + tab[i] * blk;                                                  \
-            const int64_t nt = L - i * bs < bs ? L - i * bs : bs;                             \
-            for (int64_t t = 0; t < nt; t++) {                                                \
-                for (int64_t h = h0; h < h1; h++) {                                           \
-                    float kf[DC ? DC : MAX_D];                                                \
-                    for (int64_t d = 0; d < D; d++) kf[d] = LOAD(kb, t * row + h * D + d);   \
-                    for (int64_t g = 0; g < G; g++) {                                         \
-                        const float *qj = qf + (h * G + g) * D;                               \
-                        float dot = 0.f;                                                      \
-                        for (int64_t d = 0; d < D; d++) dot += qj[d] * kf[d];                 \
-                        s[(h * G + g) * L + i * bs + t] = dot;                                \
-                    }                                                                         \
-                }                                                                             \
-            }                                                                                 \
-        }                                                                                     \
-        for (int64_t j = h0 * G; j < h1 * G; j++) {                                           \
-            float *sj = s + j * L, m = -INFINITY, sum = 0.f;                                  \
-            for (int64_t t = 0; t < L; t++) m = sj[t] > m ? sj[t] : m;                        \
-            for (int64_t t = 0; t < L; t++) {                                                 \
-                const float e = exp_nonpos(sj[t] - m);                                        \
-                sj[t] = e;                                                                    \
-                sum += e;                                                                     \
-            }                                                                                 \
-            inv[j] = 1.f / sum;                                                               \
-        }                                                                                     \
-        for (int64_t i = 0; i < nblk; i++) {                                                  \
-            const T *vb = vc + tab[i] * blk;                                                  \
-            const int64_t nt = L - i * bs < bs ? L - i * bs : bs;                             \
-            for (int64_t t = 0; t < nt; t++) {                                                \
-                for (int64_t h = h0; h < h1; h++) {                                           \
-                    float vf[DC ? DC : MAX_D];                                                \
-                    for (int64_t d = 0; d < D; d++) vf[d] = LOAD(vb, t * row + h * D + d);   \
-                    for (int64_t g = 0; g < G; g++) {                                         \
-                        const float p = s[(h * G + g) * L + i * bs + t];                      \
-                        float *aj = acc + (h * G + g) * D;                                    \
-                        for (int64_t d = 0; d < D; d++) aj[d] += p * vf[d];                   \
-                    }                                                                         \
-                }                                                                             \
-            }                                                                                 \
-        }                                                                                     \
-        for (int64_t j = h0 * G; j < h1 * G; j++)                                             \
-            for (int64_t d = 0; d < D; d++) ob[j * D + d] = STORE(acc[j * D + d] * inv[j]);  \
-        free(s);                                                                              \
-    }                                                                                         \
-    return failed ? -2 : 0;                                                                   \
+    const decode_shape sh = {H, KVH, D, G, bs, 0, bt_stride, scale};                          \
+    return run_tasks(NAME##_seq, q, kc, vc, bt, seq_lens, out, n, sizeof(T), &sh);            \
 }
 
 #define F32_LOAD(p, i) ((p)[i])
@@ -209,10 +238,16 @@ static inline void prefetch_some(prefetcher *pf, int64_t lines) {
 
 /* One sequence, kv heads [h0, h1). acc holds H * D floats, m and l H floats each. */
 #define DEFINE_SEQ_AVX(NAME, GC, DC)                                                           \
-static void NAME(const uint16_t *q, const uint16_t *kc, const uint16_t *vc,                   \
-                 const int64_t *tab, int64_t L, uint16_t *out, int64_t KVH, int64_t bs,      \
-                 int shift, float scale, int64_t h0, int64_t h1, float *acc, float *m, float *l) { \
-    const int64_t row = KVH * DC, blk = bs * row, span = (h1 - h0) * DC;                      \
+static int NAME(const void *q_, const void *kc_, const void *vc_, const int64_t *tab,        \
+                int64_t L, void *out_, const decode_shape *sh, int64_t h0, int64_t h1) {      \
+    const uint16_t *q = q_, *kc = kc_, *vc = vc_;                                            \
+    uint16_t *out = out_;                                                                    \
+    const int64_t bs = sh->bs, shift = sh->shift, row = sh->KVH * DC, blk = bs * row;        \
+    const int64_t span = (h1 - h0) * DC;                                                     \
+    const float scale = sh->scale;                                                           \
+    float *acc = (float *)malloc(sizeof(float) * (size_t)(sh->H * DC + 2 * sh->H));          \
+    if (!acc) return -2;                                                                     \
+    float *m = acc + sh->H * DC, *l = m + sh->H;                                             \
     const int64_t steps = (h1 - h0) * GC;                                                    \
     for (int64_t j = h0 * GC; j < h1 * GC; j++) {                                            \
         m[j] = -INFINITY;                                                                    \
@@ -286,6 +321,8 @@ static void NAME(const uint16_t *q, const uint16_t *kc, const uint16_t *vc,     
     }                                                                                        \
     for (int64_t j = h0 * GC; j < h1 * GC; j++)                                              \
         for (int64_t d = 0; d < DC; d++) out[j * DC + d] = bf16_round(acc[j * DC + d] / l[j]); \
+    free(acc);                                                                               \
+    return 0;                                                                                \
 }
 
 #define DEFINE_KERNEL_AVX(NAME, GC, DC)                                                        \
@@ -295,27 +332,10 @@ int NAME(const uint16_t *q, const uint16_t *kc, const uint16_t *vc, const int64_
          int64_t KVH, int64_t d_arg, int64_t bs, float scale) {                              \
     if (d_arg != DC || H / KVH != GC) return -3;                                              \
     if (bs <= 0 || (bs & (bs - 1))) return -1; /* a power of two */                           \
-    int shift = 0;                                                                            \
-    while ((1 << shift) < bs) shift++;                                                        \
-    const int64_t parts = n < 2 * omp_get_max_threads() ? KVH : 1;                            \
-    int failed = 0;                                                                           \
-    _Pragma("omp parallel for schedule(dynamic, 1)")                                          \
-    for (int64_t task = 0; task < n * parts; task++) {                                        \
-        const int64_t b = task / parts, h0 = task % parts * KVH / parts;                      \
-        const int64_t h1 = (task % parts + 1) * KVH / parts;                                  \
-        const int64_t L = seq_lens[b];                                                        \
-        uint16_t *ob = out + b * H * DC;                                                      \
-        if (L <= 0) {                                                                         \
-            for (int64_t i = h0 * GC * DC; i < h1 * GC * DC; i++) ob[i] = 0;                  \
-            continue;                                                                         \
-        }                                                                                     \
-        float *acc = (float *)malloc(sizeof(float) * (size_t)(H * DC + 2 * H));              \
-        if (!acc) { failed = 1; continue; }                                                   \
-        NAME##_seq(q + b * H * DC, kc, vc, bt + b * bt_stride, L, ob, KVH, bs, shift, scale,  \
-                   h0, h1, acc, acc + H * DC, acc + H * DC + H);                              \
-        free(acc);                                                                            \
-    }                                                                                         \
-    return failed ? -2 : 0;                                                                   \
+    int64_t shift = 0;                                                                        \
+    while ((INT64_C(1) << shift) < bs) shift++;                                               \
+    const decode_shape sh = {H, KVH, DC, GC, bs, shift, bt_stride, scale};                    \
+    return run_tasks(NAME##_seq, q, kc, vc, bt, seq_lens, out, n, sizeof(uint16_t), &sh);     \
 }
 #define DEFINE_BF16(SUFFIX, GC, DC) DEFINE_KERNEL_AVX(paged_decode_bf16##SUFFIX, GC, DC)
 #else
