@@ -53,7 +53,7 @@ class ModelRunner:
         self.backend = make_attention_backend(
             config.attention_backend, self.device, self.dtype,
             (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim), cache_dir)
-        # On CPU in bfloat16, decode steps of a few rows run as one native call.
+        # On CPU in bfloat16, decode-only steps run as one native call (`native_decode`).
         self.native_decode = None
         if self.device.type == "cpu" and self.dtype == torch.bfloat16:
             from baton.engine.models import native_decode

@@ -187,21 +187,6 @@ int NAME(const T *q, const T *kc, const T *vc, const int64_t *bt, int64_t bt_str
  * the two-pass kernel above left each core waiting on its misses (measured at 55 sequences
  * x 128-256 tokens, bs 16, shuffled blocks, cache cold: 620-700 -> 370-430 us per layer). */
 
-/* exp(x) for x <= 0 in 16 lanes: exp_nonpos's reduction and polynomial. */
-static inline __m512 exp16_nonpos(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.f));
-    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187e-06f),
-                                      _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x));
-    static const float c[6] = {1.f / 120.f, 1.f / 24.f, 1.f / 6.f, 0.5f, 1.f, 1.f};
-    __m512 poly = _mm512_set1_ps(1.f / 720.f);
-    for (int i = 0; i < 6; i++) poly = _mm512_fmadd_ps(poly, r, _mm512_set1_ps(c[i]));
-    const __m512i e = _mm512_slli_epi32(
-        _mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
-    return _mm512_mul_ps(poly, _mm512_castsi512_ps(e));
-}
-
 /* Lane i of the result is the sum of the 16 lanes of a[i]. */
 static inline __m512 sum_lanes16(const __m512 a[16]) {
     __m512 b[8], c[4];
@@ -296,11 +281,12 @@ static int NAME(const void *q_, const void *kc_, const void *vc_, const int64_t 
                         _mm512_mul_ps(sum_lanes16(dots), _mm512_set1_ps(scale)));            \
                 const float mnew = fmaxf(m[j], _mm512_reduce_max_ps(s));                     \
                 const float corr = m[j] == -INFINITY ? 0.f : exp_nonpos(m[j] - mnew);        \
-                const __m512 e = _mm512_maskz_mov_ps(valid,                                  \
-                        exp16_nonpos(_mm512_sub_ps(s, _mm512_set1_ps(mnew))));               \
+                _mm512_storeu_ps(p[g], _mm512_sub_ps(s, _mm512_set1_ps(mnew)));              \
+                for (int t = 0; t < 16; t++) p[g][t] = exp_nonpos(p[g][t]); /* vectorised */ \
+                const __m512 e = _mm512_maskz_loadu_ps(valid, p[g]);                         \
+                _mm512_storeu_ps(p[g], e);                                                   \
                 l[j] = l[j] * corr + _mm512_reduce_add_ps(e);                                \
                 m[j] = mnew;                                                                 \
-                _mm512_storeu_ps(p[g], e);                                                   \
                 for (int f = 0; f < DC / 16; f++)                                            \
                     ac[g][f] = _mm512_mul_ps(_mm512_loadu_ps(acc + j * DC + 16 * f),         \
                                              _mm512_set1_ps(corr));                          \
