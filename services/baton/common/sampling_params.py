@@ -3,7 +3,7 @@ validates requests with the same class."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 _GREEDY_EPS = 1e-5
 
@@ -84,3 +84,11 @@ class SamplingParams:
 def _check(ok: bool, name: str, value: object, rule: str) -> None:
     if not ok:
         raise ValueError(f"SamplingParams.{name}={value!r} {rule}")
+
+
+def child_params(p: SamplingParams) -> list[SamplingParams]:
+    """n samples become n engine requests (the shared prompt hits the prefix cache); a seed
+    s gives child i the seed s + i, so the n samples differ but the call is reproducible."""
+    if p.n == 1:
+        return [p]
+    return [replace(p, n=1, seed=None if p.seed is None else p.seed + i) for i in range(p.n)]

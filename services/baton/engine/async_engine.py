@@ -4,6 +4,11 @@ The engine loop runs on its own thread; the event loop only validates requests, 
 commands and reads per-request queues, so it never blocks on a model step. Outputs of one
 step reach the event loop in one `call_soon_threadsafe`.
 
+This is the services' whole view of the engine (the facade): build and submit requests,
+read their output batches (`stream`), abort them, read stats (`stats`,
+`take_kv_transfer_durations`), retune it live (`reconfigure`) and follow its KV block
+events (`block_events`). Nothing outside reaches into `core`.
+
     engine = AsyncEngine(EngineConfig())
     async for out in engine.generate(prompt_ids, SamplingParams(max_tokens=8), "req-1"):
         print(out.outputs[0].delta_text, end="")
@@ -19,8 +24,9 @@ from dataclasses import dataclass
 from collections.abc import AsyncIterator
 
 from baton.common.sampling_params import SamplingParams
-from baton.engine.config import EngineConfig
+from baton.engine.config import EngineConfig, LiveSettings
 from baton.engine.core import EngineCore
+from baton.engine.kv_connector.handoff import KVHandoff
 from baton.engine.outputs import CompletionOutput, EngineOutput, RequestOutput
 from baton.engine.request import Request
 
@@ -58,6 +64,29 @@ class AsyncEngine:
         return self.core.tokenizer
 
     @property
+    def max_model_len(self) -> int:
+        return self.core.max_model_len
+
+    def stats(self) -> dict[str, float]:
+        """Counters and gauges for /metrics and load reports (any thread)."""
+        return self.core.metrics_snapshot()
+
+    def take_kv_transfer_durations(self) -> list[float]:
+        """Seconds each KV pull took since the last call (any thread)."""
+        return self.core.take_kv_transfer_durations()
+
+    def block_events(self):
+        """The KV block pool's stored / evicted hash events (`BlockPool.record_events`),
+        for the registry. Read-only use from the event loop."""
+        return self.core.kv.pool
+
+    def reconfigure(self, live: LiveSettings) -> None:
+        """Apply live-tuned knobs on the engine thread between steps. Raises ValueError at
+        once (changing nothing) for limits above those the engine started with."""
+        self.core.config.check_live(live)
+        self.call_soon(lambda: self.core.reconfigure(live))
+
+    @property
     def num_waiting(self) -> int:
         """Requests not yet scheduled, including those still on their way to the engine."""
         return self.core.num_waiting + (self._num_sent - self._num_applied)
@@ -78,13 +107,20 @@ class AsyncEngine:
             self._thread.join(timeout=30)
 
     # -- the event-loop side ---------------------------------------------------------------
+    def make_request(self, request_id: str, prompt_token_ids: list[int],
+                     params: SamplingParams, priority: int = 0, *,
+                     kv: KVHandoff | None = None, presampled: int = 0) -> Request:
+        """Validate and build a request (raises InvalidRequestError); `submit` queues it.
+        `kv` / `presampled`: see `EngineCore.make_request`."""
+        return self.core.make_request(request_id, prompt_token_ids, params, priority, kv=kv,
+                                      presampled=presampled)
+
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    priority: int = 0, **kv) -> asyncio.Queue:
+                    priority: int = 0, *, kv: KVHandoff | None = None) -> asyncio.Queue:
         """Validate (raises InvalidRequestError / ValueError) and queue one request; returns
-        the queue its EngineOutputs arrive on. `kv`: `hold_kv` / `kv_transfer_params` for
-        the prefill / decode roles (see EngineCore.make_request)."""
-        return self.submit(self.core.make_request(request_id, prompt_token_ids, params,
-                                                  priority, **kv))
+        the queue its EngineOutputs arrive on (read it with `stream`)."""
+        return self.submit(self.make_request(request_id, prompt_token_ids, params, priority,
+                                             kv=kv))
 
     def submit(self, req: Request) -> asyncio.Queue:
         """Queue a request already built (and validated) by `core.make_request`."""
@@ -109,35 +145,39 @@ class AsyncEngine:
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
                        request_id: str, priority: int = 0) -> AsyncIterator[RequestOutput]:
-        """Stream cumulative outputs (with the latest delta) for one request; n > 1 is the
-        caller's to fan out. Leaving the loop early (or being cancelled) aborts it."""
-        stream = self.add_request(request_id, prompt_token_ids, params, priority)
-        async for out in self.outputs(request_id, stream, prompt_token_ids):
-            yield out
-
-    async def outputs(self, request_id: str, stream: asyncio.Queue,
-                      prompt_token_ids: list[int]) -> AsyncIterator[RequestOutput]:
-        """Read a request queued by `add_request`; leaving early aborts it."""
+        """Stream cumulative outputs (with the latest delta) for one request, vLLM's shape;
+        n > 1 is the caller's to fan out. Leaving the loop early (or being cancelled)
+        aborts it."""
+        queue = self.add_request(request_id, prompt_token_ids, params, priority)
         result = RequestOutput(request_id, None, list(prompt_token_ids), [CompletionOutput(0)])
+        async for batch in self.stream(request_id, queue):
+            result.outputs[0].add(batch)
+            last = batch[-1]
+            result.num_cached_tokens = last.num_cached_tokens or result.num_cached_tokens
+            result.kv_transfer_params = last.kv_transfer_params
+            for out in batch:
+                if out.queue_time is not None:
+                    result.queue_time, result.kv_transfer_time = (out.queue_time,
+                                                                  out.kv_transfer_time)
+            yield result
+
+    async def stream(self, request_id: str, queue: asyncio.Queue
+                     ) -> AsyncIterator[list[EngineOutput]]:
+        """The outputs of a submitted request, in batches of what arrived together; the
+        last batch ends with its finished output. Raises EngineDeadError if the loop dies.
+        Leaving early (or being cancelled) aborts the request."""
+        finished = False
         try:
-            while True:
-                batch = [await stream.get()]
-                while not stream.empty():
-                    batch.append(stream.get_nowait())
+            while not finished:
+                batch = [await queue.get()]
+                while not queue.empty():
+                    batch.append(queue.get_nowait())
                 if isinstance(batch[-1], _Failure):
                     raise EngineDeadError(f"the engine loop died: {batch[-1].error!r}")
-                result.outputs[0].add(batch)
-                result.num_cached_tokens = batch[-1].num_cached_tokens or result.num_cached_tokens
-                for out in batch:
-                    if out.queue_time is not None:
-                        result.queue_time = out.queue_time
-                        result.kv_transfer_time = out.kv_transfer_time
-                result.kv_transfer_params = batch[-1].kv_transfer_params
-                yield result
-                if batch[-1].finished:
-                    return
+                finished = batch[-1].finished
+                yield batch
         finally:
-            if not result.finished:
+            if not finished:
                 self.abort(request_id)
             self._streams.pop(request_id, None)
 

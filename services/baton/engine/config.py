@@ -48,6 +48,21 @@ class EngineConfig:
     kv_transfer_timeout_s: float = 30.0
     kv_failure_policy: str = "recompute"
 
+    @property
+    def live_settings(self) -> LiveSettings:
+        """The knobs live tuning may change later, as this config starts them."""
+        return LiveSettings(self.max_num_seqs, self.max_num_batched_tokens, self.kv_lease_ttl_s,
+                            self.kv_transfer_timeout_s, self.kv_failure_policy)
+
+    def check_live(self, live: LiveSettings) -> None:
+        """Raise ValueError when `live` raises a limit above this (start) config's: buffers
+        and graphs are sized at start, so that needs a restart."""
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            if getattr(live, name) > getattr(self, name):
+                raise ValueError(f"{name}={getattr(live, name)} is above the "
+                                 f"{getattr(self, name)} this engine started with; raising "
+                                 "it needs a restart")
+
     def __post_init__(self) -> None:
         _check(self.load_format in LOAD_FORMATS, "load_format", self.load_format,
                f"must be one of {LOAD_FORMATS}")
@@ -79,6 +94,41 @@ class EngineConfig:
                self.kv_transfer_timeout_s, "must be > 0")
         _check(self.kv_failure_policy in KV_FAILURE_POLICIES, "kv_failure_policy",
                self.kv_failure_policy, f"must be one of {KV_FAILURE_POLICIES}")
+
+
+@dataclass(frozen=True)
+class LiveKVSettings:
+    """The KV connector's knobs that live tuning changes between steps."""
+
+    lease_ttl_s: float
+    transfer_timeout_s: float
+    failure_policy: str  # one of KV_FAILURE_POLICIES
+
+
+@dataclass(frozen=True)
+class LiveSettings:
+    """An engine's knobs that live tuning changes between steps (`EngineCore.reconfigure`):
+    the scheduler's limits (at most the values it started with) and the KV connector's."""
+
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    kv_lease_ttl_s: float
+    kv_transfer_timeout_s: float
+    kv_failure_policy: str
+
+    def __post_init__(self) -> None:
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            _check(getattr(self, name) >= 1, name, getattr(self, name), "must be >= 1")
+        _check(self.kv_lease_ttl_s > 0, "kv_lease_ttl_s", self.kv_lease_ttl_s, "must be > 0")
+        _check(self.kv_transfer_timeout_s > 0, "kv_transfer_timeout_s",
+               self.kv_transfer_timeout_s, "must be > 0")
+        _check(self.kv_failure_policy in KV_FAILURE_POLICIES, "kv_failure_policy",
+               self.kv_failure_policy, f"must be one of {KV_FAILURE_POLICIES}")
+
+    @property
+    def kv(self) -> LiveKVSettings:
+        return LiveKVSettings(self.kv_lease_ttl_s, self.kv_transfer_timeout_s,
+                              self.kv_failure_policy)
 
 
 def _check(ok: bool, name: str, value: object, rule: str) -> None:

@@ -7,18 +7,20 @@ Single-threaded: `add_request`, `abort_requests` and `step` must be called from 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from baton.common.sampling_params import SamplingParams
-from baton.engine.config import EngineConfig
+from baton.engine.config import EngineConfig, LiveSettings
 from baton.engine.kv_cache import KVCacheManager
+from baton.engine.kv_connector.base import KVConnector
+from baton.engine.kv_connector.handoff import KVHandoff, PullKV
 from baton.engine.models.loader import resolve_model_dir
 from baton.engine.outputs import EngineOutput
 from baton.engine.request import Request, RequestStatus
 from baton.engine.runner import ModelRunner
-from baton.engine.scheduler.scheduler import SchedulerLimits, make_scheduler
+from baton.engine.scheduler import SchedulerLimits, make_scheduler
 from baton.engine.tokenizer import IncrementalDetokenizer, load_tokenizer
 
 
@@ -46,20 +48,13 @@ class EngineCore:
         self.model_config = self.runner.model_config
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size,
                                  config.enable_prefix_caching)
+        self.connector = _make_connector(config, self.runner.kv_cache)
         self.scheduler = make_scheduler(SchedulerLimits(
             config.max_num_batched_tokens, config.max_num_seqs, max_len,
-            config.scheduling_policy), self.kv)
+            config.scheduling_policy), self.kv, self.connector)
         self.eos_token_id = self.tokenizer.eos_token_id
         self._detok: dict[str, IncrementalDetokenizer | None] = {}
         self.stats = EngineStats()
-        self.kvx = None  # KVCoordinator when this engine holds or pulls KV
-        if config.kv_transport is not None:
-            from baton.engine.disagg import KVCoordinator
-
-            self.kvx = KVCoordinator(config.kv_transport, self.runner.kv_cache,
-                                     config.engine_id, self.scheduler, config.kv_lease_ttl_s,
-                                     config.kv_transfer_timeout_s, config.kv_failure_policy,
-                                     config.kv_host, config.kv_port)
 
     def _max_model_len(self) -> int:
         from baton.engine.models.config import ModelConfig
@@ -75,13 +70,34 @@ class EngineCore:
     # -- requests --------------------------------------------------------------------------
     def make_request(self, request_id: str, prompt_token_ids: list[int],
                      params: SamplingParams, priority: int = 0, detokenize: bool = True,
-                     arrival_time: float | None = None, hold_kv: bool = False,
-                     kv_transfer_params: dict | None = None, presampled: int = 0) -> Request:
+                     arrival_time: float | None = None, *, kv: KVHandoff | None = None,
+                     presampled: int = 0) -> Request:
         """Validate and build a request without touching engine state (thread-safe).
 
-        `hold_kv` (prefill role): keep the prompt's blocks under a lease when it ends and
-        return `kv_transfer_params`. `kv_transfer_params` (decode role): pull the prompt's
-        KV from that holder instead of computing it; its `first_token` is the first output."""
+        `kv`: `HoldKV` (prefill role) or `PullKV` (decode role), see `engine.kv_connector`;
+        a pulled request's first output is the token the prefill sampled. `presampled`:
+        draws a seeded sampler already made for this request elsewhere (tokens a resumed
+        stream had sent), which ours skips to continue its sequence."""
+        n = len(prompt_token_ids)
+        self._check_prompt(prompt_token_ids)
+        room = self.max_model_len - n
+        req = Request(request_id, list(prompt_token_ids), params,
+                      max_tokens=min(params.max_tokens or room, room),
+                      eos_token_id=self.eos_token_id, priority=priority, detokenize=detokenize)
+        if arrival_time is not None:
+            req.arrival_time = arrival_time
+        if presampled < 0:
+            raise InvalidRequestError(f"presampled={presampled} must be >= 0")
+        req.num_presampled = presampled
+        if kv is not None:
+            self._check_handoff(kv, n)
+            req.kv_handoff = kv
+        if isinstance(kv, PullKV):
+            req.output_token_ids.append(kv.params.first_token)
+            req.num_presampled += 1
+        return req
+
+    def _check_prompt(self, prompt_token_ids: list[int]) -> None:
         n = len(prompt_token_ids)
         if n == 0:
             raise InvalidRequestError("the prompt is empty")
@@ -97,62 +113,41 @@ class EngineCore:
             raise InvalidRequestError(
                 f"the prompt needs {self.kv.blocks_for(n + 1)} KV blocks but the pool has "
                 f"{self.kv.num_blocks}; raise num_kv_blocks or shorten the prompt")
-        room = self.max_model_len - n
-        req = Request(request_id, list(prompt_token_ids), params,
-                      max_tokens=min(params.max_tokens or room, room),
-                      eos_token_id=self.eos_token_id, priority=priority, detokenize=detokenize)
-        if arrival_time is not None:
-            req.arrival_time = arrival_time
-        if (hold_kv or kv_transfer_params is not None) and self.kvx is None:
+
+    def _check_handoff(self, kv: KVHandoff, num_prompt: int) -> None:
+        if self.connector is None:
             raise InvalidRequestError("this engine has no KV transport (kv_transport=None)")
-        req.hold_kv = hold_kv
-        if presampled < 0:
-            raise InvalidRequestError(f"presampled={presampled} must be >= 0")
-        req.num_presampled = presampled
-        if kv_transfer_params is not None:
-            req.remote_kv, first = self._remote_kv(kv_transfer_params, n, vocab)
-            req.output_token_ids.append(first)
-            req.num_presampled += 1
-        return req
-
-    def _remote_kv(self, params: dict, num_prompt: int, vocab: int):
-        from baton.engine.request import RemoteKV
-
-        try:
-            blocks = [int(b) for b in params["block_ids"]]
-            first, peer, lease = int(params["first_token"]), dict(params["endpoint"]), str(
-                params["lease_id"])
-            num_tokens = int(params["num_tokens"])
-        except (KeyError, TypeError, ValueError) as err:
-            raise InvalidRequestError(f"malformed kv_transfer_params: {err!r}") from None
-        if num_tokens != num_prompt or len(blocks) != self.kv.blocks_for(num_prompt):
+        if not isinstance(kv, PullKV):
+            return
+        p = kv.params
+        if p.num_tokens != num_prompt or len(p.block_ids) != self.kv.blocks_for(num_prompt):
             raise InvalidRequestError(
-                f"kv_transfer_params cover {num_tokens} tokens in {len(blocks)} blocks, the "
-                f"prompt has {num_prompt} tokens ({self.kv.blocks_for(num_prompt)} blocks)")
-        if not 0 <= first < vocab:
-            raise InvalidRequestError(f"first_token {first} is outside [0, {vocab})")
-        return RemoteKV(peer, blocks, lease), first
+                f"kv_transfer_params cover {p.num_tokens} tokens in {len(p.block_ids)} "
+                f"blocks, the prompt has {num_prompt} tokens "
+                f"({self.kv.blocks_for(num_prompt)} blocks)")
+        vocab = self.model_config.vocab_size
+        if not p.first_token < vocab:
+            raise InvalidRequestError(f"first_token {p.first_token} is outside [0, {vocab})")
 
     def add(self, req: Request) -> list[EngineOutput]:
-        """Queue a request; returns outputs it produced at once (a pulled request's first
-        token, sampled by the prefill engine)."""
+        """Queue a request; returns the outputs of tokens it arrived with (sampled elsewhere:
+        a remote prefill's first token), which may already end it."""
         self.scheduler.add_request(req)
         p = req.sampling_params
         self._detok[req.request_id] = IncrementalDetokenizer(
             self.tokenizer, req.prompt_token_ids, p.stop, p.include_stop_str_in_output,
             p.skip_special_tokens) if req.detokenize else None
-        if req.remote_kv is None:
-            return []
-        first = req.output_token_ids[0]
-        status = self.scheduler.stop_status(req, first)
-        if status is not None:  # ended on its first token: nothing to pull
-            self.kvx.release_remote(req.remote_kv)
-            self.scheduler.finish_requests([req.request_id], status)
-            return [self._final_output(req, [first], self._detok_add(req, first)[0], None)]
-        out = self._token_output(req, first, None, False)
-        if out.finished:  # a stop string on the first token
-            self.kvx.release_remote(req.remote_kv)
-        return [out]
+        outputs = []
+        for token in list(req.output_token_ids):
+            status = self.scheduler.stop_status(req, token)
+            if status is not None:
+                self.scheduler.finish_requests([req.request_id], status)
+                text = self._detok_add(req, token)[0]
+                return outputs + [self._final_output(req, [token], text, None)]
+            outputs.append(self._token_output(req, token, None, False))
+            if outputs[-1].finished:
+                break
+        return outputs
 
     def _detok_add(self, req: Request, token: int):
         detok = self._detok.get(req.request_id)
@@ -174,31 +169,25 @@ class EngineCore:
     # -- the step --------------------------------------------------------------------------
     @property
     def needs_polling(self) -> bool:
-        """True while KV pulls or leases advance without model steps."""
-        return self.kvx is not None and (self.scheduler.needs_polling
-                                         or bool(self.kvx.transfers))
+        """True while work advances without model steps (KV loads, leases)."""
+        return self.scheduler.needs_polling
 
     def step(self) -> list[EngineOutput]:
-        outputs = []
-        if self.kvx is not None:
-            outputs += [self._final_output(r, [], "", None) for r in self.kvx.poll()]
         sched = self.scheduler.schedule()
-        if self.kvx is not None:
-            self.kvx.start_pulls(self.kv.get_block_ids)
-        outputs += [self._final_output(r, [], "", None) for r in self.scheduler.drain_rejected()]
+        outputs = [self._final_output(r, [], "", None) for r in self.scheduler.drain_ended()]
         if sched.is_empty:
             return outputs
         self.stats.steps_total += 1
         self.stats.prompt_tokens_total += sum(
             s.num_new_tokens for s in sched.scheduled
-            if not s.is_padding and s.request.num_computed_tokens < s.request.num_prompt_tokens)
+            if s.request.num_computed_tokens < s.request.num_prompt_tokens)
         sampled, logprobs = self.runner.execute(sched, self.kv.get_block_ids)
         finished = {r.request_id for r in self.scheduler.update_from_output(sched, sampled)}
         self.stats.generation_tokens_total += len(sampled)
         self.stats.preemptions_total = self.scheduler.num_preemptions
         for s in sched.scheduled:
             req = s.request
-            token = None if s.is_padding else sampled.get(req.request_id)
+            token = sampled.get(req.request_id)
             if token is None:
                 continue
             lp = logprobs.get(req.request_id)
@@ -232,15 +221,12 @@ class EngineCore:
             text += detok.flush()
         self.runner.sampler.release(req.request_id)
         queued = self._queued(req)
-        params = None
-        if req.request_id in self.scheduler.held:
-            params = self.kvx.lease(req, self.kv.get_block_ids(req.request_id),
-                                    req.output_token_ids[-1])
         return EngineOutput(req.request_id, tokens, text, lps,
                             finish_reason=req.status.finish_reason, stop_reason=req.stop_reason,
                             num_prompt_tokens=req.num_prompt_tokens,
                             num_cached_tokens=req.num_cached_tokens, queue_time=queued,
-                            kv_transfer_time=req.kv_transfer_time, kv_transfer_params=params)
+                            kv_transfer_time=req.kv_transfer_time,
+                            kv_transfer_params=req.kv_transfer_params)
 
     # -- introspection ---------------------------------------------------------------------
     @property
@@ -254,7 +240,7 @@ class EngineCore:
     def metrics_snapshot(self) -> dict[str, float]:
         """Counters and gauges for /metrics; plain reads, safe from another thread."""
         kv = self.kv
-        return {
+        snap = {
             "baton:num_requests_running": self.scheduler.num_running,
             "baton:num_requests_waiting": self.scheduler.num_waiting,
             "baton:kv_blocks_used": kv.num_used_blocks,
@@ -264,16 +250,50 @@ class EngineCore:
             "baton:generation_tokens_total": self.stats.generation_tokens_total,
             "baton:prefix_cache_hit_tokens_total": self.scheduler.prefix_hit_tokens,
             "baton:preemptions_total": self.stats.preemptions_total,
-        } | ({} if self.kvx is None else {
-            "baton:kv_transfer_bytes_total": self.kvx.stats.bytes,
-            "baton:kv_transfer_failures_total": self.kvx.stats.failures,
-            "baton:kv_leases_held": len(self.scheduler.held),
-            "fallbacks": dict(self.kvx.stats.fallbacks),
-        })
+        }
+        c = self.connector
+        if c is not None:
+            snap |= {"baton:kv_transfer_bytes_total": c.stats.bytes,
+                     "baton:kv_transfer_failures_total": c.stats.failures,
+                     "baton:kv_leases_held": c.num_leases_held,
+                     "fallbacks": dict(c.stats.fallbacks)}
+        return snap
+
+    def take_kv_transfer_durations(self) -> list[float]:
+        """Seconds each KV load took since the last call (thread-safe)."""
+        return self.connector.take_transfer_durations() if self.connector is not None else []
+
+    # -- live tuning (engine thread) -------------------------------------------------------
+    @property
+    def live_settings(self) -> LiveSettings:
+        limits, c = self.scheduler.limits, self.connector
+        cfg = self.config
+        return LiveSettings(limits.max_num_seqs, limits.max_num_batched_tokens,
+                            c.live.lease_ttl_s if c else cfg.kv_lease_ttl_s,
+                            c.live.transfer_timeout_s if c else cfg.kv_transfer_timeout_s,
+                            c.live.failure_policy if c else cfg.kv_failure_policy)
+
+    def reconfigure(self, live: LiveSettings) -> None:
+        """Apply live-tuned knobs between steps (call on the engine thread). The scheduler's
+        limits may not exceed the ones the engine started with (buffers are sized then)."""
+        self.config.check_live(live)
+        self.scheduler.limits = replace(self.scheduler.limits, max_num_seqs=live.max_num_seqs,
+                                        max_num_batched_tokens=live.max_num_batched_tokens)
+        if self.connector is not None:
+            self.connector.reconfigure(live.kv)
 
     def check_integrity(self) -> None:
         self.kv.check_integrity()
 
     def close(self) -> None:
-        if self.kvx is not None:
-            self.kvx.close()
+        if self.connector is not None:
+            self.connector.close()
+
+
+def _make_connector(config: EngineConfig, kv_cache) -> KVConnector | None:
+    if config.kv_transport is None:
+        return None
+    from baton.engine.kv_connector.transport import TransportKVConnector
+
+    return TransportKVConnector(config.kv_transport, kv_cache, config.engine_id,
+                                config.live_settings.kv, config.kv_host, config.kv_port)

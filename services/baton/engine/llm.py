@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from baton.common.sampling_params import SamplingParams
+from baton.common.sampling_params import SamplingParams, child_params
 from baton.engine.config import EngineConfig
 from baton.engine.core import EngineCore
 from baton.engine.outputs import CompletionOutput, EngineOutput, RequestOutput
@@ -97,16 +97,6 @@ class LLM:
             result.num_cached_tokens = max(result.num_cached_tokens, o.num_cached_tokens)
             if bar is not None:
                 bar.update(1)
-
-
-def child_params(p: SamplingParams) -> list[SamplingParams]:
-    """n samples become n engine requests (the shared prompt hits the prefix cache); a seed
-    s gives child i the seed s + i, so the n samples differ but the call is reproducible."""
-    if p.n == 1:
-        return [p]
-    from dataclasses import replace
-
-    return [replace(p, n=1, seed=None if p.seed is None else p.seed + i) for i in range(p.n)]
 
 
 def _broadcast(params, n: int) -> list[SamplingParams]:

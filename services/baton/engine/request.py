@@ -6,7 +6,9 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from baton.common.internal import KVTransferParams
 from baton.common.sampling_params import SamplingParams
+from baton.engine.kv_connector.handoff import KVHandoff
 
 
 class RequestStatus(enum.IntEnum):
@@ -33,16 +35,6 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_LENGTH_CAPPED: "length",
     RequestStatus.FINISHED_ABORTED: "abort",
 }
-
-
-@dataclass(frozen=True)
-class RemoteKV:
-    """Where a decode request's prompt KV lives: a holder's endpoint (as a dict), its block
-    ids for the prompt, and the lease under which it keeps them."""
-
-    peer: dict
-    block_ids: list[int]
-    lease_id: str
 
 
 @dataclass(eq=False)
@@ -73,8 +65,10 @@ class Request:
     stop_reason: int | str | None = None
     block_hashes: list[int] = field(default_factory=list)
     detokenize: bool = True
-    hold_kv: bool = False  # prefill role: keep the blocks under a lease when it ends
-    remote_kv: RemoteKV | None = None  # decode role: pull the prompt's KV, don't compute it
+    # Disaggregation (engine.kv_connector): what this request asks of the KV connector
+    # (hold my KV for a puller / pull this KV), and on a held one, where a puller finds it.
+    kv_handoff: KVHandoff | None = None
+    kv_transfer_params: KVTransferParams | None = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -8,9 +8,13 @@ import time
 
 import pytest
 
+from pydantic import ValidationError
+
 from baton import SamplingParams
+from baton.common.internal import KVTransferParams
 from baton.engine.config import EngineConfig
 from baton.engine.core import EngineCore, InvalidRequestError
+from baton.engine.kv_connector import HoldKV, PullKV
 from baton.kv_transfer import installed_transports
 from tests.conftest import make_text
 
@@ -44,7 +48,7 @@ def run(core: EngineCore, timeout: float = 60.0):
 
 
 def prefill(p: EngineCore, rid: str, ids: list[int]):
-    req = p.make_request(rid, ids, SamplingParams(temperature=0, max_tokens=1), hold_kv=True)
+    req = p.make_request(rid, ids, SamplingParams(temperature=0, max_tokens=1), kv=HoldKV())
     p.add(req)
     final = [o for o in run_until_finished(p, rid)][-1]
     assert final.kv_transfer_params is not None
@@ -60,9 +64,9 @@ def run_until_finished(core: EngineCore, rid: str):
                     return
 
 
-def decode(d: EngineCore, rid: str, ids: list[int], params: dict, n: int = N):
+def decode(d: EngineCore, rid: str, ids: list[int], params: KVTransferParams, n: int = N):
     req = d.make_request(rid, ids, SamplingParams(temperature=0, max_tokens=n),
-                         kv_transfer_params=params)
+                         kv=PullKV(params))
     outs = d.add(req) + run(d)
     return [t for o in outs if o.request_id == rid for t in o.new_token_ids], outs
 
@@ -87,10 +91,10 @@ def test_pulled_decode_equals_colocated(engines, tokenizer, text_len):
     p, d, c = engines
     ids = tokenizer.encode(make_text(text_len) + "\nSummary:")
     params = prefill(p, f"p{text_len}", ids)
-    assert p.kv.num_used_blocks == len(params["block_ids"])  # held under the lease
+    assert p.kv.num_used_blocks == len(params.block_ids)  # held under the lease
     tokens, outs = decode(d, f"d{text_len}", ids, params)
     assert tokens == colocated(c, f"c{text_len}", ids)
-    assert d.kvx.stats.transfers >= 1 and d.kvx.stats.bytes > 0
+    assert d.connector.stats.transfers >= 1 and d.connector.stats.bytes > 0
     assert_no_blocks(p, d)
 
 
@@ -106,7 +110,7 @@ def test_every_network_transport_gives_colocated_tokens(engines, tokenizer, tran
         ids = tokenizer.encode(make_text(2, 5) + "\nIn short:")
         tokens, _ = decode(d, "t-d", ids, prefill(p, "t-p", ids))
         assert tokens == colocated(c, f"t-c-{transport}", ids)
-        assert d.kvx.stats.bytes == len(prefill_blocks(ids)) * d.runner.bytes_per_block
+        assert d.connector.stats.bytes == len(prefill_blocks(ids)) * d.runner.bytes_per_block
         assert_no_blocks(p, d)
     finally:
         p.close()
@@ -121,12 +125,12 @@ def test_decode_prefix_hits_are_not_pulled(engines, tokenizer):
     p, d, c = engines
     ids = tokenizer.encode(make_text(4, 1) + "\nQuestion:")
     first, _ = decode(d, "hit-a", ids, prefill(p, "hit-pa", ids))
-    bytes_before = d.kvx.stats.bytes
+    bytes_before = d.connector.stats.bytes
     again, outs = decode(d, "hit-b", ids, prefill(p, "hit-pb", ids))
     assert again == first
     final = [o for o in outs if o.request_id == "hit-b" and o.finished][-1]
     assert final.num_cached_tokens >= 16 * (len(ids) // 16 - 1)
-    pulled = d.kvx.stats.bytes - bytes_before
+    pulled = d.connector.stats.bytes - bytes_before
     assert pulled < d.runner.bytes_per_block * 2  # only the tail block(s)
     assert_no_blocks(p, d)
 
@@ -140,7 +144,7 @@ def test_expired_lease_recomputes_locally(tokenizer):
         p.step()  # the lease expires: the prefill's blocks are freed
         assert p.kv.num_used_blocks == 0
         tokens, _ = decode(d, "y", ids, params)
-        assert d.kvx.stats.failures == 1 and d.kvx.stats.fallbacks == {"lease_expired": 1}
+        assert d.connector.stats.failures == 1 and d.connector.stats.fallbacks == {"lease_expired": 1}
         ref = EngineCore(EngineConfig(dtype="float32", num_kv_blocks=128))
         assert tokens == colocated(ref, "z", ids)
         assert_no_blocks(p, d)
@@ -171,7 +175,7 @@ def test_abort_while_pulling_and_first_token_stop(engines, tokenizer):
     ids = tokenizer.encode(make_text(3, 4))
     params = prefill(p, "ab-p", ids)
     req = d.make_request("ab-d", ids, SamplingParams(temperature=0, max_tokens=50),
-                         kv_transfer_params=params)
+                         kv=PullKV(params))
     d.add(req)
     d.step()  # admitted: the pull starts
     d.abort_requests(["ab-d"])
@@ -180,22 +184,40 @@ def test_abort_while_pulling_and_first_token_stop(engines, tokenizer):
     # max_tokens=1: the first token ends it; the holder's lease is released without a pull.
     params = prefill(p, "one-p", ids)
     req = d.make_request("one-d", ids, SamplingParams(temperature=0, max_tokens=1),
-                         kv_transfer_params=params)
+                         kv=PullKV(params))
     outs = d.add(req)
-    assert outs[-1].finished and outs[-1].new_token_ids == [params["first_token"]]
+    assert outs[-1].finished and outs[-1].new_token_ids == [params.first_token]
+    assert_no_blocks(p, d)
+    # Aborted while still queued (never admitted): the lease is released at once too.
+    params = prefill(p, "queued-p", ids)
+    d.add(d.make_request("queued-d", ids, SamplingParams(temperature=0, max_tokens=8),
+                         kv=PullKV(params)))
+    d.abort_requests(["queued-d"])
+    deadline = time.monotonic() + 5
+    while p.connector.num_leases_held and time.monotonic() < deadline:
+        p.step()
+        time.sleep(0.01)
+    assert p.connector.num_leases_held == 0  # well before the 30 s lease would expire
     assert_no_blocks(p, d)
 
 
 def test_bad_transfer_params_are_rejected(engines):
     _, d, c = engines
-    with pytest.raises(InvalidRequestError, match="malformed"):
-        d.make_request("b", [1, 2, 3], SamplingParams(), kv_transfer_params={"x": 1})
+    with pytest.raises(ValidationError, match="block_ids"):  # malformed: the wire refuses
+        KVTransferParams.model_validate({"x": 1})
+    good = {"block_ids": [1, 2], "first_token": 5, "lease_id": "l", "num_tokens": 3,
+            "lease_ttl_s": 30.0, "endpoint": {
+                "transport": "local", "engine_id": "e", "address": "a", "layout": {
+                    "num_layers": 1, "block_size": 16, "num_kv_heads": 1, "head_dim": 8,
+                    "dtype": "float32"}}}
     with pytest.raises(InvalidRequestError, match="cover"):
-        d.make_request("b", [1, 2, 3], SamplingParams(), kv_transfer_params={
-            "block_ids": [1, 2], "first_token": 5, "endpoint": {}, "lease_id": "l",
-            "num_tokens": 3})
+        d.make_request("b", [1, 2, 3], SamplingParams(),
+                       kv=PullKV(KVTransferParams.model_validate(good)))
+    with pytest.raises(InvalidRequestError, match="outside"):
+        d.make_request("b", [1, 2, 3], SamplingParams(), kv=PullKV(
+            KVTransferParams.model_validate(good | {"block_ids": [1], "first_token": 10**9})))
     with pytest.raises(InvalidRequestError, match="no KV transport"):
-        c.make_request("b", [1, 2, 3], SamplingParams(), hold_kv=True)
+        c.make_request("b", [1, 2, 3], SamplingParams(), kv=HoldKV())
 
 
 def test_seeded_sampling_continues_across_the_handover(engines, tokenizer):
@@ -207,10 +229,10 @@ def test_seeded_sampling_continues_across_the_handover(engines, tokenizer):
     c.add_request("seed-c", ids, params)
     want = [t for o in run(c) if o.request_id == "seed-c" for t in o.new_token_ids]
     pre = p.make_request("seed-p", ids, SamplingParams(temperature=1.0, top_k=50, seed=1234,
-                                                       max_tokens=1), hold_kv=True)
+                                                       max_tokens=1), kv=HoldKV())
     p.add(pre)
     kv = [o for o in run_until_finished(p, "seed-p")][-1].kv_transfer_params
-    req = d.make_request("seed-d", ids, params, kv_transfer_params=kv)
+    req = d.make_request("seed-d", ids, params, kv=PullKV(kv))
     got = [t for o in d.add(req) + run(d) if o.request_id == "seed-d" for t in o.new_token_ids]
     assert got == want
     # A stream resumed after k tokens (prompt + those tokens, k draws made elsewhere).

@@ -10,7 +10,8 @@ from hypothesis import strategies as st
 from baton.common.sampling_params import SamplingParams
 from baton.engine.kv_cache import KVCacheManager
 from baton.engine.request import Request, RequestStatus
-from baton.engine.scheduler.scheduler import SchedulerLimits, make_scheduler
+from baton.engine.scheduler import SchedulerLimits, make_scheduler
+from baton.engine.scheduler.static import PAD_TOKEN_ID, PaddingRow
 
 EOS = 0
 
@@ -65,7 +66,7 @@ def test_random_workloads_finish_and_free_everything(specs, policy, num_blocks, 
                     [rid], RequestStatus.FINISHED_ABORTED))
         finished, _ = fake_step(sched)
         ended.update(r.request_id for r in finished)
-        ended.update(r.request_id for r in sched.drain_rejected())
+        ended.update(r.request_id for r in sched.drain_ended())
         kv.check_integrity()
         if step > max(arrivals.values()) and not sched.has_unfinished_requests():
             break
@@ -155,7 +156,7 @@ def test_request_too_big_for_the_pool_ends_with_length():
     sched.add_request(req)
     for _ in range(50):
         fake_step(sched)
-        sched.drain_rejected()
+        sched.drain_ended()
         if not sched.has_unfinished_requests():
             break
     assert req.status == RequestStatus.FINISHED_LENGTH_CAPPED and kv.num_used_blocks == 0
@@ -168,13 +169,13 @@ def test_static_policy_runs_groups_to_completion_with_padding():
         sched.add_request(r)
     # The prefill step pads the shorter prompt to the group's longest.
     _, out = fake_step(sched)
-    assert [(s.request, s.num_new_tokens, s.is_padding) for s in out.scheduled] == [
-        (short, 4, False), (short, 5, True), (long_, 9, False)]
+    assert [(s.request, s.num_new_tokens) for s in out.scheduled] == [(short, 4), (long_, 9)]
+    assert [(s.request, s.num_new_tokens) for s in out.padding] == [(short, 5)]
     padded_steps = 0
     while not long_.is_finished:
         _, out = fake_step(sched)
         assert third.status == RequestStatus.WAITING  # nobody joins a running group
-        padded_steps += any(s.is_padding for s in out.scheduled)
+        padded_steps += any(isinstance(s, PaddingRow) for s in out.rows)
     assert padded_steps == 4 and short.num_output_tokens == 2
     while sched.has_unfinished_requests():
         fake_step(sched)
@@ -184,15 +185,15 @@ def test_static_policy_runs_groups_to_completion_with_padding():
 def test_static_prompt_padding_is_computed_but_writes_and_samples_nothing():
     import torch
 
-    from baton.engine.runner.batch import PAD_TOKEN_ID, build_batch
+    from baton.engine.runner.batch import build_batch
 
     sched, kv = make_scheduler_for("static", num_blocks=100, max_seqs=2)
     short, long_ = make_request(0, 3, 2), make_request(1, 10, 2)
     for r in (short, long_):
         sched.add_request(r)
     out = sched.schedule()
-    batch = build_batch(out.scheduled, kv.get_block_ids, 4, torch.device("cpu"))
-    rows = {(e.request.request_id, e.is_padding): (batch.layout.query_start_loc[i],
+    batch = build_batch(out.rows, kv.get_block_ids, 4, torch.device("cpu"))
+    rows = {(e.request.request_id, isinstance(e, PaddingRow)): (batch.layout.query_start_loc[i],
                                                    batch.layout.query_start_loc[i + 1], i)
             for i, e in enumerate(batch.entries)}
     start, end, i = rows[("r0", True)]
@@ -204,6 +205,6 @@ def test_static_prompt_padding_is_computed_but_writes_and_samples_nothing():
     # Its table row reads only blocks of the batch's table (the longest prompt's width).
     assert batch.layout.block_tables.shape[1] >= -(-7 // 4)
     assert [e.request.request_id for e in batch.sampling_entries] == ["r0", "r1"]
-    real = [e for e in batch.entries if not e.is_padding]
+    real = [e for e in batch.entries if not isinstance(e, PaddingRow)]
     written = batch.layout.slot_mapping[batch.layout.slot_mapping >= 0]
     assert len(written) == sum(e.num_new_tokens for e in real) == 13

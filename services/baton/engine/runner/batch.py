@@ -11,11 +11,6 @@ import torch
 from baton.engine.attention.base import BatchLayout
 from baton.engine.scheduler.output import ScheduledRequest
 
-# What a padding entry of a static batch's prompt feeds (any id works: nothing it computes is
-# kept, and its attention reads only rows of the batch's block table).
-PAD_TOKEN_ID = 0
-
-
 @dataclass
 class FlatBatch:
     input_ids: torch.Tensor  # (T,)
@@ -39,18 +34,14 @@ def build_batch(scheduled: list[ScheduledRequest], block_ids_of: Callable[[str],
     qsl, ctx_lens, seq_lens, tables = [0], [], [], []
     logits_indices, sampling = [], []
     for s in entries:
-        req = s.request
-        prompt_pad = s.is_padding and req.num_computed_tokens == 0
-        start = (0 if prompt_pad else req.num_computed_tokens - 1 if s.is_padding
-                 else req.num_computed_tokens)
+        start = s.start
         end = start + s.num_new_tokens
-        blocks = np.asarray(block_ids_of(req.request_id), dtype=np.int64)
+        blocks = np.asarray(block_ids_of(s.request.request_id), dtype=np.int64)
         pos = np.arange(start, end, dtype=np.int64)
-        tokens.extend([PAD_TOKEN_ID] * s.num_new_tokens if prompt_pad
-                      else req.token_ids(start, end))
+        tokens.extend(s.input_ids(start, end))
         positions.append(pos)
-        slots.append(np.full(s.num_new_tokens, -1, np.int64) if s.is_padding
-                     else blocks[pos // block_size] * block_size + pos % block_size)
+        slots.append(blocks[pos // block_size] * block_size + pos % block_size if s.writes_kv
+                     else np.full(s.num_new_tokens, -1, np.int64))  # -1: no KV write
         qsl.append(qsl[-1] + s.num_new_tokens)
         ctx_lens.append(start)
         seq_lens.append(end)

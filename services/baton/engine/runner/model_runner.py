@@ -101,7 +101,7 @@ class ModelRunner:
                 ) -> tuple[dict[str, int], dict[str, TokenLogprobs]]:
         """Run one step; returns the sampled token and logprobs of each request that
         reached the end of its known tokens."""
-        batch = build_batch(out.scheduled, block_ids_of, self.block_size, self.device)
+        batch = build_batch(out.rows, block_ids_of, self.block_size, self.device)
         if self.graphs is not None and self.graphs.can_run(batch):
             hidden = self.graphs.run(batch)  # (T, h), T = number of decodes
         elif self.native_decode is not None and self.native_decode.can_run(batch):

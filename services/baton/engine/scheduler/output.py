@@ -9,35 +9,49 @@ from baton.engine.request import Request
 
 @dataclass
 class ScheduledRequest:
-    """Run `num_new_tokens` tokens of `request` starting at its `num_computed_tokens`.
+    """Run `num_new_tokens` tokens of `request` starting at its `num_computed_tokens`,
+    writing their KV; sample a token when they reach the end of its known tokens.
 
-    Padding (static batching only) is computed without writing KV or sampling, and stands
-    for the waste of a padded static batch: on a finished request, one row re-feeding its last
-    token (the slot it keeps until the group ends); on a request whose prompt runs this step,
-    `num_new_tokens` pad tokens at positions 0.. (its prompt padded to the group's longest).
+    A policy may schedule rows of another kind (the static baseline's padding) by
+    subclassing: the batch builder only asks `start`, `input_ids`, `writes_kv`, `samples`.
     """
 
     request: Request
     num_new_tokens: int
-    is_padding: bool = False
+    writes_kv = True  # class-level: a subclass may compute rows whose KV is thrown away
+
+    @property
+    def start(self) -> int:
+        """The position of the first token this row feeds."""
+        return self.request.num_computed_tokens
+
+    def input_ids(self, start: int, end: int) -> list[int]:
+        return self.request.token_ids(start, end)
 
     @property
     def samples(self) -> bool:
         """True when this step reaches the end of the known tokens, so a token is sampled."""
         req = self.request
-        return (not self.is_padding
-                and req.num_computed_tokens + self.num_new_tokens == req.num_tokens)
+        return req.num_computed_tokens + self.num_new_tokens == req.num_tokens
 
 
 @dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    # Rows computed and thrown away (only the static baseline's padding): they run in the
+    # batch but write no KV, sample nothing and advance no request.
+    padding: list[ScheduledRequest] = field(default_factory=list)
+
+    @property
+    def rows(self) -> list[ScheduledRequest]:
+        """Everything the model runs this step."""
+        return self.scheduled + self.padding if self.padding else self.scheduled
 
     @property
     def num_tokens(self) -> int:
-        return sum(s.num_new_tokens for s in self.scheduled)
+        return sum(s.num_new_tokens for s in self.rows)
 
     @property
     def is_empty(self) -> bool:
-        return not self.scheduled
+        return not self.scheduled and not self.padding

@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass
 
 from baton.engine.kv_cache import KVCacheManager
+from baton.engine.kv_connector.base import KVConnector, KVUpdates
 from baton.engine.request import Request, RequestStatus
 from baton.engine.scheduler.output import ScheduledRequest, SchedulerOutput
 from baton.engine.scheduler.queues import make_queue
@@ -29,7 +30,8 @@ class SchedulerLimits:
 
 
 class Scheduler:
-    def __init__(self, limits: SchedulerLimits, kv: KVCacheManager) -> None:
+    def __init__(self, limits: SchedulerLimits, kv: KVCacheManager,
+                 connector: KVConnector | None = None) -> None:
         self.limits = limits
         self.kv = kv
         self.waiting = make_queue(limits.policy)
@@ -37,15 +39,10 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self.prefix_hit_tokens = 0  # prompt tokens served from the prefix cache at admission
-        self._rejected: list[Request] = []  # ended inside schedule(): can never fit the pool
-        # Disaggregation. Decode side: requests whose prompt KV is being pulled (blocks
-        # allocated, not yet runnable), those admitted so this step (the engine starts their
-        # pulls), and aborted ones whose pull is still writing into their blocks. Prefill
-        # side: finished requests whose blocks are leased to a puller.
-        self.remote: dict[str, Request] = {}
-        self.remote_started: list[Request] = []
-        self.zombies: dict[str, Request] = {}
-        self.held: dict[str, Request] = {}
+        # Ended inside schedule() (the pool can never hold it; its KV load failed under the
+        # `fail` policy): the engine reports them with `drain_ended`.
+        self._ended: list[Request] = []
+        self.connector = connector  # None: this engine neither holds nor pulls KV
 
     # -- bookkeeping -----------------------------------------------------------------------
     @property
@@ -65,13 +62,14 @@ class Scheduler:
         self.requests[req.request_id] = req
         self.waiting.add(req)
 
-    def drain_rejected(self) -> list[Request]:
-        rejected, self._rejected = self._rejected, []
-        return rejected
+    def drain_ended(self) -> list[Request]:
+        ended, self._ended = self._ended, []
+        return ended
 
     def finish_requests(self, request_ids, status: RequestStatus) -> list[Request]:
         """End these requests (abort, stop string) wherever they are; unknown ids are
-        ignored. Frees their blocks. Returns the requests that were ended."""
+        ignored. Frees their blocks (or leaves them to the KV connector). Returns the
+        requests that were ended."""
         ended = []
         for rid in request_ids:
             req = self.requests.get(rid)
@@ -80,65 +78,42 @@ class Scheduler:
             req.status, previous = status, req.status
             if previous == RequestStatus.RUNNING:
                 self.running.remove(req)
-            elif previous == RequestStatus.WAITING_FOR_REMOTE_KV:
-                # Its pull may still be writing into its blocks: free them when it ends.
-                del self.remote[rid]
-                del self.requests[rid]
-                self.zombies[rid] = req
-                ended.append(req)
-                continue
-            else:
+            elif previous != RequestStatus.WAITING_FOR_REMOTE_KV:  # that one: the connector's
                 self.waiting.remove(req)
             self._release(req)
             ended.append(req)
         return ended
 
-    # -- disaggregation --------------------------------------------------------------------
+    # -- the KV connector ------------------------------------------------------------------
     @property
     def needs_polling(self) -> bool:
-        """Work that advances without a model step: pulls in flight, leases to expire."""
-        return bool(self.remote or self.zombies or self.held)
+        """Work that advances without a model step: KV loads in flight, leases to expire."""
+        return self.connector is not None and self.connector.has_pending
 
-    def take_remote_started(self) -> list[Request]:
-        started, self.remote_started = self.remote_started, []
-        return started
-
-    def finish_remote(self, req: Request, ok: bool) -> None:
-        """Its pull ended: join the running batch, or (failed) prefill locally from the
-        front of the queue, keeping the first token."""
-        del self.remote[req.request_id]
-        if ok:
+    def _apply_kv_updates(self, updates: KVUpdates) -> None:
+        for req in updates.freeable:
+            self.kv.free(req)
+        for req in updates.loaded:  # the prompt's KV is in place: run
+            req.kv_handoff = None
             req.num_computed_tokens = req.num_prompt_tokens
             self.kv.publish(req, req.num_prompt_tokens)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            return
-        self.kv.free(req)
-        req.remote_kv = None
-        req.num_computed_tokens = 0
-        req.status = RequestStatus.WAITING
-        self.waiting.add_preempted(req)
-
-    def fail_remote(self, req: Request) -> None:
-        """Its pull failed and the policy is `fail`: end it."""
-        del self.remote[req.request_id]
-        req.status = RequestStatus.FINISHED_ABORTED
-        self._release(req)
-
-    def reap(self, request_id: str) -> None:
-        """An aborted request's pull ended: its blocks can go."""
-        req = self.zombies.pop(request_id, None)
-        if req is not None:
+        for req in updates.recompute:  # prefill locally, first in line, keeping its token
+            req.kv_handoff = None
             self.kv.free(req)
-
-    def release_held(self, request_id: str) -> None:
-        """A prefill's lease ended (pulled or expired): free its blocks."""
-        req = self.held.pop(request_id, None)
-        if req is not None:
-            self.kv.free(req)
+            req.num_computed_tokens = 0
+            req.status = RequestStatus.WAITING
+            self.waiting.add_preempted(req)
+        for req, why in updates.failed:
+            req.stop_reason = why
+            self._finish(req, RequestStatus.FINISHED_ABORTED)
+            self._ended.append(req)
 
     # -- the step --------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        if self.connector is not None:
+            self._apply_kv_updates(self.connector.poll())
         out = SchedulerOutput()
         budget = self._schedule_running(out, self.limits.max_num_batched_tokens)
         if not out.preempted:
@@ -166,7 +141,7 @@ class Scheduler:
                 # than preempt and recompute it forever.
                 self.running.remove(req)
                 self._finish(req, RequestStatus.FINISHED_LENGTH_CAPPED)
-                self._rejected.append(req)
+                self._ended.append(req)
                 return False
             victim = self._pick_victim(index)
             self._preempt(victim)
@@ -192,20 +167,20 @@ class Scheduler:
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while (self.waiting and budget > 0
-               and len(self.running) + len(self.remote) < self.limits.max_num_seqs):
+               and len(self.running) + self._num_loading < self.limits.max_num_seqs):
             req = self.waiting.peek()
-            if req.remote_kv is not None and req.status == RequestStatus.WAITING:
-                if not self._admit_remote(req):
+            computed, num_cached = self.kv.get_computed_blocks(req)
+            if self.connector is not None and self.connector.num_remote_tokens(req, num_cached):
+                if not self._admit_remote(req, computed, num_cached):
                     return
                 continue
-            computed, num_cached = self.kv.get_computed_blocks(req)
             num_new = min(req.num_tokens - num_cached, budget)
             if self.kv.allocate_slots(req, num_new, computed) is None:
                 if not self.running:
                     # The pool is all ours and still too small: it can never run.
                     self.waiting.pop()
                     self._finish(req, RequestStatus.FINISHED_LENGTH_CAPPED)
-                    self._rejected.append(req)
+                    self._ended.append(req)
                     continue
                 return
             self.waiting.pop()
@@ -213,16 +188,20 @@ class Scheduler:
             out.scheduled.append(ScheduledRequest(req, num_new))
             budget -= num_new
 
-    def _admit_remote(self, req: Request) -> bool:
-        """Allocate blocks for a prompt whose KV will be pulled (local prefix hits are kept
-        and not pulled); no token budget is spent. False: no room now."""
-        computed, num_cached = self.kv.get_computed_blocks(req)
+    @property
+    def _num_loading(self) -> int:
+        return self.connector.num_loading if self.connector is not None else 0
+
+    def _admit_remote(self, req: Request, computed, num_cached: int) -> bool:
+        """Allocate blocks for a prompt whose KV arrives from elsewhere (local prefix hits
+        are kept and not loaded) and start the load; no token budget is spent. False: no
+        room now."""
         n = req.num_prompt_tokens
         if self.kv.allocate_slots(req, n - num_cached, computed, publish=False) is None:
-            if not self.running and not self.remote:
+            if not self.running and not self._num_loading:
                 self.waiting.pop()
                 self._finish(req, RequestStatus.FINISHED_LENGTH_CAPPED)
-                self._rejected.append(req)
+                self._ended.append(req)
                 return True
             return False
         self.waiting.pop()
@@ -231,8 +210,7 @@ class Scheduler:
         req.status = RequestStatus.WAITING_FOR_REMOTE_KV
         if req.first_scheduled_time is None:
             req.first_scheduled_time = time.monotonic()
-        self.remote[req.request_id] = req
-        self.remote_started.append(req)
+        self.connector.start_load(req, self.kv.get_block_ids(req.request_id))
         return True
 
     def _admit(self, req: Request, num_cached: int) -> None:
@@ -251,8 +229,6 @@ class Scheduler:
         (EOS, stop token id, max_tokens, context window). Returns those ended this step."""
         finished = []
         for s in out.scheduled:
-            if s.is_padding:
-                continue
             req = s.request
             req.num_computed_tokens += s.num_new_tokens
             token = sampled.get(req.request_id)
@@ -262,12 +238,7 @@ class Scheduler:
             status = self.stop_status(req, token)
             if status is not None:
                 self.running.remove(req)
-                if req.hold_kv:  # a prefill: its blocks wait for the decode pod's pull
-                    req.status = status
-                    del self.requests[req.request_id]
-                    self.held[req.request_id] = req
-                else:
-                    self._finish(req, status)
+                self._finish(req, status)
                 finished.append(req)
         return finished
 
@@ -288,13 +259,12 @@ class Scheduler:
         self._release(req)
 
     def _release(self, req: Request) -> None:
-        self.kv.free(req)
+        """`req` has ended: its blocks are freed, unless the KV connector keeps them (a
+        prefill's blocks leased to a puller, a pull still writing into them)."""
         del self.requests[req.request_id]
-
-
-def make_scheduler(limits: SchedulerLimits, kv: KVCacheManager) -> Scheduler:
-    if limits.policy == "static":
-        from baton.engine.scheduler.static import StaticScheduler
-
-        return StaticScheduler(limits, kv)
-    return Scheduler(limits, kv)
+        if self.connector is not None:
+            keep, req.kv_transfer_params = self.connector.request_finished(
+                req, self.kv.get_block_ids(req.request_id))
+            if keep:
+                return
+        self.kv.free(req)

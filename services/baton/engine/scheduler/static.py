@@ -12,9 +12,39 @@ kernels read only a sequence's own tokens.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from baton.engine.request import Request, RequestStatus
 from baton.engine.scheduler.output import ScheduledRequest, SchedulerOutput
 from baton.engine.scheduler.scheduler import Scheduler
+
+# What a padding row of a prompt feeds (any id works: nothing it computes is kept, and its
+# attention reads only rows of the batch's block table).
+PAD_TOKEN_ID = 0
+
+
+@dataclass
+class PaddingRow(ScheduledRequest):
+    """The waste of a padded static batch, computed without writing KV or sampling: on a
+    finished member, one row re-feeding its last token (the slot it keeps until the group
+    ends); on a member whose prompt runs this step, `num_new_tokens` pad tokens at
+    positions 0.. (its prompt padded to the group's longest)."""
+
+    writes_kv = False
+
+    @property
+    def start(self) -> int:
+        computed = self.request.num_computed_tokens
+        return 0 if computed == 0 else computed - 1
+
+    def input_ids(self, start: int, end: int) -> list[int]:
+        if self.request.num_computed_tokens == 0:
+            return [PAD_TOKEN_ID] * (end - start)
+        return self.request.token_ids(start, end)
+
+    @property
+    def samples(self) -> bool:
+        return False
 
 
 class StaticScheduler(Scheduler):
@@ -32,15 +62,14 @@ class StaticScheduler(Scheduler):
         for req in self._group:
             if req.is_finished:
                 if req.num_computed_tokens > 0:
-                    out.scheduled.append(ScheduledRequest(req, 1, is_padding=True))
+                    out.padding.append(PaddingRow(req, 1))
                 continue
             num_new = req.num_tokens - req.num_computed_tokens
             if self.kv.allocate_slots(req, num_new) is None:
                 raise RuntimeError(f"static batch lost its reservation for {req.request_id}")
             out.scheduled.append(ScheduledRequest(req, num_new))
             if req.num_computed_tokens == 0 and req.num_prompt_tokens < width:
-                out.scheduled.append(ScheduledRequest(req, width - req.num_prompt_tokens,
-                                                      is_padding=True))
+                out.padding.append(PaddingRow(req, width - req.num_prompt_tokens))
         return out
 
     def _admit_group(self) -> None:
@@ -53,7 +82,7 @@ class StaticScheduler(Scheduler):
                 if not self.running:
                     self.waiting.pop()
                     self._finish(req, RequestStatus.FINISHED_LENGTH_CAPPED)
-                    self._rejected.append(req)
+                    self._ended.append(req)
                     continue
                 break
             free -= need

@@ -1,0 +1,189 @@
+"""The internal wire between the router, prefill pods and decode pods (no torch).
+
+Every message that crosses a pod boundary on the disaggregated path is one of these pydantic
+models, validated once where it arrives; nobody builds or parses these bodies by hand.
+
+    router -> prefill  POST /internal/prefill   PrefillRequest  -> PrefillResponse
+    router -> decode   POST /internal/generate  GenerateRequest -> the OpenAI answer
+                                                (SSE; with `return_token_ids`, each content
+                                                event is preceded by a `TokenEvent`)
+
+`KVTransferParams` is what a prefill engine hands out for a request whose KV it holds: where
+to pull it from (`endpoint`), which blocks, under which lease, and the first token it
+sampled. The decode engine takes it back as is (`engine.kv_connector.PullKV`).
+
+Token events are SSE events of their own type (`event: baton.tokens`), so the router reads
+token ids without parsing (or rewriting) the OpenAI content events, and drops them before
+the client sees the stream. A token event names the tokens of the content event that
+follows it; the router counts them as sent only once that content event went through.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_serializer, model_validator
+
+from baton.common.protocol import ChatCompletionRequest, CompletionRequest
+
+WIRE_VERSION = 1
+TOKENS_EVENT = "baton.tokens"
+API_MODELS: dict[str, type[BaseModel]] = {"chat": ChatCompletionRequest,
+                                          "completions": CompletionRequest}
+Api = Literal["chat", "completions"]
+OpenAIBody = ChatCompletionRequest | CompletionRequest
+TokenId = Annotated[int, Field(ge=0)]
+_WIRE = ConfigDict(extra="forbid", frozen=True)
+
+
+# -- KV hand-over --------------------------------------------------------------------------
+class KVLayoutInfo(BaseModel):
+    """The shape of a holder's KV cache (`kv_transfer.base.KVLayout` on the wire)."""
+
+    model_config = _WIRE
+    num_layers: Annotated[int, Field(ge=1)]
+    block_size: Annotated[int, Field(ge=1)]
+    num_kv_heads: Annotated[int, Field(ge=1)]
+    head_dim: Annotated[int, Field(ge=1)]
+    dtype: str
+
+
+class KVEndpointInfo(BaseModel):
+    """How a puller reaches a holder (`kv_transfer.base.Endpoint` on the wire)."""
+
+    model_config = _WIRE
+    transport: str
+    engine_id: str
+    address: str
+    layout: KVLayoutInfo
+
+
+class KVTransferParams(BaseModel):
+    """A prefill's KV, held under `lease_id` for `lease_ttl_s`: `block_ids` on the holder
+    cover the prompt's `num_tokens` tokens; `first_token` is the token the prefill sampled."""
+
+    model_config = _WIRE
+    v: Literal[1] = WIRE_VERSION
+    endpoint: KVEndpointInfo
+    block_ids: Annotated[list[TokenId], Field(min_length=1)]
+    num_tokens: Annotated[int, Field(ge=1)]
+    lease_id: Annotated[str, Field(min_length=1)]
+    first_token: TokenId
+    lease_ttl_s: Annotated[float, Field(gt=0)]
+
+
+# -- router <-> workers --------------------------------------------------------------------
+class _WithOpenAIBody(BaseModel):
+    """An internal message carrying the client's OpenAI body, typed by `api`."""
+
+    model_config = _WIRE
+    v: Literal[1] = WIRE_VERSION
+    api: Api
+    request: OpenAIBody
+
+    @model_validator(mode="before")
+    @classmethod
+    def _body_of_api(cls, data):
+        if isinstance(data, dict) and isinstance(data.get("request"), dict):
+            model = API_MODELS.get(data.get("api"))
+            if model is not None:
+                data = {**data, "request": model.model_validate(data["request"])}
+        return data
+
+    @model_validator(mode="after")
+    def _body_matches_api(self):
+        if not isinstance(self.request, API_MODELS[self.api]):
+            raise ValueError(f"api {self.api!r} does not match the request body")
+        return self
+
+    @field_serializer("request")
+    def _client_fields_only(self, request: OpenAIBody) -> dict:
+        return request.model_dump(exclude_unset=True)  # the body as the client sent it
+
+    def to_json(self) -> bytes:
+        return self.model_dump_json().encode()
+
+
+class PrefillRequest(_WithOpenAIBody):
+    """Compute the prompt's KV, sample its first token, and hold the KV for a decode pod."""
+
+
+class PrefillResponse(BaseModel):
+    model_config = _WIRE
+    v: Literal[1] = WIRE_VERSION
+    prompt_token_ids: Annotated[list[TokenId], Field(min_length=1)]
+    kv_transfer_params: KVTransferParams
+    prefill_s: Annotated[float, Field(ge=0)]
+
+
+class ResumeState(BaseModel):
+    """A stream another decode pod started: the original prompt's length, the tokens (and
+    characters) the client already has, and the stream's `created` stamp."""
+
+    model_config = _WIRE
+    prompt_tokens: Annotated[int, Field(ge=1)]
+    completion_tokens: Annotated[int, Field(ge=0)] = 0
+    text_offset: Annotated[int, Field(ge=0)] = 0
+    created: int | None = None
+
+
+class GenerateRequest(_WithOpenAIBody):
+    """Generate on a decode pod. With `kv_transfer_params` the prompt's KV is pulled from a
+    prefill pod; without, the decode pod prefills `prompt_token_ids` (or the body's prompt)
+    itself. `resume`: `prompt_token_ids` is the original prompt + the tokens already sent."""
+
+    prompt_token_ids: list[TokenId] | None = None
+    kv_transfer_params: KVTransferParams | None = None
+    return_token_ids: bool = False
+    resume: ResumeState | None = None
+
+    @model_validator(mode="after")
+    def _consistent(self):
+        ids, resume = self.prompt_token_ids, self.resume
+        if self.kv_transfer_params is not None and not ids:
+            raise ValueError("kv_transfer_params need the prompt_token_ids they cover")
+        if resume is not None and (ids is None or resume.prompt_tokens > len(ids) or
+                                   resume.prompt_tokens + resume.completion_tokens != len(ids)):
+            raise ValueError("a resumed request gives prompt_token_ids = the original prompt "
+                             "+ the tokens already sent")
+        return self
+
+
+# -- token ids beside a decode pod's stream ------------------------------------------------
+class StreamHeader(BaseModel):
+    """The fields every chunk of one OpenAI stream repeats."""
+
+    model_config = _WIRE
+    id: str
+    object: str
+    created: int
+    model: str
+
+
+class TokenEvent(BaseModel):
+    """What the router needs to resume a stream, sent before the content event it describes.
+
+    The first one of a stream (before any content) has the prompt's ids and the response's
+    `header`; later ones have the `token_ids` and the
+    `text_chars` of the content event that follows, and `finished` on the last."""
+
+    model_config = _WIRE
+    v: Literal[1] = WIRE_VERSION
+    prompt_token_ids: list[TokenId] | None = None
+    header: StreamHeader | None = None
+    token_ids: list[TokenId] = []
+    text_chars: Annotated[int, Field(ge=0)] = 0
+    finished: bool = False
+
+    def sse(self) -> bytes:
+        data = self.model_dump_json(exclude_defaults=True)
+        return f"event: {TOKENS_EVENT}\ndata: {data}\n\n".encode()
+
+    @classmethod
+    def from_sse(cls, event: bytes) -> TokenEvent | None:
+        """The token event in one SSE event block (no trailing blank line), else None."""
+        head, _, rest = event.partition(b"\n")
+        if head != b"event: " + TOKENS_EVENT.encode() or not rest.startswith(b"data: "):
+            return None
+        return cls.model_validate(json.loads(rest[6:]))

@@ -1,0 +1,104 @@
+"""The KV connector contract: the scheduler's only view of disaggregation.
+
+Every hook is called by the `Scheduler` on the engine thread (the one that steps), never
+concurrently. The connector never frees, allocates or publishes blocks itself: it tells
+the scheduler which requests' blocks to keep and, through `poll()`, when they can go.
+
+    admission   num_remote_tokens(req, num_cached) > 0  -> the scheduler allocates blocks
+                for the whole prompt (cached ones kept) and calls start_load(req, block_ids);
+                the request waits in WAITING_FOR_REMOTE_KV, counted in `num_loading`
+    each step   poll() -> KVUpdates: loads that finished (run it), failed (recompute it
+                locally, or end it: policy), and requests whose blocks nobody needs now
+    any end     request_finished(req, block_ids) -> (keep_blocks, params): a prefill held
+                under a lease (params for the puller), or an aborted request whose pull is
+                still writing into its blocks; its blocks come back later in `freeable`
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+
+from baton.common.internal import KVTransferParams
+from baton.engine.config import LiveKVSettings
+from baton.engine.request import Request
+
+
+@dataclass
+class KVUpdates:
+    """What changed since the last poll. Each request appears at most once."""
+
+    loaded: list[Request] = field(default_factory=list)  # its prompt's KV is in place
+    recompute: list[Request] = field(default_factory=list)  # load failed: prefill locally
+    failed: list[tuple[Request, str]] = field(default_factory=list)  # load failed: end it
+    freeable: list[Request] = field(default_factory=list)  # ended; blocks no longer needed
+
+
+@dataclass
+class KVConnectorStats:
+    """Counters for /metrics, written on the engine thread, read anywhere."""
+
+    transfers: int = 0
+    failures: int = 0
+    bytes: int = 0
+    fallbacks: dict[str, int] = field(default_factory=dict)  # reason -> count
+
+    def fallback(self, reason: str) -> None:
+        self.fallbacks[reason] = self.fallbacks.get(reason, 0) + 1
+
+
+class KVConnector(ABC):
+    stats: KVConnectorStats
+
+    # -- admission -------------------------------------------------------------------------
+    @abstractmethod
+    def num_remote_tokens(self, req: Request, num_cached: int) -> int:
+        """Prompt tokens of a waiting request whose KV arrives from elsewhere, past its
+        `num_cached` locally cached ones; 0 computes the prompt here."""
+
+    @abstractmethod
+    def start_load(self, req: Request, block_ids: list[int]) -> None:
+        """Blocks for `req`'s whole prompt are allocated (`block_ids`, the first
+        `req.num_cached_tokens` tokens' ones already hold its KV): start filling the rest.
+        Never blocks; a load that cannot start is reported failed by the next `poll()`."""
+
+    @property
+    @abstractmethod
+    def num_loading(self) -> int:
+        """Requests in WAITING_FOR_REMOTE_KV (they count against `max_num_seqs`)."""
+
+    # -- every step ------------------------------------------------------------------------
+    @abstractmethod
+    def poll(self) -> KVUpdates:
+        """Advance leases and loads without blocking."""
+
+    @property
+    @abstractmethod
+    def has_pending(self) -> bool:
+        """Work that advances without model steps (loads, leases): keep polling."""
+
+    # -- the end of a request --------------------------------------------------------------
+    @abstractmethod
+    def request_finished(self, req: Request, block_ids: list[int]
+                         ) -> tuple[bool, KVTransferParams | None]:
+        """`req` ended (any way; its status says how). True: keep its blocks allocated
+        until a later `poll()` lists it in `freeable`. The params, when not None, tell a
+        puller where the blocks are (the request's final output carries them)."""
+
+    # -- operations ------------------------------------------------------------------------
+    @abstractmethod
+    def reconfigure(self, live: LiveKVSettings) -> None:
+        """Apply live-tuned knobs to leases and loads started from now on."""
+
+    @abstractmethod
+    def take_transfer_durations(self) -> list[float]:
+        """Seconds each finished load took since the last call (thread-safe)."""
+
+    @property
+    @abstractmethod
+    def num_leases_held(self) -> int:
+        """Finished requests whose blocks wait for a puller."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Stop the transport; called once, on the engine thread, when the engine stops."""

@@ -1,0 +1,182 @@
+"""`TransportKVConnector`: the KV connector over a `baton.kv_transfer` transport.
+
+Prefill side: a request made with `HoldKV` runs its prompt and samples one token; when it
+ends normally its blocks go under a lease with the transport and its final output carries
+the `KVTransferParams`. When the lease ends (pulled, or expired) `poll()` frees the blocks.
+
+Decode side: a request made with `PullKV` is admitted with blocks for its prompt (local
+prefix-cache hits are not pulled), waits in WAITING_FOR_REMOTE_KV while its pull runs, and
+joins the running batch when the pull is done. A failed pull prefills locally
+(`failure_policy="recompute"`) or ends the request (`"fail"`). A request that ends before
+its pull starts (stopped on the prefill's first token, aborted while queued) releases the
+lease at once; one aborted mid-pull keeps its blocks until the pull stops writing.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import uuid
+
+from baton.common.internal import KVEndpointInfo, KVTransferParams
+from baton.engine.config import LiveKVSettings
+from baton.engine.kv_connector.base import KVConnector, KVConnectorStats, KVUpdates
+from baton.engine.kv_connector.handoff import HoldKV, PullKV
+from baton.engine.request import Request, RequestStatus
+from baton.kv_transfer import make_transport
+from baton.kv_transfer.base import (Endpoint, LeaseExpiredError, PeerUnreachableError,
+                                    Transfer, TransferError, TransferState,
+                                    TransferTimeoutError)
+
+log = logging.getLogger(__name__)
+_NORMAL_END = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
+
+
+class TransportKVConnector(KVConnector):
+    def __init__(self, transport: str, kv_cache, engine_id: str | None,
+                 live: LiveKVSettings, host: str = "127.0.0.1", port: int = 0) -> None:
+        self.transport = make_transport(transport, **({} if transport == "local" else {
+            "host": host, "port": port}))
+        self.endpoint = self.transport.start(kv_cache, engine_id or uuid.uuid4().hex[:12])
+        self._endpoint_info = KVEndpointInfo.model_validate(self.endpoint.to_dict())
+        self.block_size = kv_cache.shape[3]
+        self.live = live
+        self.stats = KVConnectorStats()
+        self._loading: dict[str, tuple[Transfer, Request]] = {}
+        self._not_started: dict[str, tuple[Request, str]] = {}  # loads that failed to start
+        self._aborted: set[str] = set()  # ended while loading: free when the load stops
+        self._held: dict[str, Request] = {}  # prefill: under a lease
+        self._durations: collections.deque[float] = collections.deque()
+
+    # -- admission (decode) ----------------------------------------------------------------
+    def num_remote_tokens(self, req: Request, num_cached: int) -> int:
+        if not isinstance(req.kv_handoff, PullKV):
+            return 0
+        return req.num_prompt_tokens - num_cached
+
+    def start_load(self, req: Request, block_ids: list[int]) -> None:
+        params = req.kv_handoff.params
+        first = req.num_cached_tokens // self.block_size
+        last = -(-req.num_prompt_tokens // self.block_size)
+        src, dst = params.block_ids[first:last], block_ids[first:last]
+        try:
+            peer = Endpoint.from_dict(params.endpoint.model_dump())
+            if peer.transport != self.transport.name:
+                raise ValueError(f"the holder serves KV over {peer.transport}, this engine "
+                                 f"pulls over {self.transport.name}")
+            transfer = self.transport.pull(peer, params.lease_id, src, dst,
+                                           self.live.transfer_timeout_s)
+        except (ValueError, TransferError) as err:
+            self._not_started[req.request_id] = (req, f"cannot pull: {err}")
+            return
+        self._loading[req.request_id] = (transfer, req)
+
+    @property
+    def num_loading(self) -> int:
+        return len(self._loading) + len(self._not_started)
+
+    # -- every step ------------------------------------------------------------------------
+    def poll(self) -> KVUpdates:
+        updates = KVUpdates()
+        for rid, _reason in self.transport.released():
+            held = self._held.pop(rid, None)
+            if held is not None:
+                updates.freeable.append(held)
+        for req, why in self._not_started.values():
+            self.stats.transfers += 1
+            self.stats.failures += 1
+            self._fail(req, TransferError(why), updates)
+        self._not_started = {}
+        for rid, (transfer, req) in list(self._loading.items()):
+            if transfer.is_finished:
+                del self._loading[rid]
+                self._load_ended(transfer, req, updates)
+        return updates
+
+    def _load_ended(self, t: Transfer, req: Request, updates: KVUpdates) -> None:
+        self.stats.transfers += 1
+        if t.finished is not None:
+            self._durations.append(t.finished - t.started)
+            req.kv_transfer_time = t.finished - t.started
+        if req.request_id in self._aborted:
+            self._aborted.discard(req.request_id)
+            updates.freeable.append(req)
+        elif t.state == TransferState.DONE:
+            self.stats.bytes += t.bytes
+            updates.loaded.append(req)
+        else:
+            self.stats.failures += 1
+            self._fail(req, t.error, updates)
+
+    def _fail(self, req: Request, error: TransferError | None, updates: KVUpdates) -> None:
+        policy = self.live.failure_policy
+        log.warning("pulling the KV of %s failed (%s); policy %s", req.request_id, error,
+                    policy)
+        if policy == "recompute":
+            self.stats.fallback(fallback_reason(error))
+            updates.recompute.append(req)
+        else:
+            updates.failed.append((req, f"KV transfer failed: {error}"))
+
+    @property
+    def has_pending(self) -> bool:
+        return bool(self._loading or self._not_started or self._held)
+
+    # -- the end of a request --------------------------------------------------------------
+    def request_finished(self, req: Request, block_ids: list[int]
+                         ) -> tuple[bool, KVTransferParams | None]:
+        rid, handoff = req.request_id, req.kv_handoff
+        if rid in self._loading:  # its pull may still be writing into its blocks
+            self._aborted.add(rid)
+            return True, None
+        if self._not_started.pop(rid, None) is not None:
+            return False, None
+        if isinstance(handoff, PullKV):  # ended before its pull started
+            self._release_unpulled(handoff.params)
+        elif isinstance(handoff, HoldKV) and req.status in _NORMAL_END:
+            return True, self._lease(req, block_ids)
+        return False, None
+
+    def _lease(self, req: Request, block_ids: list[int]) -> KVTransferParams:
+        ttl = self.live.lease_ttl_s
+        self.transport.hold(req.request_id, block_ids, ttl)
+        self._held[req.request_id] = req
+        return KVTransferParams(endpoint=self._endpoint_info, block_ids=block_ids,
+                                num_tokens=req.num_prompt_tokens, lease_id=req.request_id,
+                                first_token=req.output_token_ids[-1], lease_ttl_s=ttl)
+
+    def _release_unpulled(self, params: KVTransferParams) -> None:
+        """Tell the holder we will not pull: an empty pull ends the lease at once instead
+        of after its TTL."""
+        try:
+            self.transport.pull(Endpoint.from_dict(params.endpoint.model_dump()),
+                                params.lease_id, [], [], self.live.transfer_timeout_s)
+        except (ValueError, TransferError) as err:
+            log.warning("could not release lease %s: %s", params.lease_id, err)
+
+    # -- operations ------------------------------------------------------------------------
+    def reconfigure(self, live: LiveKVSettings) -> None:
+        self.live = live
+
+    def take_transfer_durations(self) -> list[float]:
+        out = []
+        while self._durations:
+            out.append(self._durations.popleft())
+        return out
+
+    @property
+    def num_leases_held(self) -> int:
+        return len(self._held)
+
+    def close(self) -> None:
+        self.transport.close()
+
+
+def fallback_reason(error: TransferError | None) -> str:
+    """The `baton:fallbacks_total` reason of a failed pull."""
+    for kind, reason in ((TransferTimeoutError, "transfer_timeout"),
+                         (PeerUnreachableError, "kv_peer_lost"),
+                         (LeaseExpiredError, "lease_expired")):
+        if isinstance(error, kind):
+            return reason
+    return "transfer_failed"
