@@ -38,7 +38,11 @@ def assert_matches(got: torch.Tensor, ref: torch.Tensor) -> None:
         torch.testing.assert_close(got, ref, rtol=2e-6, atol=1e-6)
         return
     ulps = (ordered(got) - ordered(ref)).abs()
-    assert ulps.max().item() <= 1
+    # torch's own bf16 kernels reduce in AVX-512 or AVX2 lanes: on AVX2 its summation order
+    # moves the norm's scale by a float ulp now and then, which two bf16 roundings can turn
+    # into 2 ulps on an element (the share test below still catches a missed rounding step).
+    assert ulps.max().item() <= (1 if torch.backends.cpu.get_cpu_capability().startswith(
+        "AVX512") else 2)
     assert (ulps > 0).float().mean().item() <= 1e-3
 
 

@@ -7,7 +7,9 @@ oneDNN copies are dropped): it beat oneDNN's prepacked bf16 GEMM at every batch 
 replaced at 1-8 rows. Elsewhere oneDNN's prepacked weight serves (a prepacked weight skips
 the per-call reorder that `F.linear` pays: 45 us vs 87 us for a 3072x576 bf16 linear at batch
 1), with a native GEMV over a row-major copy for 1-2 rows, where a step is bound by reading
-the weights and oneDNN reads them on one core.
+the weights and oneDNN reads them on one core. On a CPU where oneDNN cannot run bf16 at
+all (no AVX512BW/VL/DQ nor AVX-NE-CONVERT: its prepack raises), the row-major weight serves
+through the native GEMV for small batches and `F.linear` for the rest.
 """
 
 from __future__ import annotations
@@ -81,9 +83,15 @@ def load_linear_kernels(cache_dir: Path) -> NativeLinear | None:
     return None if lib is None else NativeLinear(lib)
 
 
+def onednn_bf16_supported() -> bool:
+    """Whether oneDNN runs bf16 on this CPU (its weight prepack raises where it cannot)."""
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 class PackedLinear(nn.Module):
-    """One of three forms, chosen once: `vnni` (the native GEMM for every batch), or oneDNN's
-    `packed` weight plus, with native kernels, a row-major `weight` for the GEMV."""
+    """One of three forms, chosen once: `vnni` (the native GEMM for every batch), oneDNN's
+    `packed` weight plus, with native kernels, a row-major `weight` for the GEMV; or, where
+    oneDNN has no bf16, only the row-major `weight` (GEMV for few rows, else `F.linear`)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None,
                  native: NativeLinear | None = None) -> None:
@@ -94,20 +102,25 @@ class PackedLinear(nn.Module):
         self.vnni = None if native is None else native.pack(weight)
         self.packed = self.weight = None
         if self.vnni is None:
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
-            if native is not None:
+            if onednn_bf16_supported():
+                self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1)
+            if native is not None or self.packed is None:
                 self.weight = weight.detach().contiguous()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.vnni is not None and x.dim() == 2:
-            return self.native.gemm(x, self.vnni, self.bias, self.out_features)
-        if self.weight is not None and x.dim() == 2 and x.shape[0] <= self.native.gemv_max_rows:
-            return self.native.gemv(x, self.weight, self.bias)
-        if self.packed is None:  # a batch of another rank: flatten it through the GEMM
+        if self.vnni is not None:
+            if x.dim() == 2:
+                return self.native.gemm(x, self.vnni, self.bias, self.out_features)
             y = self.native.gemm(x.reshape(-1, self.in_features), self.vnni, self.bias,
-                                 self.out_features)
+                                 self.out_features)  # a batch of another rank: flattened
             return y.view(*x.shape[:-1], self.out_features)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+        if (self.native is not None and x.dim() == 2
+                and x.shape[0] <= self.native.gemv_max_rows):
+            return self.native.gemv(x, self.weight, self.bias)
+        if self.packed is not None:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [],
+                                                      "")
+        return nn.functional.linear(x, self.weight, self.bias)
 
 
 def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
