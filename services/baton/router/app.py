@@ -1,9 +1,12 @@
 """The router service (`baton router`): the OpenAI surface in front of the workers.
 
 It validates each request against the same strict schema the workers use (a bad request is
-answered here and never reaches a worker), checks the model, picks a worker through the
-routing pipeline and relays the answer (`proxy.py`). `/v1/models` aggregates what the
-healthy workers serve. Never imports torch.
+answered here and never reaches a worker), checks the model, and passes the request along
+its path: its routing context (`routing_context.py`), the decode pod and remote prefill of
+a disaggregated deployment (`remote_prefill.py`, deciding with `scheduling/disagg.py`), and
+the retry loop (`retry.py`) whose attempts relay the answer (`relay.py`) and resume a
+decode stream that breaks (`resume.py`). `/v1/models` aggregates what the healthy workers
+serve. Settings and the live `Tunables` are in `settings.py`. Never imports torch.
 
 Built on aiohttp's server rather than FastAPI: the router is a relay on the hot path of every
 token, and aiohttp's server and client on one event loop cost a fraction of an ASGI stack
@@ -18,54 +21,28 @@ import logging
 import signal
 import time
 import uuid
-from dataclasses import dataclass, field, replace
 
 import aiohttp
 import uvloop
 from aiohttp import web
 
 from baton.common.errors import OpenAIError
+from baton.common.internal import Api
 from baton.common.metrics import CONTENT_TYPE, RouterMetrics, render
 from baton.common.protocol import ChatCompletionRequest, CompletionRequest, parse_request
-from baton.common.tuning import ConfigWatcher, Tuning, TuningError, set_fields
-from baton.router.discovery import BreakerSettings, Discovery, StaticDiscovery
-from baton.router.registry import RegistryDiscovery
-from baton.router.proxy import DisaggSettings, Proxy, ProxySettings
-from baton.router.scheduling.pipeline import RoutingPipeline
+from baton.common.tuning import ConfigWatcher, Tuning, TuningError
+from baton.router.discovery import Discovery, StaticDiscovery
+from baton.router.prefix import BlockIndex
+from baton.router.redis_discovery import RegistryDiscovery
+from baton.router.relay import Relay
+from baton.router.remote_prefill import RemotePrefill
+from baton.router.retry import Forwarder, Inbound
+from baton.router.routing_context import ContextBuilder
+from baton.router.settings import RouterSettings, Tunables
+from baton.router.tokens import TokenizerCache
 
 log = logging.getLogger("baton.router")
 MAX_BODY_BYTES = 64 << 20
-
-
-@dataclass(frozen=True)
-class RouterSettings:
-    workers: tuple[str, ...] = ()  # static worker URLs (local mode), or
-    registry_url: str | None = None  # redis://… where workers register (clusters)
-    registry_prefix: str = "baton"
-    api_key: str | None = None  # clients must send `Authorization: Bearer <key>`
-    policy: str = "load"
-    scorer_weights: dict[str, float] | None = None
-    check_interval_s: float = 1.0
-    breaker: BreakerSettings = field(default_factory=BreakerSettings)
-    proxy: ProxySettings = field(default_factory=ProxySettings)
-    disagg: DisaggSettings = field(default_factory=DisaggSettings)
-    config_dir: str | None = None  # a mounted tuning ConfigMap (common.tuning), live
-    pinned: frozenset[str] = frozenset()  # tuning fields set by flags: the file keeps off
-
-    def __post_init__(self) -> None:
-        if not self.workers and not self.registry_url:
-            raise ValueError("RouterSettings: give worker URLs (workers) or a Redis "
-                             "registry (registry_url)")
-        if self.workers and self.registry_url:
-            raise ValueError("RouterSettings: workers and registry_url exclude each other")
-        if self.registry_url and not self.registry_url.startswith(
-                ("redis://", "rediss://", "unix://")):
-            raise ValueError(f"RouterSettings.registry_url: {self.registry_url!r} is not a "
-                             "redis:// URL")
-        for url in self.workers:
-            if not url.startswith(("http://", "https://")):
-                raise ValueError(f"RouterSettings.workers: {url!r} is not an http(s) URL")
-        RoutingPipeline.from_policy(self.policy, self.scorer_weights)  # validates names
 
 
 def _error(err: OpenAIError) -> web.Response:
@@ -74,18 +51,26 @@ def _error(err: OpenAIError) -> web.Response:
 
 
 class Router:
+    """The service: discovery, metrics, the live `Tunables`, and (from `lifespan`, which
+    opens the HTTP session) the request path: context builder, remote prefill, retry loop."""
+
     def __init__(self, settings: RouterSettings) -> None:
         self.settings = settings
         self.metrics = RouterMetrics()
         self.discovery: Discovery
+        self.exact_index: BlockIndex | None = None  # what the workers hold (registry only)
         if settings.registry_url:
             self.discovery = RegistryDiscovery(settings.registry_url, settings.registry_prefix,
                                                settings.breaker)
+            self.exact_index = self.discovery.blocks
         else:
             self.discovery = StaticDiscovery(list(settings.workers), settings.check_interval_s,
                                              breaker=settings.breaker)
-        self.pipeline = RoutingPipeline.from_policy(settings.policy, settings.scorer_weights)
-        self.proxy: Proxy | None = None
+        self.tunables = Tunables.of(settings)  # swapped whole on a reload, never patched
+        self.tokenizers: TokenizerCache | None = None
+        self.contexts: ContextBuilder | None = None
+        self.prefill: RemotePrefill | None = None
+        self.forwarder: Forwarder | None = None
         self._gauged: set[str] = set()  # upstreams with a health gauge series
         self.watcher = None
         if settings.config_dir is not None:
@@ -94,30 +79,23 @@ class Router:
     def apply_tuning(self, new: Tuning, _old: Tuning | None = None) -> list[str]:
         """Routing weights, the disaggregation threshold, retries and deadlines from the
         tuning file's `router` section (a field it leaves out, or a flag pins, keeps the
-        flag's value). Raises TuningError, changing nothing, if the result is invalid."""
-        s = self.settings
-        t = {k: v for k, v in set_fields(new.router).items() if k not in s.pinned}
+        flag's value): a new `Tunables` for the requests that arrive from now on. Called on
+        the event loop. Raises TuningError, changing nothing, if the result is invalid."""
         try:
-            pipeline = RoutingPipeline.from_policy(s.policy,
-                                                   t.get("scorer_weights", s.scorer_weights))
-            proxy = replace(s.proxy, **{k: t[k] for k in (
-                "max_attempts", "first_byte_timeout_s", "idle_timeout_s",
-                "request_timeout_s") if k in t})
-            disagg = replace(s.disagg, **{f: t[k] for k, f in (
-                ("disagg_min_prefill_tokens", "min_prefill_tokens"),
-                ("prefill_timeout_s", "prefill_timeout_s")) if k in t})
+            tunables = Tunables.of(self.settings, new.router)
         except ValueError as err:
             raise TuningError(f"router: {err}") from None
-        self.pipeline = pipeline
-        if self.proxy is not None:
-            self.proxy.pipeline, self.proxy.settings, self.proxy.disagg = pipeline, proxy, disagg
+        self.tunables = tunables
         return []
 
     async def lifespan(self, _app: web.Application):
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60)
         session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
-        self.proxy = Proxy(session, self.discovery, self.pipeline, self.metrics,
-                           self.settings.proxy, self.settings.disagg)
+        self.tokenizers = TokenizerCache(session)
+        self.contexts = ContextBuilder(self.discovery, self.exact_index, self.tokenizers)
+        self.prefill = RemotePrefill(session, self.discovery, self.metrics)
+        self.forwarder = Forwarder(self.discovery, self.metrics,
+                                   Relay(session, self.discovery, self.metrics))
         if self.watcher is not None:
             self.apply_tuning(self.watcher.load_initial())  # an invalid file: no start
             self.watcher.start(self.apply_tuning, self.metrics.reloaded)
@@ -126,7 +104,7 @@ class Router:
         yield
         if self.watcher is not None:
             await self.watcher.stop()
-        await self.proxy.tokenizers.close()
+        await self.tokenizers.close()
         await self.discovery.stop()
         await session.close()
 
@@ -155,16 +133,15 @@ class Router:
     async def workers(self, _request: web.Request) -> web.Response:
         """The router's view: each worker's load, and with the registry the KV blocks it
         holds and the models whose prompts the router hashes exactly."""
-        index = self.discovery.block_index()
+        index = self.exact_index
         return web.json_response({
             "source": "registry" if index is not None else "static",
-            "exact_prefix_models": self.proxy.tokenizers.models() if self.proxy else [],
+            "exact_prefix_models": self.tokenizers.models() if self.tokenizers else [],
             "workers": [{
                 "url": e.url, "healthy": e.healthy, "role": e.role, "model": e.model,
                 "running": e.running, "waiting": e.waiting, "inflight": e.inflight,
                 "kv_usage": round(e.kv_usage, 4), "circuit_open": e.circuit_open(),
-                **({"worker_id": e.worker_id,
-                    "cached_blocks": len(index.held.get(e.worker_id, ()))}
+                **({"worker_id": e.worker_id, "cached_blocks": index.blocks_held(e)}
                    if index is not None else {})}
                 for e in self.discovery.all()]})
 
@@ -183,26 +160,32 @@ class Router:
         return await self._relay(request, "/v1/completions", CompletionRequest, "completions")
 
     async def _relay(self, request: web.Request, path: str, model_cls,
-                     api: str) -> web.StreamResponse:
+                     api: Api) -> web.StreamResponse:
         received = time.monotonic()
+        tunables = self.tunables  # this request's snapshot, whatever a reload does meanwhile
         try:
             body = await request.read()
             req = parse_request(model_cls, body)
-            known = {e.model for e in self.discovery.all() if e.model}
-            if known and req.model not in known:
-                raise OpenAIError(404, f"the model {req.model!r} does not exist; served: "
-                                       f"{sorted(known)}", param="model",
-                                  code="model_not_found")
+            self._check_model(req.model)
             rid = request.headers.get("X-Request-Id") or uuid.uuid4().hex
-            ctx = await self.proxy.context(api, req, req.model, len(body))
-            ctx.session = request.headers.get("X-Session-Id") or req.user
-            decode = await self.proxy.remote_prefill(api, req, body, rid, ctx)
-            response = await self.proxy.forward(request, path, body, rid, ctx, req.stream,
-                                                decode, received)
+            ctx = await self.contexts.build(api, req, len(body),
+                                            request.headers.get("X-Session-Id") or req.user)
+            decode = await self.prefill.plan(api, req, rid, ctx, tunables)
+            inbound = Inbound(request, path, body, rid, req.stream, received)
+            response = await self.forwarder.forward(inbound, ctx, decode, tunables)
         except OpenAIError as err:
             response = _error(err)
         self.metrics.requests.labels(str(response.status)).inc()
         return response
+
+    def _check_model(self, model: str) -> None:
+        known = {e.model for e in self.discovery.all() if e.model}
+        if known and model not in known:
+            raise OpenAIError(404, f"the model {model!r} does not exist; served: "
+                                   f"{sorted(known)}", param="model", code="model_not_found")
+
+
+ROUTER = web.AppKey("router", Router)  # the app's Router, for tests and tools
 
 
 @web.middleware
@@ -238,7 +221,7 @@ def build_app(settings: RouterSettings) -> web.Application:
     router = Router(settings)
     middlewares = [_openai_errors] + ([_api_key(settings.api_key)] if settings.api_key else [])
     app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=middlewares)
-    app["router"] = router
+    app[ROUTER] = router
     app.cleanup_ctx.append(router.lifespan)
     app.router.add_get("/health", router.health)
     app.router.add_get("/ready", router.ready)

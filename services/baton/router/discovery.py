@@ -1,13 +1,13 @@
 """Which workers exist and how they are doing.
 
-`Endpoint` is the router's view of one worker: what its health checks last said (role,
+`Upstream` is the router's view of one worker: what its health checks last said (role,
 model, load, KV usage), what the router itself has in flight there, and a circuit breaker
 that takes a worker out of routing after consecutive failures for a cool-down.
 
 Two sources share the `Discovery` base (the endpoints and their breakers):
 `StaticDiscovery` is the local-mode source (`--workers URL,...`), a checker task polling
 each worker's `/load` (which doubles as the readiness check) on a fixed interval;
-`router.registry.RegistryDiscovery` follows the Redis registry (`--registry`).
+`router.redis_discovery.RegistryDiscovery` follows the Redis registry (`--registry`).
 """
 
 from __future__ import annotations
@@ -20,13 +20,15 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
+from baton.common.roles import Role
+
 log = logging.getLogger("baton.router")
 
 
 @dataclass
-class Endpoint:
+class Upstream:
     url: str
-    role: str = "both"
+    role: str = Role.BOTH  # as the worker reports it (a `Role` name)
     model: str | None = None
     max_model_len: int | None = None
     healthy: bool = False
@@ -63,13 +65,14 @@ class BreakerSettings:
 
 
 class Discovery(ABC):
-    """The endpoints a router routes to, and their circuit breakers. Subclasses fill
-    `endpoints` (URL -> Endpoint) and implement start/stop; the proxy reports outcomes."""
+    """The upstreams a router routes to, and their circuit breakers. Subclasses fill
+    `endpoints` (URL -> Upstream) and implement start/stop; the relay and the remote
+    prefill report outcomes (on the event loop)."""
 
-    endpoints: dict[str, Endpoint]
+    endpoints: dict[str, Upstream]
     breaker: BreakerSettings
 
-    def all(self) -> list[Endpoint]:
+    def all(self) -> list[Upstream]:
         return list(self.endpoints.values())
 
     @abstractmethod
@@ -86,17 +89,12 @@ class Discovery(ABC):
         except TimeoutError:
             pass
 
-    def block_index(self):
-        """An index of the KV block hashes each worker holds (`match(url, hashes)`), or
-        None when this source has none (then the router estimates, `router.prefix`)."""
-        return None
-
-    # -- outcomes reported by the proxy ----------------------------------------------------
-    def record_success(self, ep: Endpoint) -> None:
+    # -- outcomes reported by the relay and the remote prefill ------------------------------
+    def record_success(self, ep: Upstream) -> None:
         ep.consecutive_failures = 0
         ep.open_until = 0.0
 
-    def record_failure(self, ep: Endpoint) -> None:
+    def record_failure(self, ep: Upstream) -> None:
         ep.consecutive_failures += 1
         if ep.consecutive_failures >= self.breaker.threshold:
             ep.open_until = time.monotonic() + self.breaker.cooldown_s
@@ -114,7 +112,7 @@ class StaticDiscovery(Discovery):
     def __post_init__(self) -> None:
         if not self.urls:
             raise ValueError("StaticDiscovery needs at least one worker URL")
-        self.endpoints = {u.rstrip("/"): Endpoint(u.rstrip("/")) for u in self.urls}
+        self.endpoints = {u.rstrip("/"): Upstream(u.rstrip("/")) for u in self.urls}
         self._task: asyncio.Task | None = None
         self._first_round = asyncio.Event()
 
@@ -132,7 +130,7 @@ class StaticDiscovery(Discovery):
             self._first_round.set()
             await asyncio.sleep(self.check_interval_s)
 
-    async def check(self, session: aiohttp.ClientSession, ep: Endpoint) -> None:
+    async def check(self, session: aiohttp.ClientSession, ep: Upstream) -> None:
         timeout = aiohttp.ClientTimeout(total=self.check_timeout_s)
         try:
             async with session.get(ep.url + "/load", timeout=timeout) as resp:
@@ -150,7 +148,7 @@ class StaticDiscovery(Discovery):
             log.info("worker %s is ready (model %s, role %s)", ep.url, ep.model, ep.role)
 
 
-def update(ep: Endpoint, report: dict) -> None:
+def update(ep: Upstream, report: dict) -> None:
     """Take a worker's load report (`/load`, or a registry heartbeat's fields)."""
     ep.healthy = bool(report.get("ready", True))
     ep.last_seen = time.monotonic()

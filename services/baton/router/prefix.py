@@ -1,45 +1,50 @@
-"""What each worker probably has in its prefix cache, as the router can know it without
-tokenising: the prompts it sent there (llm-d's "approximate" prefix-cache mode).
+"""Which KV blocks of a prompt each upstream holds: the `PrefixIndex` contract and its two
+implementations, both keyed by `Upstream` and both spelling a block hash as a hex string.
 
-A prompt is cut into blocks (64 characters of text, or 16 token ids for a token prompt:
-about one KV block of 16 tokens either way), each block's hash chained to the previous
-one's, so a hash names a whole prefix. Each worker keeps an LRU of the hashes the router
-sent it. `match` counts the leading blocks of a prompt a worker has; the routing scorer
-`prefix` prefers workers with long matches, and the disaggregation decider subtracts the
-match from the prompt before comparing it with `min_prefill_tokens`. A worker's real cache
-may have evicted what the router remembers; the cost of a wrong guess is one local prefill
-of a prompt that was worth sending away, never a wrong answer.
+A prompt is a chain of blocks, each block's hash chained to the previous one's, so a hash
+names a whole prefix and `match` counts the leading blocks an upstream holds (a miss ends
+the shared prefix). The `prefix` scorer prefers upstreams with long matches; the
+disaggregation decider subtracts the match from the prompt before comparing it with
+`min_prefill_tokens`.
+
+- `BlockIndex` (exact): the engine's own block hashes of each worker's pool, mirrored from
+  the Redis registry's block events (`router.redis_discovery`); the router hashes the prompt
+  the engine's way (`router.tokens`).
+- `ApproximatePrefixIndex` (llm-d's "approximate" prefix-cache mode): without the registry
+  or before a model's tokenizer is fetched, the prompts the router itself sent each
+  upstream, cut into 64-character (or 16-token-id) blocks, about one 16-token KV block
+  either way. An upstream may have evicted what the router remembers; the cost of a wrong
+  guess is one local prefill of a prompt that was worth sending away, never a wrong answer.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Collection, Sequence
+from typing import Protocol
+
+from baton.common.registry import hash_hex
+from baton.router.discovery import Upstream
 
 CHARS_PER_BLOCK = 64
 TOKENS_PER_BLOCK = 16
+_HASH_MASK = (1 << 64) - 1  # Python's hash() is signed; a hex spelling needs it unsigned
 
 
-def prompt_of(api: str, req) -> str | list[int] | None:
-    """The prompt as the router sees it, or None when a request has several prompts."""
-    if api == "chat":
-        return "".join(f"<{m.role}>" + (m.content if isinstance(m.content, str)
-                                        else "".join(p.text for p in m.content))
-                       for m in req.messages)
-    prompts = req.prompts()
-    return prompts[0] if len(prompts) == 1 else None
+class PrefixIndex(Protocol):
+    """The block hashes each upstream holds. Called on the event loop only."""
+
+    def match(self, upstream: Upstream, hashes: Sequence[str]) -> int:
+        """How many of `hashes`, from the first, `upstream` holds. Mutates nothing."""
+
+    def add(self, upstream: Upstream, hashes: Sequence[str]) -> None:
+        """The router sent (or prefilled) this prompt on `upstream`: it now holds its blocks."""
+
+    def forget(self, upstream: Upstream) -> None:
+        """`upstream` failed a request: it may have restarted with an empty cache."""
 
 
-def block_hashes(prompt: str | list[int]) -> list[int]:
-    step = CHARS_PER_BLOCK if isinstance(prompt, str) else TOKENS_PER_BLOCK
-    out, prev = [], 0
-    for i in range(0, len(prompt) - step + 1, step):  # whole blocks only
-        prev = hash((prev, prompt[i:i + step] if isinstance(prompt, str)
-                     else tuple(prompt[i:i + step])))
-        out.append(prev)
-    return out
-
-
-def leading_matches(held, hashes: list) -> int:
+def leading_matches(held: Collection[str], hashes: Sequence[str]) -> int:
     """How many of `hashes`, from the first, are in `held` (chained hashes: a miss ends
     the shared prefix)."""
     n = 0
@@ -50,24 +55,93 @@ def leading_matches(held, hashes: list) -> int:
     return n
 
 
-class PrefixIndex:
+# -- approximate: what the router sent ---------------------------------------------------
+def prompt_of(api: str, req) -> str | list[int] | None:
+    """The prompt as the router sees it, or None when a request has several prompts."""
+    if api == "chat":
+        return "".join(f"<{m.role}>" + (m.content if isinstance(m.content, str)
+                                        else "".join(p.text for p in m.content))
+                       for m in req.messages)
+    prompts = req.prompts()
+    return prompts[0] if len(prompts) == 1 else None
+
+
+def block_hashes(prompt: str | list[int]) -> list[str]:
+    """The chained hashes of the prompt's whole blocks (valid within this process only:
+    Python salts string hashes per process)."""
+    step = CHARS_PER_BLOCK if isinstance(prompt, str) else TOKENS_PER_BLOCK
+    out, prev = [], 0
+    for i in range(0, len(prompt) - step + 1, step):  # whole blocks only
+        prev = hash((prev, prompt[i:i + step] if isinstance(prompt, str)
+                     else tuple(prompt[i:i + step])))
+        out.append(hash_hex(prev & _HASH_MASK))
+    return out
+
+
+class ApproximatePrefixIndex:
+    """A `PrefixIndex` of the prompts the router sent: an LRU of hashes per upstream URL."""
+
     def __init__(self, capacity_per_worker: int = 100_000) -> None:
         self.capacity = capacity_per_worker
-        self._held: dict[str, OrderedDict[int, None]] = {}
+        self._held: dict[str, OrderedDict[str, None]] = {}
 
-    def match(self, url: str, hashes: list[int]) -> int:
-        """Leading blocks of the prompt this worker probably holds."""
-        held = self._held.get(url)
+    def match(self, upstream: Upstream, hashes: Sequence[str]) -> int:
+        held = self._held.get(upstream.url)
         return leading_matches(held, hashes) if held else 0
 
-    def add(self, url: str, hashes: list[int]) -> None:
-        held = self._held.setdefault(url, OrderedDict())
+    def add(self, upstream: Upstream, hashes: Sequence[str]) -> None:
+        held = self._held.setdefault(upstream.url, OrderedDict())
         for h in hashes:
             held[h] = None
             held.move_to_end(h)
         while len(held) > self.capacity:
             held.popitem(last=False)
 
-    def forget(self, url: str) -> None:
-        """A worker restarted or left: its cache is empty."""
-        self._held.pop(url, None)
+    def forget(self, upstream: Upstream) -> None:
+        self._held.pop(upstream.url, None)
+
+
+# -- exact: what the workers say they hold -----------------------------------------------
+class BlockIndex:
+    """A `PrefixIndex` of the engine's block hashes per worker id (the process behind an
+    upstream's URL, so a restarted worker starts empty), fed by the registry's block
+    events; `add` and `forget` do nothing: the workers themselves say what they hold."""
+
+    def __init__(self) -> None:
+        self.held: dict[str, set[str]] = {}  # worker id -> hashes (hex)
+        self.seq: dict[str, int] = {}  # worker id -> the last block event folded in
+
+    def match(self, upstream: Upstream, hashes: Sequence[str]) -> int:
+        held = self.held.get(upstream.worker_id) if upstream.worker_id else None
+        return leading_matches(held, hashes) if held else 0
+
+    def add(self, upstream: Upstream, hashes: Sequence[str]) -> None:
+        """Nothing: the worker publishes its blocks once it has them."""
+
+    def forget(self, upstream: Upstream) -> None:
+        """Nothing: a worker that left stops heartbeating and is dropped."""
+
+    def blocks_held(self, upstream: Upstream) -> int:
+        return len(self.held.get(upstream.worker_id, ())) if upstream.worker_id else 0
+
+    def apply(self, event: dict) -> bool:
+        """Fold a block event in; False when it skips a number (catch up from the keys)."""
+        wid, seq = event["id"], int(event["seq"])
+        last = self.seq.get(wid)
+        if last is not None and seq <= last:
+            return True  # already in the snapshot
+        if not event.get("reset") and (last is None or seq != last + 1):
+            return False
+        held = set() if event.get("reset") else self.held.setdefault(wid, set())
+        held.difference_update(event["removed"])
+        held.update(event["added"])
+        self.held[wid], self.seq[wid] = held, seq
+        return True
+
+    def replace(self, worker_id: str, hashes: set[str], seq: int) -> None:
+        """A worker's whole set as read from the registry's keys, up to event `seq`."""
+        self.held[worker_id], self.seq[worker_id] = hashes, seq
+
+    def drop(self, worker_id: str) -> None:
+        self.held.pop(worker_id, None)
+        self.seq.pop(worker_id, None)

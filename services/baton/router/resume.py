@@ -1,14 +1,20 @@
-"""Decode pods behind the router: their request body, and resuming a stream a pod dropped.
+"""Decode pods behind the router: what a decode pod gets, and resuming a stream it dropped.
 
-A decode pod gets `/internal/generate` with the OpenAI request, the prompt's token ids and
-`kv_transfer_params` when a prefill pod ran, and — for a stream that could be resumed (one
-prompt, `n` = 1) — `return_token_ids`, so that every chunk names the tokens it carries.
-`StreamTracker` reads that stream on its way to the client: it takes the internal fields
-out (the client sees a plain OpenAI stream) and remembers the prompt ids, the tokens sent,
-the text length, the response id and `created`. If the pod dies mid-stream, `continuation()`
-is the body that makes another decode pod go on from prompt + tokens sent, with
-`max_tokens` and `min_tokens` reduced by what was sent and `resume` bookkeeping so its
-usage, id and offsets continue the same stream; the client sees one stream.
+`DecodeCall` is what the router plans for a decode pod (`router.remote_prefill`): the
+client's request, the prompt's token ids and `kv_transfer_params` when a prefill pod ran,
+and the pod picked first. Its `body()` is a `common.internal.GenerateRequest`, asking, for a
+stream that could be resumed (one prompt, `n` = 1), for `return_token_ids`: the pod's
+stream then carries `TokenEvent`s (`event: baton.tokens`) beside plain OpenAI content events.
+
+`StreamTracker` reads that stream on its way to the client without parsing the content
+events: it drops the token events (the client sees a plain OpenAI stream) and remembers the
+prompt ids, the stream's header (id, object, created, model), the tokens sent and the text
+length. A token event names the tokens of the content event that follows it; they count as
+sent only once that content event went through (a pod that dies in between did not send
+them). If the pod dies mid-stream, `continuation()` is the `GenerateRequest` that makes
+another decode pod go on from prompt + tokens sent, with `max_tokens` and `min_tokens`
+reduced by what was sent and `ResumeState` so that its usage, id and offsets continue the
+same stream; the client sees one stream.
 
 What a resumption cannot keep: a seeded sampler restarts its random sequence (greedy output
 is exact), and a stop string that straddles the break is not matched.
@@ -19,97 +25,96 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
+from baton.common.internal import (TOKENS_EVENT, Api, GenerateRequest, KVTransferParams,
+                                   OpenAIBody, ResumeState, StreamHeader, TokenEvent)
+from baton.router.discovery import Upstream
 
-@dataclass
+_TOKEN_EVENT = b"event: " + TOKENS_EVENT.encode()
+_DONE = b"data: [DONE]"
+_ERROR = b'data: {"error"'  # an in-band error event, told apart without parsing it
+
+
+@dataclass(frozen=True)
 class DecodeCall:
-    api: str  # "chat" | "completions"
-    request: dict  # the client's OpenAI body
+    api: Api
+    request: OpenAIBody  # the client's request, as parsed
     prompt_token_ids: list[int] | None = None
-    kv_transfer_params: dict | None = None
-    preferred: object | None = field(default=None, repr=False)  # the decode pod picked first
+    kv_transfer_params: KVTransferParams | None = None
+    preferred: Upstream | None = field(default=None, repr=False)  # the decode pod picked first
     prefill_s: float = 0.0  # how long the remote prefill took (0 when local)
 
     @property
     def resumable(self) -> bool:
         r = self.request
-        if not r.get("stream") or r.get("n", 1) != 1:
+        if not r.stream or r.n != 1:
             return False
-        prompt = r.get("prompt")
-        one_prompt = self.api == "chat" or isinstance(prompt, str) or (
-            isinstance(prompt, list) and (not prompt or isinstance(prompt[0], int)
-                                          or len(prompt) == 1))
-        return one_prompt
+        return self.api == "chat" or len(r.prompts()) == 1
 
     def body(self) -> bytes:
-        return json.dumps({"api": self.api, "request": self.request,
-                           "prompt_token_ids": self.prompt_token_ids,
-                           "kv_transfer_params": self.kv_transfer_params,
-                           "return_token_ids": self.resumable}).encode()
+        return GenerateRequest(api=self.api, request=self.request,
+                               prompt_token_ids=self.prompt_token_ids,
+                               kv_transfer_params=self.kv_transfer_params,
+                               return_token_ids=self.resumable).to_json()
 
 
 class StreamTracker:
+    """One resumable stream's progress, fed on the event loop by the relay."""
+
     def __init__(self, call: DecodeCall) -> None:
         self.call = call
         self.prompt_ids = call.prompt_token_ids
+        self.header: StreamHeader | None = None
         self.sent: list[int] = []
         self.text_len = 0
         self.finished = False  # a finish_reason, an in-band error or [DONE] went out
-        self.base: dict | None = None  # id / object / created / model of the stream
         self.resumes = 0
+        self._pending: list[TokenEvent] = []  # token events whose content has not gone out
         self._buf = b""
 
     # -- relaying --------------------------------------------------------------------------
     def feed(self, chunk: bytes) -> bytes:
-        """Whole events of `chunk` (plus what was left of the last one), made public."""
+        """Whole events of `chunk` (plus what was left of the last one), token events
+        dropped. Raises ValueError on a malformed token event."""
         self._buf += chunk
         *events, self._buf = self._buf.split(b"\n\n")
-        out = []
-        for event in events:
-            public = self._event(event)
-            if public is not None:
-                out.append(public + b"\n\n")
-        return b"".join(out)
+        return b"".join(event + b"\n\n" for event in events if self._public(event))
 
-    def _event(self, event: bytes) -> bytes | None:
-        if not event.startswith(b"data: "):
-            return event
-        data = event[6:]
-        if data == b"[DONE]":
+    def _public(self, event: bytes) -> bool:
+        """Takes one event in; True when the client gets it."""
+        if event.startswith(_TOKEN_EVENT):
+            token = TokenEvent.from_sse(event)
+            if token is None:
+                raise ValueError(f"a malformed {TOKENS_EVENT} event: {event[:200]!r}")
+            self._pending.append(token)
+            return False
+        if event == _DONE or event.startswith(_ERROR):
             self.finished = True
-            return event
-        obj = json.loads(data)
-        if "error" in obj:
-            self.finished = True
-            return event
-        ids = obj.pop("prompt_token_ids", None)
-        if ids is not None and self.prompt_ids is None:
-            self.prompt_ids = ids
-        if self.base is None:
-            self.base = {k: obj[k] for k in ("id", "object", "created", "model") if k in obj}
-        keep = not obj.get("choices")  # the usage chunk
-        for choice in obj.get("choices", ()):
-            self.sent += choice.pop("token_ids", [])
-            if choice.get("finish_reason") is not None:
-                self.finished = True
-            text = choice["delta"].get("content", "") if "delta" in choice else choice["text"]
-            self.text_len += len(text or "")
-            keep = keep or bool(text) or choice.get("finish_reason") is not None \
-                or choice.get("logprobs") is not None or "role" in choice.get("delta", {})
-        if not keep:
-            return None  # only token ids: nothing for the client
-        return b"data: " + json.dumps(obj, separators=(",", ":")).encode()
+        elif event.startswith(b"data: "):
+            self._commit()  # the content event the pending token events described
+        return True
+
+    def _commit(self) -> None:
+        for token in self._pending:
+            if self.prompt_ids is None:
+                self.prompt_ids = token.prompt_token_ids
+            if self.header is None:
+                self.header = token.header
+            self.sent += token.token_ids
+            self.text_len += token.text_chars
+            self.finished = self.finished or token.finished
+        self._pending.clear()
 
     # -- resuming --------------------------------------------------------------------------
     @property
     def can_resume(self) -> bool:
-        return not self.finished and self.prompt_ids is not None and self.base is not None
+        return not self.finished and self.prompt_ids is not None and self.header is not None
 
     def _budget(self) -> int | None:
         r = self.call.request
         if self.call.api == "completions":
-            limit = r.get("max_tokens", 16)  # OpenAI's completions default
+            limit = r.max_tokens
         else:
-            limit = r.get("max_completion_tokens") or r.get("max_tokens")
+            limit = r.max_completion_tokens or r.max_tokens
         return None if limit is None else limit - len(self.sent)
 
     @property
@@ -118,39 +123,43 @@ class StreamTracker:
         return left is not None and left <= 0
 
     def continuation(self) -> bytes:
-        """The body for another decode pod's /internal/generate."""
-        request = dict(self.call.request)
-        left = self._budget()
+        """The GenerateRequest for another decode pod's /internal/generate. What the dead
+        stream left unfinished (a partial event, token events without their content) is
+        dropped with it."""
+        self._buf, self._pending = b"", []
+        return GenerateRequest(
+            api=self.call.api, request=self._remaining_request(),
+            prompt_token_ids=self.prompt_ids + self.sent, return_token_ids=True,
+            resume=ResumeState(prompt_tokens=len(self.prompt_ids),
+                               completion_tokens=len(self.sent), text_offset=self.text_len,
+                               created=self.header.created)).to_json()
+
+    def _remaining_request(self) -> OpenAIBody:
+        r, left = self.call.request, self._budget()
+        update: dict = {}
         if self.call.api == "completions":
-            request["max_tokens"] = left
-            request["echo"] = False
-        elif request.get("max_completion_tokens") is not None:
-            request["max_completion_tokens"] = left
-        elif request.get("max_tokens") is not None:
-            request["max_tokens"] = left
-        if request.get("min_tokens"):
-            request["min_tokens"] = max(0, request["min_tokens"] - len(self.sent))
-        self._buf = b""  # a partial event of the dead stream is lost with it
-        return json.dumps({
-            "api": self.call.api, "request": request,
-            "prompt_token_ids": self.prompt_ids + self.sent, "kv_transfer_params": None,
-            "return_token_ids": True,
-            "resume": {"prompt_tokens": len(self.prompt_ids),
-                       "completion_tokens": len(self.sent), "text_offset": self.text_len,
-                       "created": self.base.get("created")}}).encode()
+            update |= {"max_tokens": left, "echo": False}
+        elif r.max_completion_tokens is not None:
+            update["max_completion_tokens"] = left
+        elif r.max_tokens is not None:
+            update["max_tokens"] = left
+        if r.min_tokens:
+            update["min_tokens"] = max(0, r.min_tokens - len(self.sent))
+        return r.model_copy(update=update)
 
     def closing_events(self) -> bytes:
         """When the pod died after the last allowed token but before saying so: the
         finish event (and usage, when asked for) and [DONE]."""
+        header = self.header.model_dump()
         choice = {"index": 0, "logprobs": None, "finish_reason": "length"}
         if self.call.api == "chat":
             choice["delta"] = {}
         else:
             choice["text"] = ""
-        events = [self.base | {"choices": [choice]}]
-        if (self.call.request.get("stream_options") or {}).get("include_usage"):
+        events = [header | {"choices": [choice]}]
+        if self.call.request.include_usage:
             p, c = len(self.prompt_ids), len(self.sent)
-            events.append(self.base | {"choices": [], "usage": {
+            events.append(header | {"choices": [], "usage": {
                 "prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}})
         self.finished = True
         return b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events) \

@@ -69,25 +69,29 @@ def test_watcher_on_a_plain_directory(tmp_path):
 
 def test_router_applies_a_reload(tmp_path):
     from baton.router.app import Router, RouterSettings
-    from baton.router.proxy import Proxy
+    from baton.router.scheduling.context import RoutingContext
+    from baton.router.scheduling.pipeline import RoutingPipeline
 
     r = Router(RouterSettings(workers=("http://127.0.0.1:1",), config_dir=str(tmp_path),
-                              pinned=frozenset({"max_attempts"})))
+                              pinned=frozenset({"max_attempts"})))  # no I/O until lifespan
     s = r.settings
-    r.proxy = Proxy(None, r.discovery, r.pipeline, r.metrics, s.proxy, s.disagg)  # no I/O
+    forty = RoutingContext(model="m", prompt_tokens=40)  # what the decider decides on
+    assert not r.tunables.disagg.decide(None, forty)  # the flag's 256
     r.apply_tuning(parse_tuning("router:\n  scorer_weights: {queue: 2, prefix: 0}\n"
                                 "  disagg_min_prefill_tokens: 32\n  max_attempts: 9\n"
                                 "  idle_timeout_s: 5"))
-    assert r.pipeline.scorers == {"queue": 2.0, "prefix": 0.0}
-    assert r.proxy.pipeline is r.pipeline
-    assert r.proxy.disagg.min_prefill_tokens == 32 and r.proxy.settings.idle_timeout_s == 5
-    assert r.proxy.settings.max_attempts == 3  # pinned by a flag: the file does not win
-    before = r.pipeline
+    t = r.tunables  # the one snapshot every request reads from now on
+    assert t.pipeline.scorers == {"queue": 2.0, "prefix": 0.0}
+    assert t.disagg.min_prefill_tokens == 32 and t.disagg.decide(None, forty)
+    assert t.proxy.idle_timeout_s == 5
+    assert t.proxy.max_attempts == 3  # pinned by a flag: the file does not win
     with pytest.raises(TuningError, match="unknown routing scorer"):
         r.apply_tuning(parse_tuning("router: {scorer_weights: {latency: 1}}"))
-    assert r.pipeline is before and r.proxy.disagg.min_prefill_tokens == 32  # unchanged
+    assert r.tunables is t and t.disagg.min_prefill_tokens == 32  # unchanged
     r.apply_tuning(Tuning())  # fields dropped from the file go back to the flags' values
-    assert r.proxy.disagg.min_prefill_tokens == s.disagg.min_prefill_tokens
+    assert r.tunables.disagg.min_prefill_tokens == s.disagg.min_prefill_tokens
+    assert r.tunables.pipeline.scorers == RoutingPipeline.from_policy(s.policy).scorers
+    assert r.tunables.proxy == s.proxy
 
 
 def test_baton_config_validate(tmp_path, capsys):

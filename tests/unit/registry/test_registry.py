@@ -13,7 +13,7 @@ import pytest
 from baton.common import registry as reg
 from baton.common.hashing import hash_token_blocks
 from baton.engine.kv_cache.block_pool import BlockPool
-from baton.router.registry import RegistryDiscovery
+from baton.router.redis_discovery import RegistryDiscovery
 from baton.worker.registration import Registration
 
 INTERVAL = 0.2  # heartbeat; the TTL is 3x
@@ -23,6 +23,12 @@ def report(role: str = "decode", running: int = 0) -> dict:
     return {"role": role, "model": "m", "ready": True, "running": running, "waiting": 0,
             "kv_blocks_used": 1, "kv_blocks_total": 10, "max_waiting": 8,
             "max_model_len": 2048, "block_size": 4, "kv_transport": "tcp"}
+
+
+def matched(router: RegistryDiscovery, url: str, hashes: list[str]) -> int:
+    """Leading blocks of `hashes` the router's exact index says the worker at `url` holds."""
+    ep = router.endpoints.get(url)
+    return router.blocks.match(ep, hashes) if ep is not None else 0
 
 
 async def until(pred, timeout: float = 5.0, what: str = "condition") -> None:
@@ -68,12 +74,12 @@ def test_join_load_blocks_and_leave(redis_server):
         await until(lambda: ep.running == 5, what="the load update")
 
         held = store(w.pool, list(range(20)))  # 5 blocks of 4 tokens
-        await until(lambda: router.blocks.match(ep.url, held) == 5, what="the block hashes")
+        await until(lambda: matched(router, ep.url, held) == 5, what="the block hashes")
         other = [reg.hash_hex(h) for h in hash_token_blocks(list(range(8)) + [99] * 8, 4)]
-        assert router.blocks.match(ep.url, other) == 2  # shares the first two blocks only
+        assert matched(router, ep.url, other) == 2  # shares the first two blocks only
 
         w.pool.allocate(64)  # reuses every free block: all cached contents are evicted
-        await until(lambda: router.blocks.match(ep.url, held) == 0, what="the evictions")
+        await until(lambda: matched(router, ep.url, held) == 0, what="the evictions")
 
         await w.stop()  # a clean shutdown announces it leaves
         await until(lambda: not router.all(), timeout=INTERVAL * 2, what="the leave")
@@ -89,7 +95,7 @@ def test_a_silent_worker_expires_and_a_restarted_one_starts_empty(redis_server):
         w = worker("http://10.0.0.2:8001", redis_server.url, state)
         w.start()
         held = store(w.pool, list(range(16)))
-        await until(lambda: router.blocks.match("http://10.0.0.2:8001", held) == 4)
+        await until(lambda: matched(router, "http://10.0.0.2:8001", held) == 4)
 
         w._task.cancel()  # the process froze or died: no leave, no more heartbeats
         t0 = time.monotonic()
@@ -100,7 +106,7 @@ def test_a_silent_worker_expires_and_a_restarted_one_starts_empty(redis_server):
         again.start()  # same address, new process, empty cache
         await until(lambda: router.all(), what="the restarted worker")
         assert router.endpoints["http://10.0.0.2:8001"].worker_id == again.id
-        assert router.blocks.match("http://10.0.0.2:8001", held) == 0
+        assert matched(router, "http://10.0.0.2:8001", held) == 0
         await again.stop()
         await router.stop()
         await w._redis.aclose()
@@ -115,7 +121,7 @@ def test_a_gap_in_block_events_is_caught_up_from_the_keys(redis_server):
         w.start()
         await until(lambda: router.all())
         held = store(w.pool, list(range(12)))
-        await until(lambda: router.blocks.match("http://10.0.0.3:8001", held) == 3)
+        await until(lambda: matched(router, "http://10.0.0.3:8001", held) == 3)
         # An event the router never hears (as if its message was lost): the set changes
         # and the next event's number skips one.
         extra = "abc123"
@@ -124,7 +130,7 @@ def test_a_gap_in_block_events_is_caught_up_from_the_keys(redis_server):
         w._seq += 1
         await w._redis.set(keys.blockseq(w.id), w._seq)
         held2 = store(w.pool, list(range(100, 108)))
-        await until(lambda: router.blocks.match("http://10.0.0.3:8001", held2) == 2)
+        await until(lambda: matched(router, "http://10.0.0.3:8001", held2) == 2)
         assert extra in router.blocks.held[w.id]  # read from the keys, not the events
         await w.stop()
         await router.stop()
@@ -138,13 +144,13 @@ def test_routing_survives_a_redis_restart(redis_server):
         w = worker("http://10.0.0.4:8001", redis_server.url, {"report": report()})
         w.start()
         held = store(w.pool, list(range(16)))
-        await until(lambda: router.blocks.match("http://10.0.0.4:8001", held) == 4)
+        await until(lambda: matched(router, "http://10.0.0.4:8001", held) == 4)
 
         redis_server.stop()
         await until(lambda: not router.connected, what="the router to notice")
         await asyncio.sleep(6 * INTERVAL)  # well past the TTL: the last view stays
         assert [e.url for e in router.all()] == ["http://10.0.0.4:8001"]
-        assert router.blocks.match("http://10.0.0.4:8001", held) == 4
+        assert matched(router, "http://10.0.0.4:8001", held) == 4
 
         redis_server.start()  # back, and empty: the worker registers and resends its blocks
         await until(lambda: router.connected, timeout=10, what="the router to reconnect")
@@ -156,8 +162,8 @@ def test_routing_survives_a_redis_restart(redis_server):
             assert time.monotonic() < deadline, "the worker did not re-register"
             await asyncio.sleep(0.05)
         more = store(w.pool, list(range(200, 208)))
-        await until(lambda: router.blocks.match("http://10.0.0.4:8001", more) == 2)
-        assert router.blocks.match("http://10.0.0.4:8001", held) == 4
+        await until(lambda: matched(router, "http://10.0.0.4:8001", more) == 2)
+        assert matched(router, "http://10.0.0.4:8001", held) == 4
         await w.stop()
         await router.stop()
     asyncio.run(main())

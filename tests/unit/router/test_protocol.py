@@ -60,7 +60,7 @@ def test_malformed_json_is_a_400():
 
 
 def test_router_side_never_imports_torch():
-    code = ("import sys, baton, baton.cli, baton.router.app, baton.router.proxy, "
+    code = ("import sys, baton, baton.cli, baton.router.app, baton.router.retry, "
             "baton.common.protocol, baton.common.metrics; "
             "baton.router.app.build_app(baton.router.app.RouterSettings(('http://x:1',))); "
             "sys.exit(1 if 'torch' in sys.modules or 'transformers' in sys.modules else 0)")

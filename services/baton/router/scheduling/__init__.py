@@ -1,2 +1,2 @@
-"""Routing as a pipeline: filters -> weighted scorers -> picker, each plugin registered by
-name (DESIGN.md §6)."""
+"""Routing as a pipeline: filters -> weighted scorers -> picker, then the disaggregation
+decider once the decode pod is chosen; each plugin registered by name (docs/design.md §6)."""

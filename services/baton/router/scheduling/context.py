@@ -2,18 +2,48 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import enum
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+from baton.router.discovery import Upstream
+from baton.router.prefix import PrefixIndex
 
 
-@dataclass
+class Phase(enum.StrEnum):
+    """The part of a request being routed, which decides the workers that may take it
+    (the `role` filter)."""
+
+    DECODE = "decode"  # a whole request, or its decode: `decode` or colocated `both` workers
+    PREFILL = "prefill"  # a remote prefill: `prefill` workers
+    RESUME = "resume"  # a stream whose decode pod died: another `decode` worker
+
+
+@dataclass(frozen=True)
 class RoutingContext:
+    """Built once per request (`router.routing_context`) and never changed in place: the
+    remote prefill routes with a copy in the prefill phase, and the retry loop
+    (`router.retry`) derives each next attempt's context with `after_failure`."""
+
     model: str | None = None
-    role: str = "decode"  # the phase: "decode" (decode or colocated), "prefill", "resume"
-    tried: set[str] = field(default_factory=set)  # endpoint URLs that failed this request
+    phase: Phase = Phase.DECODE
+    tried: frozenset[str] = frozenset()  # upstream URLs that failed this request
     # The prompt's block hashes and who holds them: the workers' own KV block hashes and
-    # the registry's index (exact), or the router's estimate (router.prefix.PrefixIndex).
-    prefix_hashes: list = field(default_factory=list)
-    prefix_index: object | None = None  # match(url, hashes) -> leading blocks held
+    # the registry's index (exact), or the router's estimate (approximate); see router.prefix.
+    prefix_hashes: Sequence[str] = ()
+    prefix_index: PrefixIndex | None = None
     block_tokens: int = 16  # tokens per block of prefix_hashes
-    prompt_tokens: int | None = None  # exact count when the router tokenized the prompt
+    # The prompt's tokens: exact when the router tokenized it, else estimated (~4 characters
+    # a token); None when the request cannot be split (n > 1, several prompts).
+    prompt_tokens: int | None = None
     session: str | None = None  # X-Session-Id header, else the request's `user` field
+
+    def cached_tokens(self, upstream: Upstream) -> int:
+        """Tokens of the prompt `upstream` (probably) holds in its prefix cache."""
+        if self.prefix_index is None:
+            return 0
+        return self.prefix_index.match(upstream, self.prefix_hashes) * self.block_tokens
+
+    def after_failure(self, upstream: Upstream, phase: Phase | None = None) -> RoutingContext:
+        """The context of the next attempt: `upstream` is out, and the phase may change."""
+        return replace(self, tried=self.tried | {upstream.url}, phase=phase or self.phase)

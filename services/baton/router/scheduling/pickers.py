@@ -6,9 +6,9 @@ import itertools
 import random
 from collections.abc import Callable
 
-from baton.router.discovery import Endpoint
+from baton.router.discovery import Upstream
 
-Picker = Callable[[list[Endpoint], list[float]], Endpoint]
+Picker = Callable[[list[Upstream], list[float]], Upstream]
 PICKERS: dict[str, Callable[[], Picker]] = {}  # name -> factory (pickers may keep state)
 
 
@@ -24,7 +24,7 @@ def max_score() -> Picker:
     """The best score; ties go round-robin, so equal workers share the load."""
     turn = itertools.count()
 
-    def pick(endpoints: list[Endpoint], scores: list[float]) -> Endpoint:
+    def pick(endpoints: list[Upstream], scores: list[float]) -> Upstream:
         best = max(scores)
         tied = [e for e, s in zip(endpoints, scores) if s >= best - 1e-9]
         return tied[next(turn) % len(tied)]
@@ -36,7 +36,7 @@ def round_robin() -> Picker:
     """Each endpoint in turn, ignoring scores (stable order by URL)."""
     turn = itertools.count()
 
-    def pick(endpoints: list[Endpoint], scores: list[float]) -> Endpoint:
+    def pick(endpoints: list[Upstream], scores: list[float]) -> Upstream:
         ordered = sorted(endpoints, key=lambda e: e.url)
         return ordered[next(turn) % len(ordered)]
     return pick
@@ -47,7 +47,7 @@ def weighted_random(seed: int | None = None) -> Picker:
     """Random, with probability proportional to score (uniform when all scores are 0)."""
     rng = random.Random(seed)
 
-    def pick(endpoints: list[Endpoint], scores: list[float]) -> Endpoint:
+    def pick(endpoints: list[Upstream], scores: list[float]) -> Upstream:
         if sum(scores) <= 0:
             return rng.choice(endpoints)
         return rng.choices(endpoints, weights=scores, k=1)[0]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from baton.router.discovery import Endpoint
+from baton.router.discovery import Upstream
 from baton.router.scheduling.context import RoutingContext
 from baton.router.scheduling.filters import FILTERS
 from baton.router.scheduling.pickers import PICKERS
@@ -53,14 +53,14 @@ class RoutingPipeline:
         scorers, picker = POLICIES[policy]
         return cls(scorers=dict(weights if weights is not None else scorers), picker=picker)
 
-    def candidates(self, endpoints: list[Endpoint], ctx: RoutingContext) -> list[Endpoint]:
+    def candidates(self, endpoints: list[Upstream], ctx: RoutingContext) -> list[Upstream]:
         for name in self.filters:
             endpoints = FILTERS[name](endpoints, ctx)
             if not endpoints:
                 break
         return endpoints
 
-    def scores(self, endpoints: list[Endpoint], ctx: RoutingContext) -> list[float]:
+    def scores(self, endpoints: list[Upstream], ctx: RoutingContext) -> list[float]:
         total = [0.0] * len(endpoints)
         for name, weight in self.scorers.items():
             if weight:
@@ -68,7 +68,7 @@ class RoutingPipeline:
                     total[i] += weight * s
         return total
 
-    def pick(self, endpoints: list[Endpoint], ctx: RoutingContext) -> Endpoint | None:
+    def pick(self, endpoints: list[Upstream], ctx: RoutingContext) -> Upstream | None:
         cands = self.candidates(endpoints, ctx)
         if not cands:
             return None

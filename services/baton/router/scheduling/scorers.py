@@ -6,10 +6,10 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Callable
 
-from baton.router.discovery import Endpoint
+from baton.router.discovery import Upstream
 from baton.router.scheduling.context import RoutingContext
 
-Scorer = Callable[[list[Endpoint], RoutingContext], list[float]]
+Scorer = Callable[[list[Upstream], RoutingContext], list[float]]
 SCORERS: dict[str, Scorer] = {}
 
 
@@ -21,28 +21,28 @@ def register(name: str):
 
 
 @register("queue")
-def queue(endpoints: list[Endpoint], ctx: RoutingContext) -> list[float]:
+def queue(endpoints: list[Upstream], ctx: RoutingContext) -> list[float]:
     """Fewer running + waiting requests is better: 1 for an idle worker, 1/(1+q) for q."""
     return [1.0 / (1.0 + e.queue_depth) for e in endpoints]
 
 
 @register("prefix")
-def prefix(endpoints: list[Endpoint], ctx: RoutingContext) -> list[float]:
+def prefix(endpoints: list[Upstream], ctx: RoutingContext) -> list[float]:
     """A longer share of the prompt probably cached on the worker is better (router.prefix)."""
     hashes, index = ctx.prefix_hashes, ctx.prefix_index
     if not hashes or index is None:
         return [0.0] * len(endpoints)
-    return [index.match(e.url, hashes) / len(hashes) for e in endpoints]
+    return [index.match(e, hashes) / len(hashes) for e in endpoints]
 
 
 @register("kv_usage")
-def kv_usage(endpoints: list[Endpoint], ctx: RoutingContext) -> list[float]:
+def kv_usage(endpoints: list[Upstream], ctx: RoutingContext) -> list[float]:
     """More free KV cache is better."""
     return [1.0 - min(max(e.kv_usage, 0.0), 1.0) for e in endpoints]
 
 
 @register("session")
-def session(endpoints: list[Endpoint], ctx: RoutingContext) -> list[float]:
+def session(endpoints: list[Upstream], ctx: RoutingContext) -> list[float]:
     """1 for the session's own worker, 0 for the others: rendezvous hashing of the session
     key with each candidate's URL, so a session keeps its worker while that worker stays
     (and only the sessions of a worker that leaves move)."""
@@ -50,7 +50,7 @@ def session(endpoints: list[Endpoint], ctx: RoutingContext) -> list[float]:
         return [0.0] * len(endpoints)
     key = ctx.session.encode()
 
-    def weight(e: Endpoint) -> bytes:
+    def weight(e: Upstream) -> bytes:
         return hashlib.blake2b(key + b"\0" + e.url.encode(), digest_size=8).digest()
 
     best = max(endpoints, key=weight)

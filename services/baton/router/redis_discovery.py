@@ -1,5 +1,5 @@
 """Discovery from the Redis registry (`common.registry`): the workers that heartbeat, and
-the KV block hashes each one holds.
+the KV block hashes each one holds (`prefix.BlockIndex`).
 
 One subscription to the registry's channel per router: heartbeats update an endpoint's
 load (or add it), a `leave` or a heartbeat older than the worker's TTL removes it, block
@@ -19,69 +19,28 @@ import time
 import aiohttp
 
 from baton.common import registry as reg
-from baton.router.discovery import BreakerSettings, Discovery, Endpoint, update
-from baton.router.prefix import leading_matches
+from baton.router.discovery import BreakerSettings, Discovery, Upstream, update
+from baton.router.prefix import BlockIndex
 
 log = logging.getLogger("baton.router")
 
 
-class BlockIndex:
-    """Per worker, the block hashes it holds and the last block event folded in."""
-
-    def __init__(self, discovery: RegistryDiscovery) -> None:
-        self._discovery = discovery
-        self.held: dict[str, set[str]] = {}  # worker id -> hashes (hex)
-        self.seq: dict[str, int] = {}
-
-    def match(self, url: str, hashes: list[str]) -> int:
-        """Leading blocks of a prompt that the worker at `url` holds."""
-        ep = self._discovery.endpoints.get(url)
-        held = self.held.get(ep.worker_id) if ep is not None else None
-        return leading_matches(held, hashes) if held else 0
-
-    def add(self, url: str, hashes: list[str]) -> None:
-        """Nothing: the worker itself says what it holds."""
-
-    def forget(self, url: str) -> None:
-        """Nothing: a worker that left stops heartbeating and is dropped."""
-
-    def apply(self, event: dict) -> bool:
-        """Fold a block event in; False when it skips a number (catch up from the keys)."""
-        wid, seq = event["id"], int(event["seq"])
-        last = self.seq.get(wid)
-        if last is not None and seq <= last:
-            return True  # already in the snapshot
-        if not event.get("reset") and last is not None and seq != last + 1:
-            return False
-        if not event.get("reset") and last is None:
-            return False
-        held = set() if event.get("reset") else self.held.setdefault(wid, set())
-        held.difference_update(event["removed"])
-        held.update(event["added"])
-        self.held[wid], self.seq[wid] = held, seq
-        return True
-
-    def drop(self, worker_id: str) -> None:
-        self.held.pop(worker_id, None)
-        self.seq.pop(worker_id, None)
-
-
 class RegistryDiscovery(Discovery):
+    """`endpoints` and `blocks` (the exact `PrefixIndex`) as the registry's channel tells
+    them; both are changed only by this object's task, on the event loop."""
+
     def __init__(self, url: str, prefix: str = reg.DEFAULT_PREFIX,
                  breaker: BreakerSettings | None = None, timeout_s: float = 2.0) -> None:
         self.url = url
         self.keys = reg.Keys(prefix)
         self.breaker = breaker or BreakerSettings()
         self.timeout_s = timeout_s
-        self.endpoints: dict[str, Endpoint] = {}
-        self.blocks = BlockIndex(self)
+        self.endpoints: dict[str, Upstream] = {}
+        self.blocks = BlockIndex()
         self.connected = False
         self._first_round = asyncio.Event()
         self._task: asyncio.Task | None = None
         self._redis = None
-
-    def block_index(self) -> BlockIndex:
-        return self.blocks
 
     async def start(self, session: aiohttp.ClientSession) -> None:
         self._redis = reg.redis_client(self.url, self.timeout_s)
@@ -153,7 +112,7 @@ class RegistryDiscovery(Discovery):
             else:
                 log.info("worker %s joined (model %s, role %s)", record.url, record.model,
                          record.role)
-            ep = self.endpoints[record.url] = Endpoint(record.url, worker_id=record.id)
+            ep = self.endpoints[record.url] = Upstream(record.url, worker_id=record.id)
         update(ep, record.model_dump())
         ep.ttl_s = record.ttl_s
 
@@ -196,6 +155,5 @@ class RegistryDiscovery(Discovery):
             members, seq = await p.execute()
         self.blocks.drop(worker_id)
         if seq is not None:
-            self.blocks.held[worker_id] = {m.decode() if isinstance(m, bytes) else m
-                                           for m in members}
-            self.blocks.seq[worker_id] = int(seq)
+            self.blocks.replace(worker_id, {m.decode() if isinstance(m, bytes) else m
+                                            for m in members}, int(seq))

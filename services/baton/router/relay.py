@@ -1,0 +1,210 @@
+"""One attempt on one upstream, and relaying its answer to the client.
+
+An attempt raises `Retryable` while nothing has reached the client's body yet: connection
+refused or reset, a timeout before the response headers or the first chunk, a 5xx, a 429
+(that worker's queue is full), or a stream that ends before its first byte; the retry loop
+(`router.retry`) then moves to another upstream. Once the first bytes are relayed the
+stream is committed: a resumable decode stream that breaks raises `Interrupted` (the retry
+loop resumes it on another decode pod, `router.resume`); any other ends with an in-band
+error event and `[DONE]`. A 4xx other than 429 is the client's error and is relayed as is.
+
+Deadlines: `connect_timeout_s` to open a connection, `first_byte_timeout_s` for the response
+headers and first chunk, `idle_timeout_s` between chunks, and the request's own deadline
+(one timer per attempt, rescheduled per chunk: no task per read). The stream is relayed
+chunk by chunk as it arrives, never buffered. If the client goes away, the handler is
+cancelled and the upstream connection is closed, which aborts the request on the worker.
+Outcomes go to the upstream's circuit breaker (`Discovery.record_success` / `_failure`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from dataclasses import dataclass
+
+import aiohttp
+from aiohttp import web
+
+from baton.common.errors import OpenAIError
+from baton.common.metrics import RouterMetrics
+from baton.router.discovery import Discovery, Upstream
+from baton.router.resume import StreamTracker
+from baton.router.settings import ProxySettings
+
+log = logging.getLogger("baton.router")
+
+
+class Retryable(Exception):
+    """Nothing reached the client's body: another upstream may take the request."""
+
+    def __init__(self, reason: str, response: web.Response | None = None) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.response = response  # what to answer if no other worker is left
+
+
+class Interrupted(Exception):
+    """A decode pod's stream broke after bytes reached the client; it can be resumed."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(reason)
+        self.reason = reason
+
+
+@dataclass(frozen=True)
+class Send:
+    """What one attempt posts: `body` on `path`; `tracker` reads a resumable decode stream."""
+
+    path: str
+    body: bytes
+    headers: dict[str, str]
+    tracker: StreamTracker | None = None
+
+
+class ClientSide:
+    """The client's half of one streamed exchange."""
+
+    def __init__(self, request: web.Request) -> None:
+        self.request = request
+        self.out: web.StreamResponse | None = None
+
+    @property
+    def gone(self) -> bool:
+        transport = self.request.transport
+        return transport is None or transport.is_closing()
+
+    async def start(self) -> None:
+        if self.out is None:
+            self.out = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                                   "Cache-Control": "no-cache"})
+            await self.out.prepare(self.request)
+
+    async def finish_with(self, events: bytes) -> web.StreamResponse:
+        await self.out.write(events)
+        await self.out.write_eof()
+        return self.out
+
+    async def fail_in_band(self, error: OpenAIError) -> web.StreamResponse:
+        """After the 200 went out, an error can only be an event in the stream."""
+        return await self.finish_with(b"data: " + json.dumps(error.body()).encode()
+                                      + b"\n\n" + b"data: [DONE]\n\n")
+
+
+class Relay:
+    def __init__(self, session: aiohttp.ClientSession, discovery: Discovery,
+                 metrics: RouterMetrics) -> None:
+        self.session = session
+        self.discovery = discovery
+        self.metrics = metrics
+
+    async def attempt(self, client: ClientSide, ep: Upstream, send: Send, stream: bool,
+                      deadline: float, s: ProxySettings) -> web.StreamResponse:
+        """One try on one upstream (counted in its `inflight` meanwhile); raises Retryable
+        while no body byte reached the client, Interrupted for a resumable stream that
+        broke after. For a stream, the client gets its 200 and headers as soon as the
+        worker sends its own (so the first token is not held up by header processing);
+        the body is still untouched, so a failure before the first byte can move on."""
+        ep.inflight += 1
+        try:
+            resp, first = await self._open(client, ep, send, stream, deadline, s)
+            if first is None:
+                return resp
+            try:
+                await self._relay(client, ep, resp, first, deadline, s, send.tracker)
+            except BaseException:
+                resp.close()  # drops the connection: the worker sees it and aborts the request
+                raise
+            resp.release()  # read to the end: the connection goes back to the pool
+            return client.out
+        finally:
+            ep.inflight -= 1
+
+    async def _open(self, client: ClientSide, ep: Upstream, send: Send, stream: bool,
+                    deadline: float, s: ProxySettings
+                    ) -> tuple[web.Response, None] | tuple[aiohttp.ClientResponse, bytes]:
+        """The whole answer (and None), or a stream's upstream response and first bytes."""
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        timer = asyncio.timeout_at(min(t0 + s.first_byte_timeout_s, deadline))
+        resp = None
+        try:
+            async with timer:
+                resp = await self.session.post(
+                    ep.url + send.path, data=send.body, headers=send.headers,
+                    timeout=aiohttp.ClientTimeout(total=None, connect=s.connect_timeout_s))
+                self.metrics.upstream_latency.labels(ep.url).observe(loop.time() - t0)
+                if resp.status >= 500 or resp.status == 429:
+                    raise await self._refused(ep, resp)
+                if not stream or resp.status != 200:
+                    timer.reschedule(deadline)
+                    content = await resp.read()
+                    self.discovery.record_success(ep)
+                    return web.Response(body=content, status=resp.status,
+                                        content_type=resp.content_type), None
+                await client.start()
+                first = await resp.content.readany()
+                if not first:
+                    raise Retryable("stream ended before its first byte")
+        except (aiohttp.ClientError, OSError, TimeoutError) as err:
+            self.discovery.record_failure(ep)
+            phase = "before response headers" if resp is None else "before the first byte"
+            raise Retryable(f"{type(err).__name__} {phase}") from None
+        finally:
+            if resp is not None and (not stream or resp.status != 200):
+                resp.release()
+        self.discovery.record_success(ep)
+        return resp, first
+
+    async def _refused(self, ep: Upstream, resp: aiohttp.ClientResponse) -> Retryable:
+        """A 5xx or 429: retry elsewhere, keeping the answer in case nobody else can."""
+        content = await resp.read()
+        if resp.status >= 500:
+            self.discovery.record_failure(ep)
+        return Retryable(f"status {resp.status}", web.Response(
+            body=content, status=resp.status, content_type=resp.content_type,
+            headers={k: v for k, v in resp.headers.items() if k.lower() == "retry-after"}))
+
+    async def _relay(self, client: ClientSide, ep: Upstream, resp: aiohttp.ClientResponse,
+                     first: bytes, deadline: float, s: ProxySettings,
+                     tracker: StreamTracker | None) -> None:
+        out = client.out
+        write = out.write if tracker is None else _tracked(out, tracker)
+        loop = asyncio.get_running_loop()
+        idle = s.idle_timeout_s
+        try:
+            await write(first)
+            async with asyncio.timeout_at(min(loop.time() + idle, deadline)) as timer:
+                read = resp.content.readany
+                while chunk := await read():
+                    await write(chunk)
+                    timer.reschedule(min(loop.time() + idle, deadline))
+            if tracker is not None and not tracker.finished:
+                raise aiohttp.ClientPayloadError("the stream ended without [DONE]")
+        except (aiohttp.ClientPayloadError, aiohttp.ServerDisconnectedError,
+                aiohttp.ClientOSError, TimeoutError) as err:
+            if client.gone:
+                raise  # the client is gone too; nothing to tell
+            if tracker is not None and tracker.can_resume and loop.time() < deadline:
+                raise Interrupted(type(err).__name__) from None
+            self.metrics.upstream_errors.labels(ep.url, "mid-stream").inc()
+            log.warning("worker %s failed mid-stream: %r", ep.url, err)
+            await client.fail_in_band(OpenAIError(
+                502, f"the worker failed mid-stream: {type(err).__name__}",
+                code="upstream_failed"))
+            return
+        try:
+            await out.write_eof()
+        except ConnectionResetError:
+            pass  # the client left after the last event ([DONE]); nothing is lost
+
+
+def _tracked(out: web.StreamResponse, tracker: StreamTracker):
+    async def write(chunk: bytes) -> None:
+        try:
+            public = tracker.feed(chunk)
+        except ValueError as err:  # a malformed token event: the stream is broken
+            raise aiohttp.ClientPayloadError(str(err)) from None
+        if public:
+            await out.write(public)
+    return write

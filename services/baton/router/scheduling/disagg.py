@@ -1,0 +1,64 @@
+"""Disaggregation deciders: once the decode pod is picked, prefill the prompt on a prefill pod
+(remote) or on the decode pod itself (local)? As in llm-d, P/D is decided after the decode
+pod is chosen, so what that pod already caches counts.
+
+A decider is a plain function registered by name, like the filters and scorers:
+`decide(decode_pod, ctx, settings) -> True` for a remote prefill. It mutates nothing; the
+caller (`router.remote_prefill`) counts the decision and finds the prefill pod. `settings`
+is the live `DisaggSettings` of the request (the tuning file's
+`router.disagg_min_prefill_tokens` changes it without a restart).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from baton.router.discovery import Upstream
+from baton.router.scheduling.context import RoutingContext
+
+Decider = Callable[[Upstream | None, RoutingContext, "DisaggSettings"], bool]
+DECIDERS: dict[str, Decider] = {}
+
+
+def register(name: str):
+    def deco(fn: Decider) -> Decider:
+        DECIDERS[name] = fn
+        return fn
+    return deco
+
+
+@register("uncached_tokens")
+def uncached_tokens(decode_pod: Upstream | None, ctx: RoutingContext,
+                    settings: DisaggSettings) -> bool:
+    """Remote when the prompt's tokens not already cached on the decode pod are at least
+    `min_prefill_tokens`; local when the prompt cannot be split (`n` > 1, several prompts)."""
+    if ctx.prompt_tokens is None:
+        return False
+    cached = ctx.cached_tokens(decode_pod) if decode_pod is not None else 0
+    return ctx.prompt_tokens - cached >= settings.min_prefill_tokens
+
+
+@dataclass(frozen=True)
+class DisaggSettings:
+    """Remote prefill when `decider` says so (by default: the prompt tokens not already
+    cached on the chosen decode pod are at least `min_prefill_tokens`) and a prefill worker
+    is healthy and not saturated; `n` > 1 and several prompts stay local. With the registry
+    the router counts the prompt's tokens and the pod's cached blocks exactly; without it,
+    it estimates (~4 characters a token; the cache as `router.prefix` knows it). A remote
+    prefill that takes longer than `prefill_timeout_s` falls back to a local one."""
+
+    min_prefill_tokens: int = 256
+    prefill_timeout_s: float = 60.0
+    decider: str = "uncached_tokens"
+
+    def __post_init__(self) -> None:
+        if self.min_prefill_tokens < 0 or self.prefill_timeout_s <= 0:
+            raise ValueError("DisaggSettings: min_prefill_tokens >= 0, prefill_timeout_s > 0")
+        if self.decider not in DECIDERS:
+            raise ValueError(f"DisaggSettings.decider: unknown disaggregation decider "
+                             f"{self.decider!r}; known: {sorted(DECIDERS)}")
+
+    def decide(self, decode_pod: Upstream | None, ctx: RoutingContext) -> bool:
+        """True: prefill remotely (this settings' decider, with these settings)."""
+        return DECIDERS[self.decider](decode_pod, ctx, self)
