@@ -20,6 +20,8 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 
+from baton.common.roles import Role
+
 _PR_SET_PDEATHSIG = 1
 
 
@@ -32,6 +34,11 @@ def _die_with_parent() -> None:  # runs in the child between fork and exec
 
 @dataclass
 class Cluster:
+    """A local cluster: `num_workers` colocated workers, or `num_prefill` prefill and
+    `num_decode` decode workers, on ports port+1.. behind a router on `port`. `worker_args`
+    and `router_args` are extra `baton serve` / `baton router` flags. Its defaults are
+    `baton up`'s. Raises ValueError for worker counts that make no cluster."""
+
     host: str = "127.0.0.1"
     port: int = 8000
     num_workers: int = 2
@@ -52,23 +59,26 @@ class Cluster:
         self.procs: list[tuple[str, subprocess.Popen]] = []
 
     @property
-    def roles(self) -> list[str]:
+    def roles(self) -> list[Role]:
+        """Each worker's role, in port order: prefill workers before decode workers."""
         if not self.num_prefill:
-            return ["both"] * self.num_workers
-        return ["prefill"] * self.num_prefill + ["decode"] * self.num_decode
+            return [Role.BOTH] * self.num_workers
+        return [Role.PREFILL] * self.num_prefill + [Role.DECODE] * self.num_decode
 
     @classmethod
     def from_args(cls, args) -> Cluster:
+        """The cluster `baton up`'s parsed flags describe: the engine flags are passed on
+        to every worker, `--policy` and `--disagg-min-prefill-tokens` to the router."""
         worker_args = ["--dtype", args.dtype, "--block-size", str(args.block_size),
                        "--max-num-seqs", str(args.max_num_seqs),
                        "--max-num-batched-tokens", str(args.max_num_batched_tokens),
                        "--kv-cache-gib", str(args.kv_cache_gib),
-                       "--scheduling-policy", args.scheduling_policy,
-                       "--max-waiting", str(args.max_waiting)]
+                       "--scheduling-policy", args.scheduling_policy]
         for flag, value in (("--model", args.model), ("--max-model-len", args.max_model_len),
                             ("--num-kv-blocks", args.num_kv_blocks),
                             ("--served-model-name", args.served_model_name),
-                            ("--num-threads", args.num_threads)):
+                            ("--num-threads", args.num_threads),
+                            ("--max-waiting", args.max_waiting)):
             if value is not None:
                 worker_args += [flag, str(value)]
         if args.no_prefix_caching:
@@ -114,9 +124,9 @@ class Cluster:
         threads = max(1, (os.cpu_count() or 1) // self.num_workers)
         extra = [] if "--num-threads" in self.worker_args else ["--num-threads", str(threads)]
         for i, (url, role) in enumerate(zip(self.worker_urls, self.roles)):
-            name = f"worker-{i + 1}" if role == "both" else f"{role}-{i + 1}"
+            name = f"worker-{i + 1}" if role == Role.BOTH else f"{role.value}-{i + 1}"
             self._spawn(name, ["serve", "--host", self.host, "--port", str(self.port + 1 + i),
-                               "--role", role, *self.worker_args, *extra])
+                               "--role", role.value, *self.worker_args, *extra])
         for url, (name, proc) in zip(self.worker_urls, self.procs):
             self._wait_ready(name, proc, url, stop)
         self._spawn("router", ["router", "--host", self.host, "--port", str(self.port),
@@ -158,7 +168,7 @@ class Cluster:
         model = _model_name(self.router_url)
         url = self.router_url
         print(f"""
-Baton is up: router {url} -> {", ".join(f"{r} {u}" for r, u in zip(self.roles, self.worker_urls))}
+Baton is up: router {url} -> {", ".join(f"{r.value} {u}" for r, u in zip(self.roles, self.worker_urls))}
 Model: {model}
 
   curl {url}/v1/chat/completions -H 'Content-Type: application/json' \\

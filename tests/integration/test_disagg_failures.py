@@ -1,4 +1,4 @@
-"""Failure paths of a disaggregated deployment with real processes (DESIGN.md §3): router +
+"""Failure paths of a disaggregated deployment with real processes (docs/design.md §3): router +
 1 prefill + 2 decode pods. A decode pod killed mid-stream has its stream resumed on the
 other one (the client sees one stream, greedy text exact); then a mixed run with a prefill
 pod frozen (its transfers time out) and killed, a decode pod killed, and clients that leave

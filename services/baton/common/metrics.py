@@ -1,4 +1,4 @@
-"""Prometheus metrics of the services, named `baton:<thing>_<unit>` (DESIGN.md §8).
+"""Prometheus metrics of the services, named `baton:<thing>_<unit>` (docs/design.md §8).
 
 Each service owns a `CollectorRegistry` (several apps can live in one test process). Engine
 counters and gauges are read from the engine at scrape time by a collector, so the engine

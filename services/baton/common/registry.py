@@ -1,4 +1,4 @@
-"""The worker registry in Redis: the keys, the records and the events (DESIGN.md §6).
+"""The worker registry in Redis: the keys, the records and the events (docs/design.md §6).
 
 Workers write, routers read. Everything lives under one prefix (default `baton`, one per
 deployment sharing a Redis):
@@ -19,9 +19,10 @@ it apply on top in order. Messages carry a version field; unknown versions are d
 from __future__ import annotations
 
 import json
-from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from baton.common.roles import Role
 
 WIRE_VERSION = 1
 DEFAULT_PREFIX = "baton"
@@ -35,7 +36,7 @@ class WorkerRecord(BaseModel):
     v: int = WIRE_VERSION
     id: str  # this process: a restart under the same address is a new id
     url: str  # where routers reach its HTTP API
-    role: Literal["both", "prefill", "decode"]
+    role: Role  # on the wire its name: "both", "prefill" or "decode"
     model: str
     max_model_len: int | None = None
     block_size: int = 16  # tokens per KV block: the unit of the published hashes

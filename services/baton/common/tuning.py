@@ -1,4 +1,4 @@
-"""Live tuning from a mounted ConfigMap (DESIGN.md §7): the file's schema, validation, and a
+"""Live tuning from a mounted ConfigMap (docs/design.md §7): the file's schema, validation, and a
 watcher that reloads it the way kubelet updates it.
 
 The file (YAML, key `baton.yaml` of the tuning ConfigMap) has a `router` and a `worker`

@@ -1,1 +1,1 @@
-"""The inference engine shared by prefill and decode pods (DESIGN.md §4)."""
+"""The inference engine shared by prefill and decode pods (docs/design.md §4)."""

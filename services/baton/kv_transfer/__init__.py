@@ -1,4 +1,4 @@
-"""KV block transfer between engines (DESIGN.md §5): the contract in `base.py`, transports
+"""KV block transfer between engines (docs/design.md §5): the contract in `base.py`, transports
 `local` (in-process), `tcp` (no dependency), `gloo` / `nccl` (torch.distributed pair
 groups) and `nixl` (UCX one-sided reads), chosen by name with `make_transport`."""
 

@@ -1,4 +1,4 @@
-"""The KV transfer contract (DESIGN.md §5): pull-based, one shape for every transport.
+"""The KV transfer contract (docs/design.md §5): pull-based, one shape for every transport.
 
 Holder (prefill) side: `start(layout, kv_cache, engine_id)` registers the cache once and
 returns the `Endpoint` peers use; `hold(request_id, block_ids, ttl_s)` pins blocks under a

@@ -17,6 +17,9 @@ import signal
 import sys
 import threading
 
+from baton.cli_common import add_common_flags, add_model_flags, engine_default
+from baton.engine.config import DEVICES
+
 log = logging.getLogger(__name__)
 
 
@@ -27,33 +30,27 @@ def add_subcommands(sub) -> None:
     _planner_parser(sub)
 
 
-def _common(p: argparse.ArgumentParser, name: str) -> None:
-    from baton.cli import _common as common  # the flags every `baton` subcommand has
-
-    common(p, name)
-
-
 # -- baton profile ------------------------------------------------------------------------
 def _profile_parser(sub) -> None:
     p = sub.add_parser("profile", help="measure the engine's step costs on this machine")
-    p.add_argument("--model", default=None, help="HF directory or .gguf (default: bundled)")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
-    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    add_model_flags(p)
+    p.add_argument("--device", default=engine_default("device"), choices=DEVICES)
     p.add_argument("--max-batch", type=int, default=64,
                    help="largest decode batch measured (grid 1, 4, 16, 64, ...)")
     p.add_argument("--max-context", type=int, default=4096,
                    help="longest decode context measured (grid 128, 1024, 4096)")
-    p.add_argument("--max-num-batched-tokens", type=int, default=2048,
+    p.add_argument("--max-num-batched-tokens", type=int,
+                   default=engine_default("max_num_batched_tokens"),
                    help="the pods' token budget per step: the largest prefill measured and "
                         "the chunk size the planner simulates")
-    p.add_argument("--max-num-seqs", type=int, default=128,
+    p.add_argument("--max-num-seqs", type=int, default=engine_default("max_num_seqs"),
                    help="the pods' largest batch, recorded for the planner")
-    p.add_argument("--num-threads", type=int, default=None)
+    p.add_argument("--num-threads", type=int, default=engine_default("num_threads"))
     p.add_argument("--quick", action="store_true",
                    help="a small grid (about a minute on 2 CPU cores with the bundled model)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="profile.yaml", help="where to write the profile")
-    _common(p, "profile")
+    add_common_flags(p, "profile")
     p.set_defaults(run=_profile, parser=p)
 
 
@@ -116,7 +113,7 @@ def _plan_parser(sub) -> None:
     _workload_args(p)
     p.add_argument("--max-replicas", type=int, default=16, help="prefill + decode at most")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
-    _common(p, "plan")
+    add_common_flags(p, "plan")
     p.set_defaults(run=_plan, parser=p)
 
 
@@ -175,7 +172,7 @@ def _planner_parser(sub) -> None:
     p.add_argument("--kube-api", default=None,
                    help="API server URL (default: in-cluster config, then kubeconfig)")
     _workload_args(p)
-    _common(p, "planner")
+    add_common_flags(p, "planner")
     p.set_defaults(run=_planner, parser=p)
 
 

@@ -14,7 +14,7 @@ The model (documented choices, all conservative or neutral):
   pod with the fewest sequences (running + waiting). A decode pod runs continuous batching:
   each step takes `decode_step_s(batch, sum of contexts)`, every running sequence gains one
   token, sequences join at step boundaries (at most `max_num_seqs` run) and leave when done.
-- TTFT = prefill queue + prefill + transfer + decode queue (the breakdown of DESIGN.md §2).
+- TTFT = prefill queue + prefill + transfer + decode queue (the breakdown of docs/design.md §2).
   ITL = the durations of the decode steps a sequence runs in, one sample per token.
   A request with one output token ends at prefill.
 

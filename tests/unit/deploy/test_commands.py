@@ -32,13 +32,16 @@ def baton_commands(docs: list[dict]) -> list[list[str]]:
 def check(args: list[str]) -> None:
     parsed = build_parser().parse_args(args)
     if parsed.command == "serve":
-        from baton.cli import _engine_config
+        from baton.cli_common import engine_config
 
         assert parsed.registry and parsed.advertise_url.startswith("http://10.1.2.3:")
         assert parsed.kv_host == "10.1.2.3" and parsed.kv_port > 0
-        _engine_config(parsed)  # raises ValueError naming a bad field
+        engine_config(parsed)  # raises ValueError naming a bad field
     elif parsed.command == "router":
+        from baton.cli import _router_settings
+
         assert parsed.registry and parsed.registry.startswith("redis://")
+        _router_settings(parsed)  # raises ValueError naming a bad flag or field
 
 
 @pytest.mark.parametrize("source", ["renders", "builds"])

@@ -1,4 +1,4 @@
-"""One conformance suite for every KV transport installed (DESIGN.md §5)."""
+"""One conformance suite for every KV transport installed (docs/design.md §5)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,143 @@
+"""Flags shared by several `baton` subcommands, in a module that both `baton.cli` and
+`baton.planner.cli` import (neither imports the other for them): `--log-level` / `--name`
+on every subcommand, and the engine's flags (`baton serve`, `baton up`; `--model` /
+`--dtype` also in `baton generate` and `baton profile`).
+
+Defaults are read from the dataclass a flag fills (`field_default`), so each lives in one
+place. Torch-free: `baton.engine.config` imports nothing heavy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from functools import partial
+from typing import Any
+
+from baton.common.roles import Role
+from baton.engine.config import (ATTENTION_BACKENDS, DEVICES, DTYPES, KV_FAILURE_POLICIES,
+                                 SCHEDULING_POLICIES, EngineConfig)
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+_GIB = 1 << 30
+
+
+def add_common_flags(p: argparse.ArgumentParser, name: str) -> None:
+    """Add `--log-level` and `--name` (this process's name in log lines, default `name`) to
+    the subcommand parser `p`; `baton.cli.main` reads both before running the command."""
+    p.add_argument("--log-level", default="info", choices=LOG_LEVELS)
+    p.add_argument("--name", default=name, help="this process's name in log lines")
+
+
+def field_default(cls: type, name: str) -> Any:
+    """The default of dataclass `cls`'s field `name` (a `default_factory` is called).
+
+    Raises ValueError when `cls` has no such field or the field has no default: a flag whose
+    default is read from a renamed field fails when the parser is built, not later."""
+    for f in dataclasses.fields(cls):
+        if f.name != name:
+            continue
+        if f.default is not dataclasses.MISSING:
+            return f.default
+        if f.default_factory is not dataclasses.MISSING:
+            return f.default_factory()
+        raise ValueError(f"{cls.__name__}.{name} has no default")
+    raise ValueError(f"{cls.__name__} has no field {name!r}")
+
+
+engine_default = partial(field_default, EngineConfig)
+
+
+# -- the engine's flags -------------------------------------------------------------------
+def add_model_flags(p) -> None:
+    """`--model` and `--dtype` on `p` (a parser or an argument group)."""
+    p.add_argument("--model", default=engine_default("model"),
+                   help="HF directory or .gguf (default: bundled)")
+    p.add_argument("--dtype", default=engine_default("dtype"), choices=DTYPES)
+
+
+def add_engine_flags(p: argparse.ArgumentParser) -> None:
+    """The `engine` flag group of `baton serve` and `baton up`; `engine_config` turns the
+    parsed flags into an EngineConfig."""
+    g = p.add_argument_group("engine")
+    add_model_flags(g)
+    _batching_flags(g)
+    g.add_argument("--served-model-name", default=None)
+    # None: WorkerSettings' default, applied where the settings are built (reading it here
+    # would import the worker, and torch, into every `baton` command)
+    g.add_argument("--max-waiting", type=int, default=None,
+                   help="requests waiting to be scheduled before new ones get 429 "
+                        "(default: WorkerSettings.max_waiting)")
+    _kv_transfer_flags(g)
+
+
+def _batching_flags(g) -> None:
+    g.add_argument("--block-size", type=int, default=engine_default("block_size"))
+    g.add_argument("--max-num-seqs", type=int, default=engine_default("max_num_seqs"))
+    g.add_argument("--max-num-batched-tokens", type=int,
+                   default=engine_default("max_num_batched_tokens"))
+    g.add_argument("--max-model-len", type=int, default=engine_default("max_model_len"))
+    g.add_argument("--num-kv-blocks", type=int, default=engine_default("num_kv_blocks"))
+    g.add_argument("--kv-cache-gib", type=float,
+                   default=engine_default("kv_cache_memory_bytes") / _GIB,
+                   help="KV cache memory budget when --num-kv-blocks is not given")
+    g.add_argument("--no-prefix-caching", action="store_true",
+                   default=not engine_default("enable_prefix_caching"))
+    g.add_argument("--scheduling-policy", default=engine_default("scheduling_policy"),
+                   choices=SCHEDULING_POLICIES)
+    g.add_argument("--num-threads", type=int, default=engine_default("num_threads"))
+    g.add_argument("--device", default=engine_default("device"), choices=DEVICES)
+    g.add_argument("--attention-backend", default=engine_default("attention_backend"),
+                   choices=ATTENTION_BACKENDS,
+                   help="auto: the Triton kernels on CUDA, torch on CPU")
+    g.add_argument("--enforce-eager", action="store_true",
+                   default=engine_default("enforce_eager"),
+                   help="do not capture CUDA graphs for decode steps")
+
+
+def _kv_transfer_flags(g) -> None:
+    g.add_argument("--kv-transport", "--transport", default=None,
+                   choices=["auto", "nixl", "tcp", "gloo", "nccl", "local", "none"],
+                   help="KV transfer transport (default for prefill/decode roles: auto = "
+                        "nixl when installed, else tcp)")
+    g.add_argument("--kv-host", default=engine_default("kv_host"),
+                   help="address this worker serves KV pulls on (its pod IP in a cluster)")
+    g.add_argument("--kv-port", type=int, default=engine_default("kv_port"),
+                   help="port for KV pulls (0: any free one; fix it in a cluster)")
+    g.add_argument("--kv-lease-ttl", type=float, default=engine_default("kv_lease_ttl_s"))
+    g.add_argument("--kv-transfer-timeout", type=float,
+                   default=engine_default("kv_transfer_timeout_s"))
+    g.add_argument("--kv-failure-policy", default=engine_default("kv_failure_policy"),
+                   choices=KV_FAILURE_POLICIES)
+
+
+# flag dest -> the EngineConfig field it sets as given
+_ENGINE_FIELDS = {dest: dest for dest in (
+    "model", "dtype", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
+    "num_kv_blocks", "scheduling_policy", "num_threads", "device", "attention_backend",
+    "enforce_eager", "kv_host", "kv_port", "kv_failure_policy")} | {
+    "kv_lease_ttl": "kv_lease_ttl_s", "kv_transfer_timeout": "kv_transfer_timeout_s"}
+
+
+def engine_config(args: argparse.Namespace) -> EngineConfig:
+    """The EngineConfig that the engine flags in `args` (`baton serve` or `baton up`) give.
+
+    Without `--kv-transport` a `both` worker has none and prefill/decode workers the best one
+    installed. Raises ValueError naming the first bad field."""
+    role = Role(getattr(args, "role", Role.BOTH))
+    return EngineConfig(
+        **{field: getattr(args, dest) for dest, field in _ENGINE_FIELDS.items()},
+        kv_transport=_kv_transport(args.kv_transport, role),
+        engine_id=f"{role}-{args.port}" if hasattr(args, "port") else None,
+        kv_cache_memory_bytes=int(args.kv_cache_gib * _GIB),
+        enable_prefix_caching=not args.no_prefix_caching)
+
+
+def _kv_transport(flag: str | None, role: Role) -> str | None:
+    """EngineConfig.kv_transport for `--kv-transport flag` (None: the role's default)."""
+    transport = flag or ("none" if role == Role.BOTH else "auto")
+    if transport == "auto":
+        from baton.kv_transfer import best_transport
+
+        transport = best_transport()
+    return None if transport == "none" else transport

@@ -1,0 +1,69 @@
+"""Picks the attention backend for an engine: `auto` is `triton` on CUDA (when the triton
+package is installed) and `torch` elsewhere; on CPU the `torch` backend gets the native C
+kernels when they build and support the model's shape."""
+
+from __future__ import annotations
+
+import torch
+
+from baton.engine.attention.base import AttentionBackend
+from baton.engine.config import ATTENTION_BACKENDS as BACKENDS
+
+
+def make_attention_backend(name: str, device: torch.device, dtype: torch.dtype,
+                           model_shape: tuple[int, int, int], cache_dir) -> AttentionBackend:
+    """A new backend for `name` (one of `ATTENTION_BACKENDS`) on `device`.
+
+    `model_shape` is (heads, kv heads, head dim); `cache_dir` is where the CPU kernels are
+    built and cached (read only for `torch` on CPU). Called once per `ModelRunner`, on the
+    thread that builds it. Raises ValueError for an unknown name, or for `triton` without
+    the triton package or off CUDA (outside Triton's interpreter); the message says which
+    backend to use instead.
+    """
+    if name == "auto":
+        name = "triton" if device.type == "cuda" and _triton_backend_available() else "torch"
+    if name == "torch":
+        return _torch_backend(device, dtype, model_shape, cache_dir)
+    if name == "triton":
+        if not _triton_backend_available():
+            raise ValueError("attention_backend='triton' needs the triton package "
+                             "(pip install triton==3.9.0); use 'torch' or 'auto'")
+        if device.type != "cuda" and not _interpreting():
+            raise ValueError(f"attention_backend='triton' runs on CUDA; on {device.type} only "
+                             "in Triton's interpreter (TRITON_INTERPRET=1, for tests): use "
+                             "'torch' or 'auto'")
+        from baton.engine.attention.triton_backend import TritonAttentionBackend
+
+        return TritonAttentionBackend(dtype)
+    raise ValueError(f"attention_backend={name!r} is unknown; choose one of {BACKENDS}")
+
+
+def _torch_backend(device: torch.device, dtype: torch.dtype,
+                   model_shape: tuple[int, int, int], cache_dir) -> AttentionBackend:
+    """The `torch` backend; on CPU with the C kernels that built and fit the shape (a kernel
+    that did not is None: the backend falls back to its torch code)."""
+    from baton.engine.attention.torch_backend import TorchAttentionBackend
+
+    native = prefill = None
+    if device.type == "cpu":
+        from baton.engine.attention import cpu_native, cpu_prefill
+
+        native = cpu_native.load(cache_dir)
+        if native is not None and not native.supports(dtype, *model_shape):
+            native = None
+        prefill = cpu_prefill.load(cache_dir)
+        if prefill is not None and not prefill.supports(dtype, *model_shape):
+            prefill = None
+    return TorchAttentionBackend(dtype, native, prefill)
+
+
+def _triton_backend_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("triton") is not None
+
+
+def _interpreting() -> bool:
+    from baton_kernels._common import interpreting
+
+    return interpreting()
