@@ -162,7 +162,8 @@ def test_stalled_or_dead_holder_means_recompute_on_decode(pods, reference_llm, h
     try:
         t0 = time.monotonic()
         code, _, answer = post_json(decode + "/internal/generate", {
-            "api": "chat", "request": request, **prefilled}, timeout=DEADLINE_S)
+            "api": "chat", "request": request, "prompt_token_ids": prefilled["prompt_token_ids"],
+            "kv_transfer_params": prefilled["kv_transfer_params"]}, timeout=DEADLINE_S)
         assert code == 200, answer
         assert time.monotonic() - t0 < 2.0 + 10  # the 2 s transfer timeout, then compute
     finally:

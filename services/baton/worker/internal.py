@@ -1,116 +1,101 @@
-"""Internal endpoints of the prefill and decode roles (DESIGN.md §2). Routers call them;
-they are not part of the OpenAI surface and the router does not expose them.
+"""Internal endpoints of the prefill and decode roles (docs/design.md §2). Routers call
+them; they are not part of the OpenAI surface and the router does not expose them. Bodies
+are the typed messages of `common.internal`; one that does not validate is a 400.
 
-    POST /internal/prefill   {"api": "chat"|"completions", "request": <OpenAI body>}
-      -> {"prompt_token_ids": [...], "kv_transfer_params": {...}}
-    POST /internal/generate  {"api": ..., "request": <OpenAI body>, "prompt_token_ids": [...],
-                              "kv_transfer_params": {...} | null, "return_token_ids": bool,
-                              "resume": {"prompt_tokens", "completion_tokens",
-                                         "text_offset", "created"} | null}
-      -> the OpenAI answer (streamed or whole); without kv_transfer_params the decode pod
-         prefills locally. `return_token_ids` adds `token_ids` to every streamed choice and
-         `prompt_token_ids` to the first event; `resume` continues a stream another decode
-         pod started (its prompt is the original prompt + the tokens already sent).
+    POST /internal/prefill   PrefillRequest  -> PrefillResponse      (role prefill)
+    POST /internal/generate  GenerateRequest -> the OpenAI answer    (role decode)
 
 A prefill samples the first token with the request's own sampling settings (greedy stays
 greedy, a seed is used) but never stops on it: stop conditions are the decode pod's, which
-applies them to the first token too.
+applies them to the first token too. Its KV stays held (`HoldKV`) for a decode pod to pull.
+
+A generate with `kv_transfer_params` pulls the prompt's KV (`PullKV`), else the decode pod
+prefills locally; it goes through the same pipeline as a public request (`pipeline.py`).
+`return_token_ids` adds `TokenEvent`s to the stream (`openai_api`); `resume` continues a
+stream another decode pod started: its prompt is the original prompt + the tokens already
+sent, a seeded sampler skips the draws those tokens took, and the usage, id, `created` and
+text offsets go on from the interrupted stream.
 """
 
 from __future__ import annotations
 
-import json
 import time
 from dataclasses import replace
 
 from fastapi import FastAPI, Request
+from starlette.responses import Response
 
 from baton.common.errors import OpenAIError
-from baton.common.protocol import ChatCompletionRequest, CompletionRequest, parse_request
+from baton.common.internal import GenerateRequest, PrefillRequest, PrefillResponse
+from baton.common.protocol import parse_request
+from baton.common.roles import Role
+from baton.common.sampling_params import SamplingParams
+from baton.engine.kv_connector import HoldKV, PullKV
 from baton.worker.openai_api import Internal
+from baton.worker.pipeline import Call, Pipeline
 from baton.worker.serving import engine_error, new_id
-
-MODELS = {"chat": ChatCompletionRequest, "completions": CompletionRequest}
-
-
-def _parse(body: bytes) -> tuple[str, object, dict]:
-    try:
-        msg = json.loads(body)
-        api = msg["api"]
-        model = MODELS[api]
-    except (ValueError, KeyError, TypeError):
-        raise OpenAIError(400, "an internal request needs {'api': 'chat'|'completions', "
-                               "'request': {...}}") from None
-    return api, parse_request(model, json.dumps(msg.get("request")).encode()), msg
+from baton.worker.state import WorkerState
 
 
-def _internal(msg: dict, ids: list[int] | None) -> Internal:
-    resume = msg.get("resume")
-    if resume is None:
-        return Internal(return_token_ids=msg.get("return_token_ids") is True)
-    try:
-        prompt_tokens = int(resume["prompt_tokens"])
-        sent = int(resume.get("completion_tokens", 0))
-        internal = Internal(True, prompt_tokens, sent, int(resume.get("text_offset", 0)),
-                            int(resume["created"]) if resume.get("created") else None)
-    except (KeyError, TypeError, ValueError):
-        raise OpenAIError(400, "resume needs integer prompt_tokens, completion_tokens, "
-                               "text_offset and created") from None
-    if ids is None or not 0 < prompt_tokens <= len(ids) or prompt_tokens + sent != len(ids):
-        raise OpenAIError(400, "a resumed request gives prompt_token_ids = the original "
-                               "prompt + the tokens already sent")
-    return internal
-
-
-def install_internal_routes(app: FastAPI, state) -> None:
-    from baton.worker.app import prompts_of, serve_openai
-
+def install_internal_routes(app: FastAPI, state: WorkerState) -> None:
+    """Add the internal endpoint of `state`'s role (none for `both`)."""
     role = state.settings.role
-
-    if role == "prefill":
+    if role == Role.PREFILL:
         @app.post("/internal/prefill")
         async def internal_prefill(request: Request):
-            serving = state.require_serving()
-            api, req, _ = _parse(await request.body())
-            serving.check_model(req.model)
-            prompts = prompts_of(serving, api, req)
-            if len(prompts) != 1:
-                raise OpenAIError(400, "remote prefill takes one prompt per request")
-            params = replace(req.to_sampling_params(), n=1, max_tokens=1, min_tokens=0,
-                             stop=[], stop_token_ids=[], ignore_eos=True, logprobs=None)
-            rid = request.headers.get("x-request-id") or new_id("prefill")
-            jobs = serving.make_jobs(rid, prompts, params, "prompt", {"hold_kv": True})
-            serving.admit(jobs)
-            t0 = time.monotonic()
-            kv_params = None
-            try:
-                async for d in serving.run(jobs):
-                    if d.kv_transfer_params is not None:
-                        kv_params = d.kv_transfer_params
-            except Exception as err:  # noqa: BLE001 - engine death: a clean 5xx
-                raise engine_error(err) from None
-            finally:
-                serving.abort(jobs)
-            if kv_params is None:
-                raise OpenAIError(500, "the prefill ended without KV to hand over",
-                                  code="prefill_failed")
-            return {"prompt_token_ids": prompts[0], "kv_transfer_params": kv_params,
-                    "prefill_s": time.monotonic() - t0}
+            msg = parse_request(PrefillRequest, await request.body())
+            answer = await prefill(state.require_pipeline(), msg,
+                                   request.headers.get("x-request-id") or new_id("prefill"))
+            return Response(answer.model_dump_json(), media_type="application/json")
 
-    if role == "decode":
+    if role == Role.DECODE:
         @app.post("/internal/generate")
         async def internal_generate(request: Request):
-            api, req, msg = _parse(await request.body())
-            ids = msg.get("prompt_token_ids")
-            kv = msg.get("kv_transfer_params")
-            prompts = None
-            if ids is not None:
-                if not (isinstance(ids, list) and all(isinstance(t, int) for t in ids)):
-                    raise OpenAIError(400, "prompt_token_ids must be a list of ints")
-                prompts = [ids]
-            internal = _internal(msg, ids)
-            engine_kv = {"kv_transfer_params": kv} if kv else {}
-            if internal.resumed:  # a seeded sampler goes on from where the stream broke
-                engine_kv["presampled"] = internal.resumed_completion_tokens
-            return await serve_openai(request, state, api, req, prompts, engine_kv or None,
-                                      internal)
+            msg = parse_request(GenerateRequest, await request.body())
+            return await state.require_pipeline().serve(request, generate_call(msg))
+
+
+def prefill_params(params: SamplingParams) -> SamplingParams:
+    """The request's sampling settings for its first token only, with no stop conditions."""
+    return replace(params, n=1, max_tokens=1, min_tokens=0, stop=[], stop_token_ids=[],
+                   ignore_eos=True, logprobs=None)
+
+
+async def prefill(pipeline: Pipeline, msg: PrefillRequest, request_id: str
+                  ) -> PrefillResponse:
+    """Compute the prompt's KV and hold it. Raises OpenAIError: 400 for a bad request or
+    more than one prompt, 429 when the queue is full, 5xx when the engine fails or ends
+    without KV to hand over."""
+    req = msg.request
+    pipeline.check_model(req.model)
+    prompts = pipeline.prompts(msg.api, req)
+    if len(prompts) != 1:
+        raise OpenAIError(400, "remote prefill takes one prompt per request")
+    serving = pipeline.serving
+    jobs = serving.make_jobs(request_id, prompts, prefill_params(req.to_sampling_params()),
+                             "prompt", kv=HoldKV())
+    serving.admit(jobs)
+    t0 = time.monotonic()
+    try:
+        async for _ in serving.run(jobs):
+            pass
+    except Exception as err:  # noqa: BLE001 - engine death: a clean 5xx
+        raise engine_error(err) from None
+    finally:
+        serving.abort(jobs)
+    kv = jobs[0].kv_transfer_params
+    if kv is None:
+        raise OpenAIError(500, f"the prefill of {request_id} ended without KV to hand over",
+                          code="prefill_failed")
+    return PrefillResponse(prompt_token_ids=prompts[0], kv_transfer_params=kv,
+                           prefill_s=time.monotonic() - t0)
+
+
+def generate_call(msg: GenerateRequest) -> Call:
+    """What the pipeline serves for a decode pod's GenerateRequest. A resumed stream always
+    carries token events (its router tracks it)."""
+    ids = msg.prompt_token_ids
+    kv = PullKV(msg.kv_transfer_params) if msg.kv_transfer_params is not None else None
+    internal = Internal(return_token_ids=msg.return_token_ids or msg.resume is not None,
+                        resume=msg.resume)
+    return Call(msg.api, msg.request, [list(ids)] if ids is not None else None, kv, internal)

@@ -1,214 +1,280 @@
-"""Response bodies of /v1/chat/completions and /v1/completions, streamed (SSE) or whole.
+"""OpenAI response bodies of /v1/chat/completions and /v1/completions, streamed or whole.
+
+`OpenAIFormat` (one per worker) makes one `Answer` per HTTP request; the answer folds the
+serving side's updates (`serving.Update`: a job and its engine output batch) into one
+`Choice` per choice, and turns them into SSE events (`events`) or one JSON body (`body`).
+Formatting reads the updates only; it never calls the serving side.
 
 An error after the stream has started cannot change the status code any more: it is sent as
-one `data: {"error": ...}` event followed by `data: [DONE]`, as vLLM does (`_framed`).
+one `data: {"error": ...}` event followed by `data: [DONE]`, as vLLM does.
 
-`Internal` carries what only a router asks for on a decode pod's /internal/generate: token
-ids in every streamed chunk (so the router can resume the stream elsewhere if this pod
-dies), and a resumption's bookkeeping (the original prompt and tokens already sent, so the
-usage, ids and offsets continue the interrupted stream instead of starting a new one).
-It also carries `timing`, the router's part of a request's TTFT, when the client asked for
-a TTFT breakdown (header `X-Baton-Timing`): the response then has `baton_ttft` (seconds:
-router queue, prefill, decode queue, first token, and their sum `total_s`; plus the KV
-pull `transfer_s`, which is off the TTFT path: a decode pod streams the prefill's first
-token before it pulls) at the top level of a whole response, or on a stream's last event.
+`Internal` carries what only a router asks of a decode pod's /internal/generate:
+
+- `return_token_ids`: `common.internal.TokenEvent`s beside the content events, so the
+  router can resume the stream elsewhere if this pod dies. The first one, before any
+  content, has the prompt's ids and the stream's header; then each engine update that
+  brings tokens (or a content event) gets one, written just before its content event.
+- `resume`: a stream another decode pod started, whose usage, id, `created` and text
+  offsets this one continues instead of starting a new stream.
+- `timing`: the router's part of the TTFT when the client asked for a breakdown (header
+  `X-Baton-Timing`): the answer then has `baton_ttft` (seconds: router queue, prefill,
+  decode queue, first token, and their sum `total_s`; plus the KV pull `transfer_s`, which
+  is off the TTFT path: a decode pod streams the prefill's first token before it pulls) at
+  the top level of a whole body, or on a stream's finishing events.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from baton.common.protocol import ChatCompletionRequest, CompletionRequest
-from baton.worker.serving import SSE_DONE, Job, OpenAIServing, engine_error, sse, usage
+from baton.common.internal import Api, OpenAIBody, ResumeState, StreamHeader, TokenEvent
+from baton.engine.outputs import EngineOutput
+from baton.engine.sampler import TokenLogprobs
+from baton.worker.logprobs import TokenTexts
+from baton.worker.serving import FirstToken, Job, Update, engine_error
+
+SSE_DONE = b"data: [DONE]\n\n"
 
 
 @dataclass(frozen=True)
 class Internal:
     return_token_ids: bool = False
-    resumed_prompt_tokens: int | None = None  # the original prompt's length
-    resumed_completion_tokens: int = 0  # tokens the client already has
-    resumed_text_offset: int = 0  # characters the client already has (completion logprobs)
-    created: int | None = None
-    timing: dict | None = None  # the router's part of the TTFT; None: no breakdown asked
-
-    @property
-    def resumed(self) -> bool:
-        return self.resumed_prompt_tokens is not None
-
-    def usage(self, prompt_tokens: int, completion_tokens: int, cached: int) -> dict:
-        if self.resumed:
-            return usage(self.resumed_prompt_tokens,
-                         completion_tokens + self.resumed_completion_tokens, cached)
-        return usage(prompt_tokens, completion_tokens, cached)
+    resume: ResumeState | None = None
+    timing: dict[str, float] | None = None  # the router's part of the TTFT; None: not asked
 
 
 PUBLIC = Internal()
 
 
-def ttft_breakdown(router: dict, worker: dict, transfer: float | None) -> dict:
-    queue = worker.get("queue_s") or 0.0
-    parts = {"router_queue_s": router.get("router_queue", 0.0),
-             "prefill_s": router.get("prefill", 0.0), "decode_queue_s": queue,
-             "first_token_s": max(worker["worker_s"] - queue, 0.0)}
-    parts["total_s"] = sum(parts.values())
-    parts["transfer_s"] = transfer or 0.0
-    return {k: round(v, 6) for k, v in parts.items()}
+@dataclass
+class Choice:
+    """One choice's text, tokens and logprobs so far, and what the latest update added."""
+
+    index: int
+    echo: str = ""  # completions with `echo`: the prompt's text, before the output
+    text_offset: int = 0  # characters before this choice's output (echo, a resumed stream)
+    text: str = ""
+    num_tokens: int = 0
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: str | None = None
+    cached: int = 0  # prompt tokens served from the prefix cache
+    new_text: str = ""
+    new_token_ids: list[int] = field(default_factory=list)
+    new_logprobs: list[TokenLogprobs] = field(default_factory=list)
+
+    def add(self, batch: list[EngineOutput]) -> None:
+        """Fold in one batch of this choice's engine outputs; `new_*` then hold its part."""
+        self.new_text = "".join(out.new_text for out in batch)
+        self.new_token_ids = [t for out in batch for t in out.new_token_ids]
+        self.new_logprobs = [lp for out in batch for lp in out.new_logprobs or ()]
+        self.text += self.new_text
+        self.num_tokens += len(self.new_token_ids)
+        self.logprobs += self.new_logprobs
+        self.cached = batch[-1].num_cached_tokens or self.cached
+        self.finish_reason = batch[-1].finish_reason
+
+    @property
+    def new_text_offset(self) -> int:
+        """The text offset of the latest update's first token (completions logprobs)."""
+        return self.text_offset + len(self.text) - len(self.new_text)
 
 
-class _Tally:
-    """Per-choice accumulation shared by both endpoints."""
+class OpenAIFormat:
+    """One worker's OpenAI formatting: its model name and its tokenizer's token texts."""
 
-    def __init__(self, n: int) -> None:
-        self.text = [""] * n
-        self.logprobs: list[list] = [[] for _ in range(n)]
-        self.finish: list[str | None] = [None] * n
-        self.tokens = [0] * n
-        self.cached = 0
-        self.ttft: dict | None = None
+    def __init__(self, tokenizer, model_name: str) -> None:
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.texts = TokenTexts(tokenizer)
+
+    def answer(self, api: Api, request: OpenAIBody, response_id: str,
+               prompts: list[list[int]], num_choices: int, internal: Internal) -> Answer:
+        """The answer to one request of `prompts` (already tokenised) with `num_choices`
+        choices, `num_choices // len(prompts)` per prompt, in prompt order."""
+        resume = internal.resume
+        created = resume.created if resume is not None and resume.created else int(time.time())
+        kind = "chat.completion.chunk" if api == "chat" else "text_completion"
+        header = StreamHeader(id=response_id, object=kind, created=created,
+                              model=self.model_name)
+        per_prompt = num_choices // len(prompts)
+        offset = resume.text_offset if resume is not None else 0
+        choices = []
+        for i in range(num_choices):
+            echo = self._echo(api, request, prompts, i // per_prompt)
+            choices.append(Choice(i, echo, len(echo) + offset))
+        return Answer(self, api, request, header, prompts, choices, internal)
+
+    def _echo(self, api: Api, request: OpenAIBody, prompts: list[list[int]], p: int) -> str:
+        if api != "completions" or not request.echo:
+            return ""
+        original = request.prompts()[p]
+        return original if isinstance(original, str) else self.tokenizer.decode(prompts[p])
+
+
+class Answer:
+    """One request's response, built up from its updates."""
+
+    def __init__(self, fmt: OpenAIFormat, api: Api, request: OpenAIBody,
+                 header: StreamHeader, prompts: list[list[int]], choices: list[Choice],
+                 internal: Internal) -> None:
+        self.texts = fmt.texts
+        self.api, self.request, self.header = api, request, header
+        self.prompts, self.choices, self.internal = prompts, choices, internal
+        self._base = header.model_dump()  # every chunk's id, object, created, model
+        self.chat = api == "chat"
+        self.want_logprobs = bool(request.logprobs) if self.chat \
+            else request.logprobs is not None
+        self.first_token: FirstToken | None = None  # the first choice's to get a token
         self.kv_transfer_s: float | None = None
 
-    def add(self, d) -> None:
-        if d.ttft is not None and self.ttft is None:
-            self.ttft = d.ttft
-        if d.kv_transfer_s is not None:
-            self.kv_transfer_s = d.kv_transfer_s
-        self.text[d.index] += d.text
-        self.tokens[d.index] += len(d.token_ids)
-        if d.logprobs:
-            self.logprobs[d.index].extend(d.logprobs)
-        if d.finish_reason is not None:
-            self.finish[d.index] = d.finish_reason
-            self.cached = max(self.cached, d.num_cached_tokens)
+    def add(self, job: Job, batch: list[EngineOutput]) -> Choice:
+        """Fold one update into its choice (and the TTFT parts); the choice it changed."""
+        choice = self.choices[job.index]
+        choice.add(batch)
+        if self.first_token is None:
+            self.first_token = job.first_token
+        if choice.finish_reason is not None and job.kv_transfer_s is not None:
+            self.kv_transfer_s = job.kv_transfer_s
+        return choice
+
+    # -- whole -----------------------------------------------------------------------------
+    def body(self) -> dict:
+        """The non-streaming response body, once every choice finished."""
+        if self.chat:
+            choices = [{"index": c.index,
+                        "message": {"role": "assistant", "content": c.text},
+                        "logprobs": self._logprobs(c.logprobs, c.text_offset),
+                        "finish_reason": c.finish_reason} for c in self.choices]
+        else:
+            choices = [{"index": c.index, "text": c.echo + c.text,
+                        "logprobs": self._logprobs(c.logprobs, c.text_offset),
+                        "finish_reason": c.finish_reason} for c in self.choices]
+        h = self.header
+        kind = "chat.completion" if self.chat else h.object
+        return self._timed({"id": h.id, "object": kind, "created": h.created,
+                            "model": h.model, "choices": choices, "usage": self.usage()})
+
+    # -- streamed --------------------------------------------------------------------------
+    def opening(self) -> bytes:
+        """What a stream starts with, before any engine output: the header token event
+        (with `return_token_ids`), then chat's role chunks or completions' echo chunks
+        (and, for a router, an empty first chunk). A resumed stream's client has those."""
+        out = b""
+        if self.internal.resume is not None:
+            if self.internal.return_token_ids:
+                out += TokenEvent(prompt_token_ids=self.prompts[0], header=self.header).sse()
+            return out
+        if self.internal.return_token_ids:  # its chars: the echo chunk's, which follows it
+            echoed = 0 if self.chat else len(self.choices[0].echo)
+            out += TokenEvent(prompt_token_ids=self.prompts[0], header=self.header,
+                              text_chars=echoed).sse()
+        for c in self.choices:
+            if self.chat:
+                out += self._sse({"index": c.index, "delta": {"role": "assistant",
+                                                              "content": ""},
+                                  "logprobs": None, "finish_reason": None})
+            elif c.echo or self.internal.return_token_ids:
+                out += self._sse({"index": c.index, "text": c.echo, "logprobs": None,
+                                  "finish_reason": None})
+        return out
+
+    def step(self, job: Job, batch: list[EngineOutput]) -> bytes:
+        """Fold one update in; the events it makes (possibly none): its token event
+        (with `return_token_ids`), then its content event when it has text, a finish
+        reason or logprobs to show."""
+        c = self.add(job, batch)
+        finished = c.finish_reason is not None
+        shown = bool(c.new_text or finished or (self.want_logprobs and c.new_logprobs))
+        out = b""
+        if self.internal.return_token_ids and (c.new_token_ids or shown):
+            out += TokenEvent(token_ids=c.new_token_ids, text_chars=len(c.new_text),
+                              finished=finished).sse()
+        if not shown:
+            return out
+        lps = self._logprobs(c.new_logprobs, c.new_text_offset)
+        if self.chat:
+            choice = {"index": c.index, "delta": {"content": c.new_text}}
+        else:
+            choice = {"index": c.index, "text": c.new_text}
+        choice |= {"logprobs": lps, "finish_reason": c.finish_reason}
+        event = self._chunk([choice])
+        return out + sse(self._timed(event) if finished else event)
+
+    def usage_event(self) -> bytes:
+        return sse(self._chunk([]) | {"usage": self.usage()})
+
+    # -- parts -----------------------------------------------------------------------------
+    def usage(self) -> dict:
+        """Usage of the whole stream: a resumed one counts from the original prompt and
+        includes the tokens the interrupted pod sent."""
+        prompt = sum(len(p) for p in self.prompts)
+        completion = sum(c.num_tokens for c in self.choices)
+        resume = self.internal.resume
+        if resume is not None:
+            prompt, completion = resume.prompt_tokens, completion + resume.completion_tokens
+        cached = max(c.cached for c in self.choices)
+        return {"prompt_tokens": prompt, "completion_tokens": completion,
+                "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached}}
+
+    def _logprobs(self, lps: list[TokenLogprobs], offset: int) -> dict | None:
+        if not self.want_logprobs:
+            return None
+        if self.chat:
+            return self.texts.chat_logprobs(lps)
+        return self.texts.completion_logprobs(lps, offset)
+
+    def _chunk(self, choices: list[dict]) -> dict:
+        return self._base | {"choices": choices}
+
+    def _sse(self, choice: dict) -> bytes:
+        return sse(self._chunk([choice]))
+
+    def _timed(self, event: dict) -> dict:
+        if self.internal.timing is not None and self.first_token is not None:
+            event["baton_ttft"] = ttft_breakdown(self.internal.timing, self.first_token,
+                                                 self.kv_transfer_s)
+        return event
 
 
-async def chat(serving: OpenAIServing, req: ChatCompletionRequest, jobs: list[Job],
-               response_id: str, internal: Internal = PUBLIC) -> dict | AsyncIterator[bytes]:
-    prompt_tokens = len(jobs[0].prompt_ids)
-    created = internal.created or int(time.time())
-    if req.stream:
-        base = {"id": response_id, "object": "chat.completion.chunk", "created": created,
-                "model": serving.model_name}
-        tally = _Tally(len(jobs))
-        return _framed(_chat_chunks(serving, req, jobs, base, tally, internal), req, base,
-                       tally, prompt_tokens, internal)
-    tally = _Tally(len(jobs))
-    async for d in serving.run(jobs):
-        tally.add(d)
-    choices = [{"index": i, "message": {"role": "assistant", "content": tally.text[i]},
-                "logprobs": serving.chat_logprobs(tally.logprobs[i]) if req.logprobs else None,
-                "finish_reason": tally.finish[i]} for i in range(len(jobs))]
-    return _timed({"id": response_id, "object": "chat.completion", "created": created,
-                   "model": serving.model_name, "choices": choices,
-                   "usage": usage(prompt_tokens, sum(tally.tokens), tally.cached)},
-                  internal, tally)
+async def body(answer: Answer, updates: AsyncIterator[Update]) -> dict:
+    """The whole response body, once `updates` ends."""
+    async for job, batch in updates:
+        answer.add(job, batch)
+    return answer.body()
 
 
-async def _framed(chunks: AsyncIterator[bytes], req, base: dict, tally: _Tally,
-                  prompt_tokens: int, internal: Internal) -> AsyncIterator[bytes]:
-    """The SSE stream around the content chunks: the usage chunk when asked for, an error
-    as an event (the status line is gone by then), and `[DONE]`."""
+async def events(answer: Answer, updates: AsyncIterator[Update]) -> AsyncIterator[bytes]:
+    """The SSE stream: the opening, the updates' events, the usage event when asked for,
+    an error as an event (the status line is gone by then), and `[DONE]`."""
     try:
-        async for chunk in chunks:
-            yield chunk
-        if req.include_usage:
-            yield sse(base | {"choices": [], "usage": internal.usage(
-                prompt_tokens, sum(tally.tokens), tally.cached)})
+        opening = answer.opening()
+        if opening:
+            yield opening
+        async for job, batch in updates:
+            chunk = answer.step(job, batch)
+            if chunk:
+                yield chunk
+        if answer.request.include_usage:
+            yield answer.usage_event()
     except Exception as err:  # noqa: BLE001 - reported in-band
         yield sse(engine_error(err).body())
     yield SSE_DONE
 
 
-async def _chat_chunks(serving: OpenAIServing, req: ChatCompletionRequest, jobs: list[Job],
-                       base: dict, tally: _Tally, internal: Internal) -> AsyncIterator[bytes]:
-    if not internal.resumed:  # a resumed stream's client has its role chunk already
-        for job in jobs:
-            first = base | {"choices": [{"index": job.index, "delta": {
-                "role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}]}
-            if internal.return_token_ids:
-                first["prompt_token_ids"] = job.prompt_ids
-            yield sse(first)
-    ids = internal.return_token_ids
-    async for d in serving.run(jobs):
-        tally.add(d)
-        if not (d.text or d.finish_reason is not None or (req.logprobs and d.logprobs)
-                or (ids and d.token_ids)):
-            continue
-        lps = serving.chat_logprobs(d.logprobs or []) if req.logprobs else None
-        choice = {"index": d.index, "delta": {"content": d.text}, "logprobs": lps,
-                  "finish_reason": d.finish_reason}
-        if ids:
-            choice["token_ids"] = d.token_ids
-        event = base | {"choices": [choice]}
-        yield sse(_timed(event, internal, tally) if d.finish_reason is not None else event)
+def ttft_breakdown(router: dict[str, float], first: FirstToken,
+                   transfer: float | None) -> dict[str, float]:
+    queue = first.queue_s or 0.0
+    parts = {"router_queue_s": router.get("router_queue", 0.0),
+             "prefill_s": router.get("prefill", 0.0), "decode_queue_s": queue,
+             "first_token_s": max(first.worker_s - queue, 0.0)}
+    parts["total_s"] = sum(parts.values())
+    parts["transfer_s"] = transfer or 0.0
+    return {k: round(v, 6) for k, v in parts.items()}
 
 
-async def completion(serving: OpenAIServing, req: CompletionRequest, jobs: list[Job],
-                     prompts: list[list[int]], response_id: str, internal: Internal = PUBLIC
-                     ) -> dict | AsyncIterator[bytes]:
-    created = internal.created or int(time.time())
-    prompt_tokens = sum(len(p) for p in prompts)
-    per_prompt = len(jobs) // len(prompts)
-    echo = [_echo_text(serving, req, prompts, job.index // per_prompt) for job in jobs]
-    if req.stream:
-        base = {"id": response_id, "object": "text_completion", "created": created,
-                "model": serving.model_name}
-        tally = _Tally(len(jobs))
-        return _framed(_completion_chunks(serving, req, jobs, echo, base, tally, internal),
-                       req, base, tally, prompt_tokens, internal)
-    tally = _Tally(len(jobs))
-    async for d in serving.run(jobs):
-        tally.add(d)
-    choices = []
-    for i in range(len(jobs)):
-        lps = (serving.completion_logprobs(tally.logprobs[i], len(echo[i]))
-               if req.logprobs is not None else None)
-        choices.append({"index": i, "text": echo[i] + tally.text[i], "logprobs": lps,
-                        "finish_reason": tally.finish[i]})
-    return _timed({"id": response_id, "object": "text_completion", "created": created,
-                   "model": serving.model_name, "choices": choices,
-                   "usage": usage(prompt_tokens, sum(tally.tokens), tally.cached)},
-                  internal, tally)
-
-
-def _timed(event: dict, internal: Internal, tally: _Tally) -> dict:
-    if internal.timing is not None and tally.ttft is not None:
-        event["baton_ttft"] = ttft_breakdown(internal.timing, tally.ttft, tally.kv_transfer_s)
-    return event
-
-
-def _echo_text(serving: OpenAIServing, req: CompletionRequest, prompts, p: int) -> str:
-    if not req.echo:
-        return ""
-    original = req.prompts()[p]
-    return original if isinstance(original, str) else serving.tokenizer.decode(prompts[p])
-
-
-async def _completion_chunks(serving: OpenAIServing, req: CompletionRequest, jobs: list[Job],
-                             echo: list[str], base: dict, tally: _Tally, internal: Internal
-                             ) -> AsyncIterator[bytes]:
-    offsets = [len(e) + internal.resumed_text_offset for e in echo]
-    ids = internal.return_token_ids
-    for job in jobs:
-        if echo[job.index] or (ids and not internal.resumed):
-            first = base | {"choices": [{"index": job.index, "text": echo[job.index],
-                                         "logprobs": None, "finish_reason": None}]}
-            if ids:
-                first["prompt_token_ids"] = job.prompt_ids
-            yield sse(first)
-    async for d in serving.run(jobs):
-        tally.add(d)
-        if not (d.text or d.finish_reason is not None
-                or (req.logprobs is not None and d.logprobs) or (ids and d.token_ids)):
-            continue
-        lps = None
-        if req.logprobs is not None:
-            lps = serving.completion_logprobs(d.logprobs or [], offsets[d.index])
-        offsets[d.index] += len(d.text)
-        choice = {"index": d.index, "text": d.text, "logprobs": lps,
-                  "finish_reason": d.finish_reason}
-        if ids:
-            choice["token_ids"] = d.token_ids
-        event = base | {"choices": [choice]}
-        yield sse(_timed(event, internal, tally) if d.finish_reason is not None else event)
+def sse(obj: dict) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"

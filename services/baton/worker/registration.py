@@ -33,7 +33,7 @@ class Registration:
         self.report = report
         self.interval_s, self.flush_s = interval_s, flush_s
         self.id = uuid.uuid4().hex[:16]
-        self.pool = None  # the engine's BlockPool, once loaded
+        self.pool = None  # the engine's block events (its BlockPool), once loaded
         self._seq = 0
         self._popped = 0
         self._synced = False  # the block set in Redis is ours (written since connecting)
@@ -42,7 +42,8 @@ class Registration:
         self._redis = None
 
     def attach(self, pool) -> None:
-        """Start recording the block pool's hash events (call before the engine runs)."""
+        """Start recording the block pool's hash events: `pool` is what the engine's
+        `AsyncEngine.block_events()` returns (call once the engine is loaded)."""
         pool.record_events()
         self.pool = pool
 

@@ -1,107 +1,82 @@
-"""OpenAI completions and chat completions over the AsyncEngine.
+"""The engine side of serving: one HTTP request's engine jobs, their admission, their output.
 
-One HTTP request becomes `len(prompts) * n` engine requests (ids `<id>-<choice>`); their
-deltas are merged into one stream of `Delta`s, from which both the SSE chunks and the
-non-streaming response are built. Leaving a stream early (client gone, error) cancels every
-engine request of it, which frees their KV blocks.
+One HTTP request becomes `len(prompts) * n` engine requests, the `Job`s (ids
+`<id>-<choice>`). `Serving.make_jobs` validates them all, `admit` queues all or none (429
+when the waiting queue is full), and `run` merges their engine output batches into one
+stream of `Update`s `(job, batch)`, recording the request metrics (TTFT, inter-token
+latency, end-to-end, queue time, finish reasons) on the way. That stream is this module's
+whole interface to the formatting (`openai_api`): it never calls back here.
+
+Leaving `run` early (client gone, error) cancels every engine request of it, which frees
+their KV blocks; `abort` does the same for jobs that never ran.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from baton.common.errors import OpenAIError
+from baton.common.internal import KVTransferParams
 from baton.common.metrics import WorkerMetrics
-from baton.common.protocol import ChatCompletionRequest, CompletionRequest
-from baton.common.sampling_params import SamplingParams
+from baton.common.sampling_params import SamplingParams, child_params
 from baton.engine.async_engine import AsyncEngine, EngineDeadError
 from baton.engine.core import InvalidRequestError
-from baton.engine.llm import child_params
+from baton.engine.kv_connector import KVHandoff
+from baton.engine.outputs import EngineOutput
 from baton.engine.request import Request
-from baton.engine.sampler import TokenLogprobs
-from baton.engine.tokenizer import apply_chat_template
 
 
-@dataclass
-class Delta:
-    """What one engine update added to one choice."""
+@dataclass(frozen=True)
+class FirstToken:
+    """This worker's part of a job's TTFT, taken when its first token arrived."""
 
-    index: int
-    text: str
-    token_ids: list[int]
-    logprobs: list[TokenLogprobs] | None
-    finish_reason: str | None
-    num_cached_tokens: int = 0
-    kv_transfer_params: dict | None = None
-    ttft: dict | None = None  # on the first token: this worker's part of the TTFT
-    kv_transfer_s: float | None = None  # on the final delta: the KV pull, if there was one
+    worker_s: float  # arrival on this worker -> first token
+    queue_s: float | None  # arrival -> first scheduled, as the engine reported it
 
 
 @dataclass
 class Job:
-    """One engine request of an HTTP request."""
+    """One engine request of an HTTP request, and what its outputs told so far (written
+    by `Serving.run` before each update is handed on)."""
 
-    index: int
+    index: int  # the choice it answers: prompt * n + sample
     request_id: str
     prompt_ids: list[int]
-    params: SamplingParams
     request: Request  # built and validated by make_jobs, queued by admit
     stream: asyncio.Queue | None = None  # set once queued in the engine
     arrival: float = 0.0
+    first_token: FirstToken | None = None
+    queue_s: float | None = None
+    kv_transfer_s: float | None = None  # decode role: the KV pull, if there was one
+    kv_transfer_params: KVTransferParams | None = None  # prefill role: the KV it holds
+    finish_reason: str | None = None
+    last_token_at: float | None = None
 
 
-class OpenAIServing:
-    def __init__(self, engine: AsyncEngine, model_name: str, metrics: WorkerMetrics,
-                 max_waiting: int) -> None:
+# One batch of a job's engine outputs, in the order they arrived.
+Update = tuple[Job, list[EngineOutput]]
+
+
+class Serving:
+    def __init__(self, engine: AsyncEngine, metrics: WorkerMetrics, max_waiting: int) -> None:
         self.engine = engine
-        self.model_name = model_name
         self.metrics = metrics
         self.max_waiting = max_waiting
-        self.tokenizer = engine.tokenizer
-        self.max_model_len = engine.core.max_model_len
-        self._token_text: dict[int, str] = {}
+        self.max_model_len = engine.max_model_len
 
-    # -- preparing a request ---------------------------------------------------------------
-    def check_model(self, name: str) -> None:
-        if name != self.model_name:
-            raise OpenAIError(404, f"the model {name!r} does not exist; this server serves "
-                                   f"{self.model_name!r}", param="model", code="model_not_found")
-
-    def chat_prompt(self, req: ChatCompletionRequest) -> list[int]:
-        messages = [m.as_template_dict() for m in req.messages]
-        try:
-            return apply_chat_template(self.tokenizer, messages, req.add_generation_prompt)
-        except Exception as err:  # noqa: BLE001 - template errors are the caller's input
-            raise OpenAIError(400, f"the chat template rejected the messages: {err}",
-                              param="messages") from None
-
-    def completion_prompts(self, req: CompletionRequest) -> list[list[int]]:
-        out = []
-        for p in req.prompts():
-            out.append(self.tokenizer.encode(p) if isinstance(p, str) else list(p))
-        return out
-
+    # -- before the engine -----------------------------------------------------------------
     def make_jobs(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
-                  param: str, kv: dict | None = None) -> list[Job]:
-        """Validate every prompt against the context window, then check the waiting queue.
-        Nothing is queued when anything is wrong."""
+                  param: str, *, kv: KVHandoff | None = None, presampled: int = 0
+                  ) -> list[Job]:
+        """Validate every prompt against the context window and build one job per prompt
+        and sample (`kv` / `presampled`: see `AsyncEngine.make_request`). Raises a 400
+        OpenAIError naming `param` for a bad prompt; nothing is queued yet."""
         for ids in prompts:
-            n = len(ids)
-            if n >= self.max_model_len:
-                raise OpenAIError(400, f"this model's maximum context length is "
-                                       f"{self.max_model_len} tokens, but the prompt has {n} "
-                                       "tokens (and at least one output token is needed)",
-                                  param=param, code="context_length_exceeded")
-            if params.max_tokens is not None and n + params.max_tokens > self.max_model_len:
-                raise OpenAIError(400, f"this model's maximum context length is "
-                                       f"{self.max_model_len} tokens; {n} prompt tokens + "
-                                       f"max_tokens {params.max_tokens} exceed it",
-                                  param="max_tokens", code="context_length_exceeded")
+            self._check_context(len(ids), params, param)
         children = child_params(params)
         jobs = []
         for p, ids in enumerate(prompts):
@@ -109,16 +84,30 @@ class OpenAIServing:
                 index = p * len(children) + i
                 rid = f"{request_id}-{index}"
                 try:
-                    req = self.engine.core.make_request(rid, ids, child, **(kv or {}))
+                    req = self.engine.make_request(rid, ids, child, kv=kv,
+                                                   presampled=presampled)
                 except InvalidRequestError as err:
                     raise OpenAIError(400, str(err), param=param) from None
-                jobs.append(Job(index, rid, ids, child, req))
+                jobs.append(Job(index, rid, ids, req))
         return jobs
 
+    def _check_context(self, n: int, params: SamplingParams, param: str) -> None:
+        limit = self.max_model_len
+        if n >= limit:
+            raise OpenAIError(400, f"this model's maximum context length is {limit} tokens, "
+                                   f"but the prompt has {n} tokens (and at least one output "
+                                   "token is needed)", param=param,
+                              code="context_length_exceeded")
+        if params.max_tokens is not None and n + params.max_tokens > limit:
+            raise OpenAIError(400, f"this model's maximum context length is {limit} tokens; "
+                                   f"{n} prompt tokens + max_tokens {params.max_tokens} "
+                                   "exceed it", param="max_tokens",
+                              code="context_length_exceeded")
+
     def admit(self, jobs: list[Job]) -> None:
-        """Queue all jobs in the engine, or none of them: 429 when the waiting queue is
-        full. No await between the check and the adds, so concurrent handlers cannot
-        overfill it."""
+        """Queue all jobs in the engine, or none of them: 503 when the engine died, 429 when
+        the waiting queue is full. No await between the check and the adds, so concurrent
+        handlers cannot overfill it."""
         if self.engine.dead_error is not None:
             raise OpenAIError(503, "the engine loop died; this worker is restarting",
                               code="engine_dead")
@@ -142,26 +131,26 @@ class OpenAIServing:
             self.engine.abort(job.request_id)
 
     # -- running ---------------------------------------------------------------------------
-    async def run(self, jobs: list[Job]) -> AsyncIterator[Delta]:
-        """Merge the deltas of all jobs; cancelling the consumer cancels every job."""
-        streams = [self._deltas(job) for job in jobs]
-        if len(streams) == 1:
-            async for d in streams[0]:
-                yield d
+    async def run(self, jobs: list[Job]) -> AsyncIterator[Update]:
+        """The admitted jobs' output batches, merged in arrival order. Raises
+        EngineDeadError if the engine loop dies; leaving early aborts every job."""
+        if len(jobs) == 1:
+            async for update in self._updates(jobs[0]):
+                yield update
             return
         queue: asyncio.Queue = asyncio.Queue()
         done = object()
 
-        async def pump(stream) -> None:
+        async def pump(job: Job) -> None:
             try:
-                async for d in stream:
-                    queue.put_nowait(d)
+                async for update in self._updates(job):
+                    queue.put_nowait(update)
             except BaseException as err:  # noqa: BLE001 - handed to the consumer
                 queue.put_nowait(err)
             finally:
                 queue.put_nowait(done)
 
-        tasks = [asyncio.create_task(pump(s)) for s in streams]
+        tasks = [asyncio.create_task(pump(job)) for job in jobs]
         try:
             remaining = len(tasks)
             while remaining:
@@ -177,83 +166,50 @@ class OpenAIServing:
                 t.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
 
-    async def _deltas(self, job: Job) -> AsyncIterator[Delta]:
-        m = self.metrics
-        last = None
-        finished = False
+    async def _updates(self, job: Job) -> AsyncIterator[Update]:
         try:
-            async for out in self.engine.outputs(job.request_id, job.stream, job.prompt_ids):
-                c = out.outputs[0]
-                now = time.monotonic()
-                ttft = None
-                if c.delta_token_ids:
-                    if last is None:
-                        m.ttft.observe(now - job.arrival)
-                        ttft = {"worker_s": now - job.arrival, "queue_s": out.queue_time}
-                    else:
-                        m.itl.observe(now - last)
-                        for _ in range(len(c.delta_token_ids) - 1):
-                            m.itl.observe(0.0)
-                    last = now
-                if c.finish_reason is not None:
-                    finished = True
-                    m.e2e.observe(now - job.arrival)
-                    m.requests.labels(c.finish_reason).inc()
-                    if out.queue_time is not None:
-                        m.queue_time.observe(out.queue_time)
-                yield Delta(job.index, c.delta_text, c.delta_token_ids, c.delta_logprobs,
-                            c.finish_reason, out.num_cached_tokens, out.kv_transfer_params,
-                            ttft, out.kv_transfer_time if c.finish_reason else None)
+            async for batch in self.engine.stream(job.request_id, job.stream):
+                self._record(job, batch, time.monotonic())
+                yield job, batch
         finally:
-            if not finished:  # client gone or engine error: the engine aborts it
-                m.requests.labels("abort").inc()
+            if job.finish_reason is None:  # client gone or engine error: the engine aborts it
+                self.metrics.requests.labels("abort").inc()
 
-    # -- formatting ------------------------------------------------------------------------
-    def token_text(self, token_id: int) -> str:
-        text = self._token_text.get(token_id)
-        if text is None:
-            text = self.tokenizer.decode([token_id])
-            self._token_text[token_id] = text
-        return text
-
-    def chat_logprobs(self, lps: list[TokenLogprobs]) -> dict:
-        def entry(tid: int, lp: float) -> dict:
-            s = self.token_text(tid)
-            return {"token": s, "logprob": max(lp, -9999.0), "bytes": list(s.encode())}
-        return {"content": [entry(lp.token_id, lp.logprob) | {
-            "top_logprobs": [entry(t, v) for t, v in lp.top]} for lp in lps], "refusal": None}
-
-    def completion_logprobs(self, lps: list[TokenLogprobs], offset: int) -> dict:
-        tokens, values, tops, offsets = [], [], [], []
-        for lp in lps:
-            s = self.token_text(lp.token_id)
-            tokens.append(s)
-            values.append(max(lp.logprob, -9999.0))
-            tops.append({self.token_text(t): max(v, -9999.0) for t, v in lp.top})
-            offsets.append(offset)
-            offset += len(s)
-        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops,
-                "text_offset": offsets}
+    def _record(self, job: Job, batch: list[EngineOutput], now: float) -> None:
+        """Fold one batch into the job and the metrics. Tokens that arrived together count
+        one inter-token gap and a zero for each other token."""
+        m = self.metrics
+        for out in batch:
+            if out.queue_time is not None:
+                job.queue_s, job.kv_transfer_s = out.queue_time, out.kv_transfer_time
+            if out.kv_transfer_params is not None:
+                job.kv_transfer_params = out.kv_transfer_params
+        num_tokens = sum(len(out.new_token_ids) for out in batch)
+        if num_tokens:
+            if job.last_token_at is None:
+                m.ttft.observe(now - job.arrival)
+                job.first_token = FirstToken(now - job.arrival, job.queue_s)
+            else:
+                m.itl.observe(now - job.last_token_at)
+                for _ in range(num_tokens - 1):
+                    m.itl.observe(0.0)
+            job.last_token_at = now
+        finish = batch[-1].finish_reason
+        if finish is not None:
+            job.finish_reason = finish
+            m.e2e.observe(now - job.arrival)
+            m.requests.labels(finish).inc()
+            if job.queue_s is not None:
+                m.queue_time.observe(job.queue_s)
 
 
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def sse(obj: dict) -> bytes:
-    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
-
-
-SSE_DONE = b"data: [DONE]\n\n"
-
-
-def usage(prompt_tokens: int, completion_tokens: int, cached: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": cached}}
-
-
 def engine_error(err: BaseException) -> OpenAIError:
+    """What a failure while running jobs becomes at the HTTP edge: 503 when the engine loop
+    died (this worker restarts), else a 500 naming the error."""
     if isinstance(err, EngineDeadError):
         return OpenAIError(503, str(err), code="engine_dead")
     return OpenAIError(500, f"internal error: {err!r}")

@@ -1,0 +1,154 @@
+"""Serving one OpenAI request, from its parsed body to the HTTP response.
+
+    Pipeline.serve: check the model -> tokenise (unless the prompt's ids are given) ->
+    `Serving.make_jobs` -> `Serving.admit` (or 429) -> the response: an SSE stream
+    (`openai_api.events`) or one JSON body (`openai_api.body`) over `Serving.run`.
+
+Whatever way the answer ends (done, error, the client leaving), every job still running is
+aborted so its KV blocks are freed. A whole (non-streamed) answer watches for the client's
+disconnect and stops early; a stream stops when the server can no longer write to it.
+The public routes (`app.py`) and the decode role's /internal/generate (`internal.py`) both
+end here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, replace
+
+from fastapi import Request
+from starlette.background import BackgroundTask
+from starlette.responses import JSONResponse, Response, StreamingResponse
+
+from baton.common.errors import OpenAIError
+from baton.common.internal import Api, OpenAIBody
+from baton.common.protocol import ChatCompletionRequest
+from baton.engine.kv_connector import PullKV
+from baton.engine.tokenizer import apply_chat_template
+from baton.worker import openai_api
+from baton.worker.openai_api import PUBLIC, Internal, OpenAIFormat
+from baton.worker.serving import Job, Serving, engine_error, new_id
+
+
+@dataclass(frozen=True)
+class Call:
+    """One OpenAI request to serve: `prompts` are the prompt's token ids when a router
+    gave them (else the body is tokenised here), `kv` the KV a prefill pod holds for it,
+    `internal` what a router asked of the answer."""
+
+    api: Api
+    request: OpenAIBody
+    prompts: list[list[int]] | None = None
+    kv: PullKV | None = None
+    internal: Internal = PUBLIC
+
+
+class Pipeline:
+    def __init__(self, serving: Serving, fmt: OpenAIFormat) -> None:
+        self.serving = serving
+        self.format = fmt
+        self.model_name = fmt.model_name
+        self.tokenizer = fmt.tokenizer
+
+    def check_model(self, name: str) -> None:
+        """A 404 OpenAIError unless `name` is the model this worker serves."""
+        if name != self.model_name:
+            raise OpenAIError(404, f"the model {name!r} does not exist; this server serves "
+                                   f"{self.model_name!r}", param="model", code="model_not_found")
+
+    def prompts(self, api: Api, request: OpenAIBody) -> list[list[int]]:
+        """The request's prompts as token ids: chat's one (through the chat template, a 400
+        when it rejects the messages) or completions' one or more."""
+        if api == "chat":
+            return [self._chat_prompt(request)]
+        return [self.tokenizer.encode(p) if isinstance(p, str) else list(p)
+                for p in request.prompts()]
+
+    def _chat_prompt(self, request: ChatCompletionRequest) -> list[int]:
+        messages = [m.as_template_dict() for m in request.messages]
+        try:
+            return apply_chat_template(self.tokenizer, messages, request.add_generation_prompt)
+        except Exception as err:  # noqa: BLE001 - template errors are the caller's input
+            raise OpenAIError(400, f"the chat template rejected the messages: {err}",
+                              param="messages") from None
+
+    async def serve(self, http: Request, call: Call) -> Response:
+        """Answer `call`, streamed or whole. Raises OpenAIError (4xx before anything was
+        queued, 429 when the waiting queue is full, 5xx when the engine fails before a
+        whole answer is ready); a stream reports later errors in-band."""
+        req, internal = call.request, call.internal
+        self.check_model(req.model)
+        timing = http.headers.get("x-baton-timing")
+        if timing is not None:
+            internal = replace(internal, timing=parse_timing(timing))
+        params = req.to_sampling_params()
+        prompts = call.prompts if call.prompts is not None else self.prompts(call.api, req)
+        rid = http.headers.get("x-request-id") or new_id(
+            "chatcmpl" if call.api == "chat" else "cmpl")
+        resume = internal.resume
+        jobs = self.serving.make_jobs(
+            rid, prompts, params,
+            "messages" if call.api == "chat" else "prompt", kv=call.kv,
+            presampled=resume.completion_tokens if resume is not None else 0)
+        if internal.return_token_ids and len(jobs) != 1:
+            raise OpenAIError(400, "return_token_ids needs one prompt and n = 1",
+                              param="return_token_ids")
+        answer = self.format.answer(call.api, req, rid, prompts, len(jobs), internal)
+        return await self._respond(http, jobs, answer, req.stream)
+
+    async def _respond(self, http: Request, jobs: list[Job], answer: openai_api.Answer,
+                       stream: bool) -> Response:
+        """Admit the jobs (or raise), then answer; every job still running when the answer
+        ends is aborted (a stream's in a background task after its last byte)."""
+        serving = self.serving
+        serving.admit(jobs)
+        if stream:
+            return StreamingResponse(openai_api.events(answer, serving.run(jobs)),
+                                     media_type="text/event-stream",
+                                     background=BackgroundTask(serving.abort, jobs),
+                                     headers={"Cache-Control": "no-cache"})
+        try:
+            body = await until_disconnect(http, openai_api.body(answer, serving.run(jobs)))
+        except OpenAIError:
+            raise
+        except Exception as err:  # noqa: BLE001 - engine death or a bug: a clean 5xx
+            raise engine_error(err) from None
+        finally:
+            serving.abort(jobs)
+        return JSONResponse(body)
+
+
+def parse_timing(header: str) -> dict[str, float]:
+    """`X-Baton-Timing`: "1" / "true" from a client (no router part), or the router's
+    "name=seconds,..." (`router_queue`, `prefill`). A 400 OpenAIError otherwise."""
+    if header.strip().lower() in ("1", "true", "yes", ""):
+        return {}
+    try:
+        return {k.strip(): float(v) for k, v in (p.split("=", 1) for p in header.split(","))}
+    except ValueError:
+        raise OpenAIError(400, "X-Baton-Timing is 1/true, or name=seconds pairs separated by "
+                               "commas") from None
+
+
+async def until_disconnect(http: Request, coro):
+    """Await `coro`, cancelling it if the client disconnects first (a 499 OpenAIError)."""
+    work = asyncio.ensure_future(coro)
+
+    async def watch() -> None:
+        while True:
+            message = await http.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        done, _ = await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if work in done:
+            return work.result()
+        work.cancel()
+        await asyncio.gather(work, return_exceptions=True)
+        raise OpenAIError(499, "the client disconnected", code="client_disconnected")
+    finally:
+        watcher.cancel()
+        if not work.done():
+            work.cancel()

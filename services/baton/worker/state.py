@@ -1,0 +1,121 @@
+"""A worker's settings (from `baton serve`'s flags) and its state while it runs."""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from baton.common.errors import OpenAIError
+from baton.common.metrics import WorkerMetrics
+from baton.common.roles import ROLE_NAMES, Role
+from baton.engine.config import EngineConfig
+from baton.worker.openai_api import OpenAIFormat
+from baton.worker.pipeline import Pipeline
+from baton.worker.serving import Serving
+
+if TYPE_CHECKING:
+    from baton.common.tuning import ConfigWatcher
+    from baton.engine.async_engine import AsyncEngine
+    from baton.worker.registration import Registration
+
+
+@dataclass(frozen=True)
+class WorkerSettings:
+    """`role`: see `common.roles.Role` (a role name is taken too). `max_waiting` bounds
+    requests not yet scheduled; beyond it, 429. Raises ValueError naming the field."""
+
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    role: Role = Role.BOTH
+    served_model_name: str | None = None
+    max_waiting: int = 256
+    pinned: frozenset[str] = frozenset()  # tuning fields set by flags: the file keeps off
+    registry_url: str | None = None  # redis://…: register there (common.registry)
+    advertise_url: str | None = None  # how routers reach this worker (its pod IP)
+    registry_prefix: str = "baton"
+
+    def __post_init__(self) -> None:
+        if self.registry_url is not None and not self.advertise_url:
+            raise ValueError("WorkerSettings.advertise_url is needed with registry_url: the "
+                             "URL routers reach this worker at (e.g. http://$POD_IP:8001)")
+        try:
+            object.__setattr__(self, "role", Role(self.role))
+        except ValueError:
+            raise ValueError(f"WorkerSettings.role={self.role!r} must be one of "
+                             f"{ROLE_NAMES}") from None
+        if self.max_waiting < 1:
+            raise ValueError(f"WorkerSettings.max_waiting={self.max_waiting} must be >= 1")
+
+    @property
+    def model_name(self) -> str:
+        if self.served_model_name:
+            return self.served_model_name
+        if self.engine.model is None:
+            return "SmolLM2-135M-Instruct"
+        return os.path.basename(self.engine.model.rstrip("/")).removesuffix(".gguf")
+
+
+class WorkerState:
+    """The engine (None until loaded), the request pipeline over it, the metrics, and the
+    optional tuning watcher and registry registration. Lives on the event loop; `load`
+    runs on a thread once, at start."""
+
+    def __init__(self, settings: WorkerSettings, watcher: ConfigWatcher | None = None) -> None:
+        """`watcher`: a `common.tuning.ConfigWatcher` that read the tuning file at start."""
+        self.settings = settings
+        self.engine: AsyncEngine | None = None
+        self.pipeline: Pipeline | None = None
+        self.load_error: BaseException | None = None
+        self.metrics = WorkerMetrics(self._stats)
+        self.started = time.time()
+        self.watcher = watcher
+        self.registration: Registration | None = None
+        if settings.registry_url is not None:
+            from baton.worker.registration import Registration
+
+            self.registration = Registration(settings.registry_url, settings.advertise_url,
+                                             self.registry_report, settings.registry_prefix)
+
+    def _stats(self) -> dict[str, float]:
+        return self.engine.stats() if self.engine is not None else {}
+
+    def load(self) -> None:
+        """Build and start the engine (blocking: minutes for a large model)."""
+        from baton.engine.async_engine import AsyncEngine
+
+        engine = AsyncEngine(self.settings.engine)
+        engine.start()
+        self.engine = engine
+        serving = Serving(engine, self.metrics, self.settings.max_waiting)
+        fmt = OpenAIFormat(engine.tokenizer, self.settings.model_name)
+        self.pipeline = Pipeline(serving, fmt)
+
+    def load_report(self) -> dict:
+        """Role, model and load: what `/load` answers and the registry's heartbeat says."""
+        stats, engine = self._stats(), self.engine
+        return {"role": self.settings.role.value, "model": self.settings.model_name,
+                "ready": self.ready, "running": int(stats.get("baton:num_requests_running", 0)),
+                "waiting": engine.num_waiting if engine is not None else 0,
+                "kv_blocks_used": int(stats.get("baton:kv_blocks_used", 0)),
+                "kv_blocks_total": int(stats.get("baton:kv_blocks_total", 0)),
+                "max_waiting": self.settings.max_waiting,
+                "max_model_len": engine.max_model_len if engine is not None else None}
+
+    def registry_report(self) -> dict | None:
+        """The registry record's fields, or None while the engine is not ready."""
+        if not self.ready:
+            return None
+        engine = self.settings.engine
+        return {**self.load_report(), "block_size": engine.block_size,
+                "kv_transport": engine.kv_transport}
+
+    @property
+    def ready(self) -> bool:
+        return self.engine is not None and self.engine.is_alive
+
+    def require_pipeline(self) -> Pipeline:
+        """The request pipeline; a 503 OpenAIError while the model loads."""
+        if self.pipeline is None:
+            raise OpenAIError(503, "the model is still loading", code="not_ready")
+        return self.pipeline
