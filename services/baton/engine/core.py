@@ -117,17 +117,12 @@ class EngineCore:
     def _check_handoff(self, kv: KVHandoff, num_prompt: int) -> None:
         if self.connector is None:
             raise InvalidRequestError("this engine has no KV transport (kv_transport=None)")
-        if not isinstance(kv, PullKV):
-            return
-        p = kv.params
-        if p.num_tokens != num_prompt or len(p.block_ids) != self.kv.blocks_for(num_prompt):
-            raise InvalidRequestError(
-                f"kv_transfer_params cover {p.num_tokens} tokens in {len(p.block_ids)} "
-                f"blocks, the prompt has {num_prompt} tokens "
-                f"({self.kv.blocks_for(num_prompt)} blocks)")
-        vocab = self.model_config.vocab_size
-        if not p.first_token < vocab:
-            raise InvalidRequestError(f"first_token {p.first_token} is outside [0, {vocab})")
+        if isinstance(kv, PullKV):
+            try:
+                kv.check(num_prompt, self.kv.blocks_for(num_prompt),
+                         self.model_config.vocab_size)
+            except ValueError as err:
+                raise InvalidRequestError(str(err)) from None
 
     def add(self, req: Request) -> list[EngineOutput]:
         """Queue a request; returns the outputs of tokens it arrived with (sampled elsewhere:
@@ -251,12 +246,8 @@ class EngineCore:
             "baton:prefix_cache_hit_tokens_total": self.scheduler.prefix_hit_tokens,
             "baton:preemptions_total": self.stats.preemptions_total,
         }
-        c = self.connector
-        if c is not None:
-            snap |= {"baton:kv_transfer_bytes_total": c.stats.bytes,
-                     "baton:kv_transfer_failures_total": c.stats.failures,
-                     "baton:kv_leases_held": c.num_leases_held,
-                     "fallbacks": dict(c.stats.fallbacks)}
+        if self.connector is not None:
+            snap |= self.connector.metrics_snapshot()
         return snap
 
     def take_kv_transfer_durations(self) -> list[float]:
@@ -264,15 +255,6 @@ class EngineCore:
         return self.connector.take_transfer_durations() if self.connector is not None else []
 
     # -- live tuning (engine thread) -------------------------------------------------------
-    @property
-    def live_settings(self) -> LiveSettings:
-        limits, c = self.scheduler.limits, self.connector
-        cfg = self.config
-        return LiveSettings(limits.max_num_seqs, limits.max_num_batched_tokens,
-                            c.live.lease_ttl_s if c else cfg.kv_lease_ttl_s,
-                            c.live.transfer_timeout_s if c else cfg.kv_transfer_timeout_s,
-                            c.live.failure_policy if c else cfg.kv_failure_policy)
-
     def reconfigure(self, live: LiveSettings) -> None:
         """Apply live-tuned knobs between steps (call on the engine thread). The scheduler's
         limits may not exceed the ones the engine started with (buffers are sized then)."""

@@ -99,6 +99,13 @@ class KVConnector(ABC):
     def num_leases_held(self) -> int:
         """Finished requests whose blocks wait for a puller."""
 
+    def metrics_snapshot(self) -> dict:
+        """The connector's part of the engine's /metrics snapshot (any thread)."""
+        return {"baton:kv_transfer_bytes_total": self.stats.bytes,
+                "baton:kv_transfer_failures_total": self.stats.failures,
+                "baton:kv_leases_held": self.num_leases_held,
+                "fallbacks": dict(self.stats.fallbacks)}
+
     @abstractmethod
     def close(self) -> None:
         """Stop the transport; called once, on the engine thread, when the engine stops."""
