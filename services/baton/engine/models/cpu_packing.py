@@ -9,9 +9,9 @@ the per-call reorder that `F.linear` pays: 45 us vs 87 us for a 3072x576 bf16 li
 1), with a native GEMV over a row-major copy for 1-2 rows, where a step is bound by reading
 the weights and oneDNN reads them on one core. On a CPU where oneDNN cannot run bf16 at
 all (no AVX512BW/VL/DQ nor AVX-NE-CONVERT: its prepack raises), the row-major weight serves
-through the native GEMV for small batches and, for the rest, an fp32 GEMM over operands
-upcast per call (torch's own bf16 GEMM there is 3-8x slower from 16 rows up: 61 vs 7 ms for
-512 x 576 -> 1536 on AVX2; no fp32 copy of the weights is kept).
+through the native GEMV for small batches and `F.linear` for the rest (slow there: 61 ms
+for 512 x 576 -> 1536 on AVX2. An fp32 GEMM over per-call upcasts takes 7 ms but page-faults
+its buffers in every prefill step, which the malloc tuning exists to stop; not taken).
 """
 
 from __future__ import annotations
@@ -122,8 +122,7 @@ class PackedLinear(nn.Module):
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [],
                                                       "")
-        bias = None if self.bias is None else self.bias.float()
-        return nn.functional.linear(x.float(), self.weight.float(), bias).to(x.dtype)
+        return nn.functional.linear(x, self.weight, self.bias)
 
 
 def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
