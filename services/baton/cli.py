@@ -63,17 +63,35 @@ def _serve_parser(sub) -> None:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8001)
     p.add_argument("--role", default=Role.BOTH.value, choices=ROLE_NAMES)
-    p.add_argument("--registry", default=None, metavar="REDIS_URL",
-                   help="register in this Redis (redis://host:6379/0) for routers to find")
+    _registry_flag(p, "register in this Redis (redis://[:password@]host:6379/0, rediss:// "
+                      "for TLS) for routers to find")
     p.add_argument("--advertise-url", default=None,
                    help="the URL routers reach this worker at (default http://HOST:PORT)")
     _registry_prefix_flag(p)
+    p.add_argument("--drain-timeout", type=float,
+                   default=_worker_default("drain_timeout_s"),
+                   help="on SIGTERM: seconds in-flight requests (and held KV leases) may "
+                        "take before the worker stops")
     add_engine_flags(p)
     p.add_argument("--config-dir", default=None,
                    help="a mounted tuning ConfigMap (file baton.yaml, section worker): "
                         "read at start, reloaded live; flags given here win over it")
     add_common_flags(p, "worker")
     p.set_defaults(run=_serve, parser=p)
+
+
+def _registry_flag(p, help_text: str, **kwargs) -> None:
+    """`--registry`, by default `$BATON_REDIS_URL` (a URL with a password stays out of the
+    process's arguments)."""
+    p.add_argument("--registry", default=os.environ.get("BATON_REDIS_URL") or None,
+                   metavar="REDIS_URL", help=help_text + " (default: $BATON_REDIS_URL)",
+                   **kwargs)
+
+
+def _worker_default(name: str):
+    from baton.worker.state import WorkerSettings
+
+    return field_default(WorkerSettings, name)
 
 
 def _registry_prefix_flag(p) -> None:
@@ -94,6 +112,7 @@ def _serve(args) -> int:
     """Run the worker until it is stopped; 1 when its engine failed to load."""
     from baton.common.tuning import ConfigWatcher
     from baton.worker.app import build_app
+    from baton.worker.lifecycle import serve
     from baton.worker.state import WorkerState
     from baton.worker.tuning import configure
 
@@ -104,23 +123,28 @@ def _serve(args) -> int:
         engine = configure(engine, watcher.load_initial(), pinned)
     settings = _worker_settings(args, engine, pinned)
     state = WorkerState(settings, watcher)
-    _run_uvicorn(build_app(settings, state), args.host, args.port, args.log_level)
+    serve(build_app(settings, state), state, args.host, args.port, args.log_level,
+          settings.drain_timeout_s, **_uvicorn_options())
     if state.load_error is not None:
         print(f"baton serve: the engine failed to load: {state.load_error}", file=sys.stderr)
         return 1
-    return 0
+    return state.exit_code
 
 
 def _worker_settings(args, engine: EngineConfig, pinned: frozenset[str]):
     """The WorkerSettings of `baton serve`'s flags; an unset `--max-waiting` leaves
     WorkerSettings' default. Raises ValueError for an invalid combination."""
+    from baton.common.auth import internal_token
     from baton.worker.state import WorkerSettings
 
     given = {} if args.max_waiting is None else {"max_waiting": args.max_waiting}
+    api_key = os.environ.get("BATON_API_KEY")
     return WorkerSettings(engine=engine, role=Role(args.role),
                           served_model_name=args.served_model_name, pinned=pinned,
                           registry_url=args.registry, registry_prefix=args.registry_prefix,
-                          advertise_url=args.advertise_url or _advertise(args), **given)
+                          advertise_url=args.advertise_url or _advertise(args),
+                          drain_timeout_s=args.drain_timeout, internal_token=internal_token(),
+                          api_keys=(api_key,) if api_key else (), **given)
 
 
 def _advertise(args) -> str:
@@ -250,6 +274,12 @@ def _pinned(args, tunables: dict[str, str]) -> frozenset[str]:
     config file does not override them (defaults < file < flags)."""
     return frozenset(field for dest, field in tunables.items()
                      if getattr(args, dest) != args.parser.get_default(dest))
+
+
+def _uvicorn_options() -> dict:
+    """uvicorn options both servers share beyond the defaults `baton.worker.lifecycle`
+    sets."""
+    return {}
 
 
 def _run_uvicorn(app, host: str, port: int, log_level: str) -> None:

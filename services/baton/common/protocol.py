@@ -14,10 +14,14 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from baton.common.errors import OpenAIError
-from baton.common.sampling_params import SamplingParams
+from baton.common.sampling_params import SEED_MAX, SEED_MIN, SamplingParams
 
 MAX_LOGPROBS = 20
-_STRICT = ConfigDict(extra="forbid", strict=True)
+MAX_STOP = 256  # stop strings, and stop token ids: each is checked on every token
+MAX_STOP_CHARS = 4096
+# Strict types, and no NaN / Infinity (JSON's extensions): a non-finite float is a 400.
+_STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+_Stop = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 
 
 class StreamOptions(BaseModel):
@@ -35,8 +39,8 @@ class _SamplingFields(BaseModel):
     top_p: Annotated[float, Field(gt=0.0, le=1.0)] | None = None
     top_k: Annotated[int, Field(ge=-1)] | None = None
     min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
-    seed: int | None = None
-    stop: str | list[str] | None = None
+    seed: Annotated[int, Field(ge=SEED_MIN, le=SEED_MAX)] | None = None
+    stop: _Stop | Annotated[list[_Stop], Field(max_length=MAX_STOP)] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: Annotated[float, Field(ge=-2.0, le=2.0)] | None = None
@@ -44,7 +48,8 @@ class _SamplingFields(BaseModel):
     repetition_penalty: Annotated[float, Field(gt=0.0)] | None = None
     min_tokens: Annotated[int, Field(ge=0)] = 0
     ignore_eos: bool = False
-    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    stop_token_ids: Annotated[list[Annotated[int, Field(ge=0, lt=1 << 31)]],
+                              Field(max_length=MAX_STOP)] | None = None
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     user: str | None = None

@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 _GREEDY_EPS = 1e-5
+# The seeds a generator takes (torch.Generator.manual_seed's range); child seeds wrap in it.
+SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
 
 
 @dataclass
@@ -70,6 +72,8 @@ class SamplingParams:
                "must be non-empty strings")
         _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
                "stop_token_ids", self.stop_token_ids, "must be non-negative ints")
+        _check(self.seed is None or SEED_MIN <= self.seed <= SEED_MAX, "seed", self.seed,
+               f"must be in [{SEED_MIN}, {SEED_MAX}]")
 
     @property
     def is_greedy(self) -> bool:
@@ -88,7 +92,13 @@ def _check(ok: bool, name: str, value: object, rule: str) -> None:
 
 def child_params(p: SamplingParams) -> list[SamplingParams]:
     """n samples become n engine requests (the shared prompt hits the prefix cache); a seed
-    s gives child i the seed s + i, so the n samples differ but the call is reproducible."""
+    s gives child i the seed s + i (wrapping within the seed range), so the n samples differ
+    but the call is reproducible."""
     if p.n == 1:
         return [p]
-    return [replace(p, n=1, seed=None if p.seed is None else p.seed + i) for i in range(p.n)]
+    return [replace(p, n=1, seed=None if p.seed is None else _wrap_seed(p.seed + i))
+            for i in range(p.n)]
+
+
+def _wrap_seed(seed: int) -> int:
+    return seed if seed <= SEED_MAX else seed - (SEED_MAX + 1)

@@ -6,6 +6,7 @@ Single-threaded: `add_request`, `abort_requests` and `step` must be called from 
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass, replace
 
@@ -23,9 +24,25 @@ from baton.engine.runner import ModelRunner
 from baton.engine.scheduler import SchedulerLimits, make_scheduler
 from baton.engine.tokenizer import IncrementalDetokenizer, load_tokenizer
 
+log = logging.getLogger(__name__)
+
 
 class InvalidRequestError(ValueError):
-    """The request cannot be served as asked (empty prompt, too long, bad token ids)."""
+    """The request cannot be served as asked (empty prompt, too long, bad token ids).
+    `param`: the request field at fault, when it is not the prompt."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+class EngineStepError(RuntimeError):
+    """Steps kept failing with nobody's request to blame: the engine itself is broken (a
+    device fault, a bug). Raised out of `step`; the loop that runs it dies."""
+
+
+# Consecutive failed steps before a step's error is the engine's, not its requests'.
+MAX_FAILED_STEPS = 3
 
 
 @dataclass
@@ -55,6 +72,7 @@ class EngineCore:
         self.eos_token_id = self.tokenizer.eos_token_id
         self._detok: dict[str, IncrementalDetokenizer | None] = {}
         self.stats = EngineStats()
+        self._failed_steps = 0  # in a row
 
     def _max_model_len(self) -> int:
         from baton.engine.models.config import ModelConfig
@@ -80,6 +98,7 @@ class EngineCore:
         stream had sent), which ours skips to continue its sequence."""
         n = len(prompt_token_ids)
         self._check_prompt(prompt_token_ids)
+        self._check_params(params)
         room = self.max_model_len - n
         req = Request(request_id, list(prompt_token_ids), params,
                       max_tokens=min(params.max_tokens or room, room),
@@ -113,6 +132,14 @@ class EngineCore:
             raise InvalidRequestError(
                 f"the prompt needs {self.kv.blocks_for(n + 1)} KV blocks but the pool has "
                 f"{self.kv.num_blocks}; raise num_kv_blocks or shorten the prompt")
+
+    def _check_params(self, params: SamplingParams) -> None:
+        """What SamplingParams cannot check alone: token ids against this vocabulary."""
+        vocab = self.model_config.vocab_size
+        bad = [t for t in params.stop_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(f"stop_token_ids {bad[:5]} are outside this model's "
+                                      f"vocabulary [0, {vocab})", param="stop_token_ids")
 
     def _check_handoff(self, kv: KVHandoff, num_prompt: int) -> None:
         if self.connector is None:
@@ -168,6 +195,10 @@ class EngineCore:
         return self.scheduler.needs_polling
 
     def step(self) -> list[EngineOutput]:
+        """Schedule, run and update one step. A request whose own sampling or stop logic
+        raises ends alone with finish reason "error"; a step that fails as a whole ends the
+        requests it ran the same way, and after MAX_FAILED_STEPS such steps in a row raises
+        EngineStepError."""
         sched = self.scheduler.schedule()
         outputs = [self._final_output(r, [], "", None) for r in self.scheduler.drain_ended()]
         if sched.is_empty:
@@ -176,17 +207,51 @@ class EngineCore:
         self.stats.prompt_tokens_total += sum(
             s.num_new_tokens for s in sched.scheduled
             if s.request.num_computed_tokens < s.request.num_prompt_tokens)
-        sampled, logprobs = self.runner.execute(sched, self.kv.get_block_ids)
+        try:
+            result = self.runner.execute(sched, self.kv.get_block_ids)
+        except Exception as err:  # noqa: BLE001 - whose fault it is decides what ends
+            return outputs + self._step_failed(sched, err)
+        self._failed_steps = 0
+        sampled = result.sampled
         finished = {r.request_id for r in self.scheduler.update_from_output(sched, sampled)}
         self.stats.generation_tokens_total += len(sampled)
         self.stats.preemptions_total = self.scheduler.num_preemptions
+        outputs += self._fail([s.request for s in sched.scheduled
+                               if s.request.request_id in result.failed], result.failed)
         for s in sched.scheduled:
             req = s.request
             token = sampled.get(req.request_id)
             if token is None:
                 continue
-            lp = logprobs.get(req.request_id)
-            outputs.append(self._token_output(req, token, lp, req.request_id in finished))
+            lp = result.logprobs.get(req.request_id)
+            try:
+                outputs.append(self._token_output(req, token, lp,
+                                                  req.request_id in finished))
+            except Exception as err:  # noqa: BLE001 - its stop strings or detokenising
+                outputs += self._fail([req], {req.request_id: f"{type(err).__name__}: {err}"})
+        return outputs
+
+    def _step_failed(self, sched, err: Exception) -> list[EngineOutput]:
+        """A step raised before sampling: its requests end with the error, unless steps
+        keep failing (then the engine is at fault: EngineStepError)."""
+        self._failed_steps += 1
+        if self._failed_steps >= MAX_FAILED_STEPS:
+            raise EngineStepError(f"{self._failed_steps} steps in a row failed; the last: "
+                                  f"{err!r}") from err
+        log.exception("a step of %d requests failed; ending them", len(sched.scheduled))
+        reqs = [s.request for s in sched.scheduled]
+        return self._fail(reqs, {r.request_id: f"{type(err).__name__}: {err}" for r in reqs})
+
+    def _fail(self, reqs: list[Request], errors: dict[str, str]) -> list[EngineOutput]:
+        """End `reqs` with finish reason "error", their error as the stop reason."""
+        outputs = []
+        for req in reqs:
+            if req.status.is_finished:  # it ended this step already: only mark it
+                req.status = RequestStatus.FINISHED_ERROR
+            else:
+                self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_ERROR)
+            req.stop_reason = errors[req.request_id]
+            outputs.append(self._final_output(req, [], "", None))
         return outputs
 
     def _token_output(self, req: Request, token: int, lp, finished: bool) -> EngineOutput:

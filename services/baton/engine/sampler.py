@@ -30,14 +30,20 @@ class Sampler:
     def release(self, request_id: str) -> None:
         self._per_request.pop(request_id, None)
 
-    def __call__(self, logits: torch.Tensor, reqs: list[Request]
+    def __call__(self, logits: torch.Tensor, reqs: list[Request],
+                 failed: dict[str, str] | None = None
                  ) -> tuple[list[int], list[TokenLogprobs | None]]:
-        """logits (N, V) float32, one row per request -> token ids and optional logprobs."""
+        """logits (N, V) float32, one row per request -> token ids and optional logprobs.
+
+        `failed`: when given, a row whose own settings make its part raise (a seed torch
+        refuses, a banned or penalised id it cannot index) is sampled without them, and its
+        request id maps to the error in `failed`: the caller ends that request, the other
+        rows are unaffected. Without it the error propagates."""
         logits = logits.float()
         want_logprobs = [i for i, r in enumerate(reqs) if r.sampling_params.logprobs is not None]
         raw_logprobs = (torch.log_softmax(logits[want_logprobs], dim=-1)
                         if want_logprobs else None)  # (W, V)
-        logits = self._apply_constraints(logits, reqs)
+        logits = self._apply_constraints(logits, reqs, failed)
         tokens = torch.empty(len(reqs), dtype=torch.long)
         greedy = [i for i, r in enumerate(reqs) if r.sampling_params.is_greedy]
         rand = [i for i, r in enumerate(reqs) if not r.sampling_params.is_greedy]
@@ -46,14 +52,15 @@ class Sampler:
         elif greedy:
             tokens[greedy] = logits[greedy].argmax(dim=-1).cpu()
         if rand:
-            tokens[rand] = self._sample(logits[rand], [reqs[i] for i in rand]).cpu()
+            tokens[rand] = self._sample(logits[rand], [reqs[i] for i in rand], failed).cpu()
         token_list = tokens.tolist()
         lp: list[TokenLogprobs | None] = [None] * len(reqs)
         for w, i in enumerate(want_logprobs):
             lp[i] = _logprobs(raw_logprobs[w], token_list[i], reqs[i].sampling_params.logprobs)
         return token_list, lp
 
-    def _apply_constraints(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+    def _apply_constraints(self, logits: torch.Tensor, reqs: list[Request],
+                           failed: dict[str, str] | None) -> torch.Tensor:
         cloned = False
         for i, req in enumerate(reqs):
             p = req.sampling_params
@@ -62,13 +69,21 @@ class Sampler:
                 continue
             if not cloned:
                 logits, cloned = logits.clone(), True
-            if p.needs_penalties:
-                _apply_penalties(logits[i], req)
-            if banned:
-                logits[i, banned] = float("-inf")
+            saved = logits[i].clone()
+            try:
+                if p.needs_penalties:
+                    _apply_penalties(logits[i], req)
+                if banned:
+                    logits[i, banned] = float("-inf")
+            except (IndexError, RuntimeError, ValueError, OverflowError) as err:
+                if failed is None:
+                    raise
+                logits[i] = saved  # the row as the model gave it
+                failed[req.request_id] = f"sampling constraints: {err}"
         return logits
 
-    def _sample(self, logits: torch.Tensor, reqs: list[Request]) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, reqs: list[Request],
+                failed: dict[str, str] | None) -> torch.Tensor:
         """logits (R, V) -> (R,) sampled ids via the exponential race (argmax p / Exp(1))."""
         dev = logits.device
         temps = torch.tensor([r.sampling_params.temperature for r in reqs], device=dev)
@@ -79,7 +94,14 @@ class Sampler:
                              [r.sampling_params.min_p for r in reqs])
         noise = torch.empty_like(probs)
         for i, req in enumerate(reqs):
-            noise[i].exponential_(generator=self._generator(req, noise.shape[-1]))
+            try:
+                gen = self._generator(req, noise.shape[-1])
+            except (RuntimeError, ValueError, OverflowError) as err:
+                if failed is None:
+                    raise
+                failed[req.request_id] = f"seed {req.sampling_params.seed!r}: {err}"
+                gen = self._shared
+            noise[i].exponential_(generator=gen)
         return (probs / noise).argmax(dim=-1)
 
     def _generator(self, req: Request, vocab: int) -> torch.Generator:
@@ -88,10 +110,11 @@ class Sampler:
             return self._shared
         gen = self._per_request.get(req.request_id)
         if gen is None:
-            gen = self._per_request[req.request_id] = torch.Generator().manual_seed(seed)
+            gen = torch.Generator().manual_seed(seed)
             skip = torch.empty(vocab)
             for _ in range(req.num_presampled):  # the draws made elsewhere, in order
                 skip.exponential_(generator=gen)
+            self._per_request[req.request_id] = gen
         return gen
 
 

@@ -23,9 +23,11 @@ import time
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
+from starlette.datastructures import Headers
 from starlette.responses import JSONResponse, Response
 
-from baton.common.errors import install_error_handlers
+from baton.common.auth import TOKEN_HEADER, bearer, token_matches
+from baton.common.errors import OpenAIError, install_error_handlers
 from baton.common.metrics import CONTENT_TYPE, render
 from baton.common.protocol import ChatCompletionRequest, CompletionRequest, parse_request
 from baton.common.roles import Role
@@ -46,11 +48,46 @@ def build_app(settings: WorkerSettings, state: WorkerState | None = None) -> Fas
                   redoc_url=None)
     app.state.worker = state
     install_error_handlers(app)
+    _install_auth(app, settings)
     _install_service_routes(app, state)
     _install_openai_routes(app, state)
     if settings.role != Role.BOTH:
         install_internal_routes(app, state)
     return app
+
+
+def _install_auth(app: FastAPI, settings: WorkerSettings) -> None:
+    """With the internal token set, /internal/* needs it (`X-Baton-Token`); with API keys
+    set, /v1/* needs one of them as a bearer token, or the internal token (a router's
+    call). Probes, metrics and /load stay open. Plain ASGI: streams pass untouched."""
+    if settings.internal_token is not None or settings.api_keys:
+        app.add_middleware(_Auth, token=settings.internal_token, keys=settings.api_keys)
+
+
+class _Auth:
+    def __init__(self, app, token: str | None, keys: tuple[str, ...]) -> None:
+        self.app, self.token, self.keys = app, token, keys
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            err = self._refuse(scope["path"], Headers(scope=scope))
+            if err is not None:
+                return await JSONResponse(err.body(), err.status, err.headers)(
+                    scope, receive, send)
+        await self.app(scope, receive, send)
+
+    def _refuse(self, path: str, headers: Headers) -> OpenAIError | None:
+        internal = self.token is not None and token_matches(headers.get(TOKEN_HEADER),
+                                                            self.token)
+        if path.startswith("/internal/") and self.token is not None and not internal:
+            return OpenAIError(401, f"internal endpoints need the deployment's internal "
+                                    f"token ({TOKEN_HEADER})", code="invalid_internal_token")
+        if path.startswith("/v1/") and self.keys and not internal:
+            given = bearer(headers.get("authorization"))
+            if not any(token_matches(given, k) for k in self.keys):
+                return OpenAIError(401, "invalid or missing API key (send Authorization: "
+                                        "Bearer <key>)", code="invalid_api_key")
+        return None
 
 
 def _lifespan(state: WorkerState):
@@ -86,6 +123,8 @@ def _install_service_routes(app: FastAPI, state: WorkerState) -> None:
 
     @app.get("/ready")
     async def ready():
+        if state.draining:
+            return JSONResponse({"status": "draining"}, status_code=503)
         if not state.ready:
             return JSONResponse({"status": "loading" if state.engine is None else "dead"},
                                 status_code=503)

@@ -44,8 +44,7 @@ def install_internal_routes(app: FastAPI, state: WorkerState) -> None:
         @app.post("/internal/prefill")
         async def internal_prefill(request: Request):
             msg = parse_request(PrefillRequest, await request.body())
-            answer = await prefill(state.require_pipeline(), msg,
-                                   request.headers.get("x-request-id") or new_id("prefill"))
+            answer = await prefill(state.require_pipeline(), msg, new_id("prefill"))
             return Response(answer.model_dump_json(), media_type="application/json")
 
     if role == Role.DECODE:

@@ -14,6 +14,7 @@ end here.
 from __future__ import annotations
 
 import asyncio
+import re
 from dataclasses import dataclass, replace
 
 from fastapi import Request
@@ -83,11 +84,11 @@ class Pipeline:
             internal = replace(internal, timing=parse_timing(timing))
         params = req.to_sampling_params()
         prompts = call.prompts if call.prompts is not None else self.prompts(call.api, req)
-        rid = http.headers.get("x-request-id") or new_id(
-            "chatcmpl" if call.api == "chat" else "cmpl")
+        prefix = "chatcmpl" if call.api == "chat" else "cmpl"
+        rid = response_id(prefix, http.headers.get("x-request-id"))
         resume = internal.resume
-        jobs = self.serving.make_jobs(
-            rid, prompts, params,
+        jobs = self.serving.make_jobs(  # engine ids are ours, whatever the client sent
+            new_id(prefix), prompts, params,
             "messages" if call.api == "chat" else "prompt", kv=call.kv,
             presampled=resume.completion_tokens if resume is not None else 0)
         if internal.return_token_ids and len(jobs) != 1:
@@ -116,6 +117,18 @@ class Pipeline:
         finally:
             serving.abort(jobs)
         return JSONResponse(body)
+
+
+_CLIENT_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+
+
+def response_id(prefix: str, client_id: str | None) -> str:
+    """The response's `id`: the client's `X-Request-Id` when it is a plain token (a router
+    resuming a stream sends the same one, so the id stays), else a new one. It names the
+    response only: engine requests, leases and logs' keys never take a client's id."""
+    if client_id is not None and _CLIENT_ID.fullmatch(client_id):
+        return client_id
+    return new_id(prefix)
 
 
 def parse_timing(header: str) -> dict[str, float]:

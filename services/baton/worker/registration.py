@@ -52,10 +52,12 @@ class Registration:
         self._task = asyncio.create_task(self._run())
 
     async def stop(self) -> None:
+        """Leave the registry (once; a drain calls it before the shutdown does)."""
         if self._task is None:
             return
-        self._task.cancel()
-        await asyncio.gather(self._task, return_exceptions=True)
+        task, self._task = self._task, None
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
         try:  # best effort: routers also drop us when the TTL runs out
             async with self._redis.pipeline(transaction=True) as p:
                 p.delete(self.keys.worker(self.id), self.keys.blocks(self.id),

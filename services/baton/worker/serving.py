@@ -87,7 +87,7 @@ class Serving:
                     req = self.engine.make_request(rid, ids, child, kv=kv,
                                                    presampled=presampled)
                 except InvalidRequestError as err:
-                    raise OpenAIError(400, str(err), param=param) from None
+                    raise OpenAIError(400, str(err), param=err.param or param) from None
                 jobs.append(Job(index, rid, ids, req))
         return jobs
 
@@ -170,6 +170,8 @@ class Serving:
         try:
             async for batch in self.engine.stream(job.request_id, job.stream):
                 self._record(job, batch, time.monotonic())
+                if batch[-1].finish_reason == "error":
+                    raise RequestFailedError(str(batch[-1].stop_reason))
                 yield job, batch
         finally:
             if job.finish_reason is None:  # client gone or engine error: the engine aborts it
@@ -203,13 +205,27 @@ class Serving:
                 m.queue_time.observe(job.queue_s)
 
 
+class RequestFailedError(RuntimeError):
+    """The engine ended one request with an error its own settings caused (the engine and
+    every other request go on). Another worker would fail it the same way."""
+
+
+# On a 5xx a worker's fault is retried elsewhere by routers; this header says it was the
+# request's own (`RequestFailedError`), so a router answers it as it is.
+NO_RETRY_HEADER = "X-Baton-No-Retry"
+
+
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
 def engine_error(err: BaseException) -> OpenAIError:
     """What a failure while running jobs becomes at the HTTP edge: 503 when the engine loop
-    died (this worker restarts), else a 500 naming the error."""
+    died (this worker restarts), a final 500 when the request's own settings failed it,
+    else a 500 naming the error."""
     if isinstance(err, EngineDeadError):
         return OpenAIError(503, str(err), code="engine_dead")
+    if isinstance(err, RequestFailedError):
+        return OpenAIError(500, f"the engine could not serve this request: {err}",
+                           code="request_failed", headers={NO_RETRY_HEADER: "1"})
     return OpenAIError(500, f"internal error: {err!r}")

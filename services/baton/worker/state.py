@@ -34,6 +34,12 @@ class WorkerSettings:
     registry_url: str | None = None  # redis://…: register there (common.registry)
     advertise_url: str | None = None  # how routers reach this worker (its pod IP)
     registry_prefix: str = "baton"
+    drain_timeout_s: float = 30.0  # SIGTERM: how long in-flight work may take to finish
+    # The deployment's internal token (`common.auth`): required on /internal/* when set.
+    internal_token: str | None = field(default=None, repr=False)
+    # Keys a client may call /v1 with directly (the internal token is accepted too); none:
+    # /v1 is open (behind a router and a NetworkPolicy).
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
 
     def __post_init__(self) -> None:
         if self.registry_url is not None and not self.advertise_url:
@@ -46,6 +52,9 @@ class WorkerSettings:
                              f"{ROLE_NAMES}") from None
         if self.max_waiting < 1:
             raise ValueError(f"WorkerSettings.max_waiting={self.max_waiting} must be >= 1")
+        if self.drain_timeout_s < 0:
+            raise ValueError(f"WorkerSettings.drain_timeout_s={self.drain_timeout_s} must "
+                             "be >= 0")
 
     @property
     def model_name(self) -> str:
@@ -70,6 +79,8 @@ class WorkerState:
         self.metrics = WorkerMetrics(self._stats)
         self.started = time.time()
         self.watcher = watcher
+        self.draining = False  # SIGTERM: finishing what runs, taking nothing new
+        self.exit_code = 0  # 1 once the engine loop died
         self.registration: Registration | None = None
         if settings.registry_url is not None:
             from baton.worker.registration import Registration
@@ -112,10 +123,18 @@ class WorkerState:
 
     @property
     def ready(self) -> bool:
-        return self.engine is not None and self.engine.is_alive
+        return self.engine is not None and self.engine.is_alive and not self.draining
+
+    def leases_held(self) -> int:
+        """KV leases this (prefill) worker holds for decode pods to pull."""
+        return int(self._stats().get("baton:kv_leases_held", 0))
 
     def require_pipeline(self) -> Pipeline:
-        """The request pipeline; a 503 OpenAIError while the model loads."""
+        """The request pipeline; a 503 OpenAIError while the model loads or the worker
+        drains (a router sends the request to another worker)."""
+        if self.draining:
+            raise OpenAIError(503, "this worker is shutting down; retry on another",
+                              code="draining", headers={"Retry-After": "1"})
         if self.pipeline is None:
             raise OpenAIError(503, "the model is still loading", code="not_ready")
         return self.pipeline

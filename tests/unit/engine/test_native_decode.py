@@ -80,7 +80,7 @@ def _both_paths(runner, batch):
 def _finish(llm, sched):
     """Hand the scheduled step back to the engine and run everything to completion."""
     engine = llm.engine
-    sampled, _ = engine.runner.execute(sched, engine.kv.get_block_ids)
+    sampled = engine.runner.execute(sched, engine.kv.get_block_ids).sampled
     engine.scheduler.update_from_output(sched, sampled)
     while engine.has_unfinished_requests():
         engine.step()

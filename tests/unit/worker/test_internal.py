@@ -42,7 +42,8 @@ def test_prefill_holds_the_kv_and_answers_a_prefill_response():
     answer = PrefillResponse.model_validate_json(raw)
     assert (answer.prompt_token_ids, answer.kv_transfer_params) == (PROMPT, held)
     (req,) = engine.made
-    assert (req.request_id, req.kv) == ("p1-0", HoldKV())
+    assert req.kv == HoldKV()
+    assert req.request_id.startswith("prefill-") and "p1" not in req.request_id  # ours
     p = req.params  # the request's sampling, for one token, with no stop conditions
     assert (p.temperature, p.seed, p.n, p.max_tokens, p.stop, p.ignore_eos, p.logprobs) == (
         0.5, 3, 1, 1, [], True, None)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -18,6 +19,16 @@ from baton.engine.sampler import Sampler, TokenLogprobs
 from baton.engine.scheduler.output import SchedulerOutput
 
 log = logging.getLogger(__name__)
+
+
+class StepResult(NamedTuple):
+    """One step's output: `sampled` and `logprobs` by request id; `failed` maps the
+    requests whose own sampling settings raised (sampled nothing) to the error."""
+
+    sampled: dict[str, int]
+    logprobs: dict[str, TokenLogprobs]
+    failed: dict[str, str]
+
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -98,9 +109,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, block_ids_of: Callable[[str], list[int]]
-                ) -> tuple[dict[str, int], dict[str, TokenLogprobs]]:
-        """Run one step; returns the sampled token and logprobs of each request that
-        reached the end of its known tokens."""
+                ) -> StepResult:
+        """Run one step: the sampled token and logprobs of each request that reached the
+        end of its known tokens, and the requests whose own sampling settings failed."""
         batch = build_batch(out.rows, block_ids_of, self.block_size, self.device)
         if self.graphs is not None and self.graphs.can_run(batch):
             hidden = self.graphs.run(batch)  # (T, h), T = number of decodes
@@ -111,11 +122,12 @@ class ModelRunner:
                                  self.kv_caches)
             hidden = self.model(batch.input_ids, batch.positions, ctx)  # (T, h)
         if not batch.sampling_entries:
-            return {}, {}
+            return StepResult({}, {}, {})
         rows = torch.tensor(batch.logits_indices, device=hidden.device)
         logits = self.model.compute_logits(hidden.index_select(0, rows))  # (N, V)
         reqs = [s.request for s in batch.sampling_entries]
-        tokens, logprobs = self.sampler(logits, reqs)
-        sampled = {r.request_id: t for r, t in zip(reqs, tokens)}
+        failed: dict[str, str] = {}
+        tokens, logprobs = self.sampler(logits, reqs, failed)
+        sampled = {r.request_id: t for r, t in zip(reqs, tokens) if r.request_id not in failed}
         lps = {r.request_id: lp for r, lp in zip(reqs, logprobs) if lp is not None}
-        return sampled, lps
+        return StepResult(sampled, lps, failed)
