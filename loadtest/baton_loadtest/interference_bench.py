@@ -135,9 +135,10 @@ def run_variant(name: str, args, with_long: bool) -> dict:
     try:
         cluster.start()
         if disagg:  # prefill on core 0, decode on core 1, router + client on --harness-cpu
-            for proc_name, proc in cluster.procs:
-                cpu = {"prefill": 0, "decode": 1}.get(proc_name.split("-")[0], args.harness_cpu)
-                pin_process(proc.pid, {cpu})
+            for child in cluster.procs:
+                cpu = {"prefill": 0, "decode": 1}.get(child.name.split("-")[0],
+                                                      args.harness_cpu)
+                pin_process(child.proc.pid, {cpu})
             os.sched_setaffinity(0, {args.harness_cpu})
         result = asyncio.run(measure(cluster.router_url, args, with_long))
     finally:

@@ -22,7 +22,7 @@ import sys
 import time
 from functools import partial
 
-from baton.cli_common import (add_common_flags, add_engine_flags, add_model_flags,
+from baton.cli_common import (add_common_flags, add_model_flags, add_worker_flags,
                               engine_config, field_default)
 from baton.common.roles import ROLE_NAMES, Role
 from baton.engine.config import EngineConfig
@@ -68,11 +68,7 @@ def _serve_parser(sub) -> None:
     p.add_argument("--advertise-url", default=None,
                    help="the URL routers reach this worker at (default http://HOST:PORT)")
     _registry_prefix_flag(p)
-    p.add_argument("--drain-timeout", type=float,
-                   default=_worker_default("drain_timeout_s"),
-                   help="on SIGTERM: seconds in-flight requests (and held KV leases) may "
-                        "take before the worker stops")
-    add_engine_flags(p)
+    add_worker_flags(p)
     p.add_argument("--config-dir", default=None,
                    help="a mounted tuning ConfigMap (file baton.yaml, section worker): "
                         "read at start, reloaded live; flags given here win over it")
@@ -86,12 +82,6 @@ def _registry_flag(p, help_text: str, **kwargs) -> None:
     p.add_argument("--registry", default=os.environ.get("BATON_REDIS_URL") or None,
                    metavar="REDIS_URL", help=help_text + " (default: $BATON_REDIS_URL)",
                    **kwargs)
-
-
-def _worker_default(name: str):
-    from baton.worker.state import WorkerSettings
-
-    return field_default(WorkerSettings, name)
 
 
 def _registry_prefix_flag(p) -> None:
@@ -137,13 +127,15 @@ def _worker_settings(args, engine: EngineConfig, pinned: frozenset[str]):
     from baton.common.auth import internal_token
     from baton.worker.state import WorkerSettings
 
-    given = {} if args.max_waiting is None else {"max_waiting": args.max_waiting}
+    given = {name: getattr(args, dest) for dest, name in (
+        ("max_waiting", "max_waiting"), ("drain_timeout", "drain_timeout_s"))
+        if getattr(args, dest) is not None}  # unset: WorkerSettings' defaults
     api_key = os.environ.get("BATON_API_KEY")
     return WorkerSettings(engine=engine, role=Role(args.role),
                           served_model_name=args.served_model_name, pinned=pinned,
                           registry_url=args.registry, registry_prefix=args.registry_prefix,
                           advertise_url=args.advertise_url or _advertise(args),
-                          drain_timeout_s=args.drain_timeout, internal_token=internal_token(),
+                          internal_token=internal_token(),
                           api_keys=(api_key,) if api_key else (), **given)
 
 
@@ -334,7 +326,7 @@ def _up_parser(sub) -> None:
     _disagg_flag(p)
     _policy_flag(p)
     p.add_argument("--ready-timeout", type=float, default=cluster("ready_timeout_s"))
-    add_engine_flags(p)
+    add_worker_flags(p)
     add_common_flags(p, "up")
     p.set_defaults(run=_up)
 

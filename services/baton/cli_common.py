@@ -56,19 +56,45 @@ def add_model_flags(p) -> None:
     p.add_argument("--dtype", default=engine_default("dtype"), choices=DTYPES)
 
 
-def add_engine_flags(p: argparse.ArgumentParser) -> None:
-    """The `engine` flag group of `baton serve` and `baton up`; `engine_config` turns the
-    parsed flags into an EngineConfig."""
-    g = p.add_argument_group("engine")
+WORKER_GROUP = "worker"
+
+
+def add_worker_flags(p: argparse.ArgumentParser) -> None:
+    """The `worker` flag group of `baton serve`, which `baton up` takes too and passes on to
+    every worker (`worker_flag_args`): the engine's flags (`engine_config` turns them into
+    an EngineConfig) and the worker's own."""
+    g = p.add_argument_group(WORKER_GROUP)
     add_model_flags(g)
     _batching_flags(g)
     g.add_argument("--served-model-name", default=None)
-    # None: WorkerSettings' default, applied where the settings are built (reading it here
-    # would import the worker, and torch, into every `baton` command)
+    # None: WorkerSettings' defaults, applied where the settings are built (reading them
+    # here would import the worker, and torch, into every `baton` command)
     g.add_argument("--max-waiting", type=int, default=None,
                    help="requests waiting to be scheduled before new ones get 429 "
                         "(default: WorkerSettings.max_waiting)")
+    g.add_argument("--drain-timeout", type=float, default=None,
+                   help="on SIGTERM: seconds in-flight requests (and held KV leases) may "
+                        "take before the worker stops (default: WorkerSettings."
+                        "drain_timeout_s)")
     _kv_transfer_flags(g)
+
+
+def worker_flag_args(args: argparse.Namespace) -> list[str]:
+    """The `baton serve` arguments that reproduce every worker flag in `args` whose value
+    is not its default (a worker's own default is the same one)."""
+    parser = argparse.ArgumentParser(add_help=False)
+    add_worker_flags(parser)
+    out: list[str] = []
+    for action in parser._actions:  # noqa: SLF001 - argparse has no public list
+        value = getattr(args, action.dest, action.default)
+        if not action.option_strings or value == action.default:
+            continue
+        flag = action.option_strings[0]
+        if isinstance(action, argparse._StoreTrueAction):  # noqa: SLF001
+            out.append(flag)
+        else:
+            out += [flag, str(value)]
+    return out
 
 
 def _batching_flags(g) -> None:

@@ -2,9 +2,11 @@
 
 Starts N workers (`baton serve`, ports port+1..port+N, the CPU cores split between them),
 waits until each is ready, then the router on `port`, prints how to call it, and waits.
-Ctrl-C or SIGTERM stops the router first, then the workers (SIGTERM, SIGKILL after a grace
-period). Children also get SIGKILL from the kernel if this process dies without cleaning
-up (PR_SET_PDEATHSIG), so nothing outlives it.
+It supervises them as Kubernetes would: a process that exits is logged and started again
+after a backoff (1 s, doubling to 30 s; reset once it has run a minute), and the others
+keep serving meanwhile. Ctrl-C or SIGTERM stops the router first, then the workers
+(SIGTERM, SIGKILL after a grace period). Children also get SIGKILL from the kernel if this
+process dies without cleaning up (PR_SET_PDEATHSIG), so nothing outlives it.
 """
 
 from __future__ import annotations
@@ -56,7 +58,7 @@ class Cluster:
             self.num_workers = self.num_prefill + self.num_decode
         if self.num_workers < 1:
             raise ValueError(f"--workers={self.num_workers} must be >= 1")
-        self.procs: list[tuple[str, subprocess.Popen]] = []
+        self.procs: list[_Child] = []
 
     @property
     def roles(self) -> list[Role]:
@@ -67,27 +69,15 @@ class Cluster:
 
     @classmethod
     def from_args(cls, args) -> Cluster:
-        """The cluster `baton up`'s parsed flags describe: the engine flags are passed on
-        to every worker, `--policy` and `--disagg-min-prefill-tokens` to the router."""
-        worker_args = ["--dtype", args.dtype, "--block-size", str(args.block_size),
-                       "--max-num-seqs", str(args.max_num_seqs),
-                       "--max-num-batched-tokens", str(args.max_num_batched_tokens),
-                       "--kv-cache-gib", str(args.kv_cache_gib),
-                       "--scheduling-policy", args.scheduling_policy]
-        for flag, value in (("--model", args.model), ("--max-model-len", args.max_model_len),
-                            ("--num-kv-blocks", args.num_kv_blocks),
-                            ("--served-model-name", args.served_model_name),
-                            ("--num-threads", args.num_threads),
-                            ("--max-waiting", args.max_waiting)):
-            if value is not None:
-                worker_args += [flag, str(value)]
-        if args.no_prefix_caching:
-            worker_args.append("--no-prefix-caching")
-        if args.kv_transport:
-            worker_args += ["--kv-transport", args.kv_transport]
+        """The cluster `baton up`'s parsed flags describe: every worker flag (the engine's
+        and the worker's, `cli_common.WORKER_FLAGS`) given a value other than its default
+        is passed on to every worker; `--policy` and `--disagg-min-prefill-tokens` to the
+        router."""
+        from baton.cli_common import worker_flag_args
+
         router_args = ["--policy", args.policy, "--disagg-min-prefill-tokens",
                        str(args.disagg_min_prefill_tokens)]
-        return cls(args.host, args.port, args.workers, worker_args, router_args,
+        return cls(args.host, args.port, args.workers, worker_flag_args(args), router_args,
                    args.ready_timeout, args.log_level, args.prefill, args.decode)
 
     @property
@@ -104,13 +94,7 @@ class Cluster:
         try:
             self.start(stop)
             self._print_banner()
-            while not stop.requested:
-                for name, proc in self.procs:
-                    if proc.poll() is not None:
-                        print(f"baton up: {name} exited with code {proc.returncode}; "
-                              "stopping the cluster", file=sys.stderr)
-                        return 1
-                time.sleep(0.5)
+            self._supervise(stop)
             print("\nbaton up: stopping", file=sys.stderr)
             return 0
         except (_Aborted, TimeoutError) as err:
@@ -120,23 +104,47 @@ class Cluster:
             self.stop()
             stop.restore()
 
+    def _supervise(self, stop: _StopSignal) -> None:
+        """Until stopped: start again each process that exited, after its backoff."""
+        while not stop.requested:
+            now = time.monotonic()
+            for i, child in enumerate(self.procs):
+                if child.proc.poll() is None:
+                    if now - child.started > RESTART_RESET_S:
+                        child.backoff_s = RESTART_BACKOFF_S
+                    continue
+                if child.restart_at is None:
+                    print(f"baton up: {child.name} exited with code {child.proc.returncode}; "
+                          f"restarting it in {child.backoff_s:.0f}s", file=sys.stderr)
+                    child.restart_at = now + child.backoff_s
+                elif now >= child.restart_at:
+                    self.procs[i] = self._start_process(child.name, child.args,
+                                                        min(child.backoff_s * 2,
+                                                            RESTART_BACKOFF_MAX_S))
+            time.sleep(0.5)
+
     def start(self, stop: _StopSignal | None = None) -> None:
         threads = max(1, (os.cpu_count() or 1) // self.num_workers)
         extra = [] if "--num-threads" in self.worker_args else ["--num-threads", str(threads)]
         for i, (url, role) in enumerate(zip(self.worker_urls, self.roles)):
             name = f"worker-{i + 1}" if role == Role.BOTH else f"{role.value}-{i + 1}"
             self._spawn(name, ["serve", "--host", self.host, "--port", str(self.port + 1 + i),
-                               "--role", role.value, *self.worker_args, *extra])
-        for url, (name, proc) in zip(self.worker_urls, self.procs):
-            self._wait_ready(name, proc, url, stop)
+                               "--role", role.value, *_kv_port_of(self.worker_args, i),
+                               *extra])
+        for url, child in zip(self.worker_urls, self.procs):
+            self._wait_ready(child.name, child.proc, url, stop)
         self._spawn("router", ["router", "--host", self.host, "--port", str(self.port),
                                "--workers", ",".join(self.worker_urls), *self.router_args])
-        self._wait_ready("router", self.procs[-1][1], self.router_url, stop)
+        self._wait_ready("router", self.procs[-1].proc, self.router_url, stop)
 
     def _spawn(self, name: str, args: list[str]) -> None:
+        self.procs.append(self._start_process(name, args, RESTART_BACKOFF_S))
+
+    def _start_process(self, name: str, args: list[str], backoff_s: float) -> _Child:
         cmd = [sys.executable, "-m", "baton.cli", *args, "--name", name,
                "--log-level", self.log_level]
-        self.procs.append((name, subprocess.Popen(cmd, preexec_fn=_die_with_parent)))
+        proc = subprocess.Popen(cmd, preexec_fn=_die_with_parent)
+        return _Child(name, args, proc, time.monotonic(), backoff_s)
 
     def _wait_ready(self, name: str, proc: subprocess.Popen, url: str,
                     stop: _StopSignal | None) -> None:
@@ -153,13 +161,14 @@ class Cluster:
 
     def stop(self, grace_s: float = 15.0) -> None:
         """Router first (no new work reaches workers), then the workers."""
-        for name, proc in reversed(self.procs):
+        for child in reversed(self.procs):
+            proc = child.proc
             if proc.poll() is None:
                 proc.terminate()
             try:
                 proc.wait(timeout=grace_s)
             except subprocess.TimeoutExpired:
-                print(f"baton up: {name} ignored SIGTERM; killing it", file=sys.stderr)
+                print(f"baton up: {child.name} ignored SIGTERM; killing it", file=sys.stderr)
                 proc.kill()
                 proc.wait()
         self.procs.clear()
@@ -179,6 +188,34 @@ print(c.chat.completions.create(model="{model}", messages=[{{"role": "user", "co
 
 Metrics: {url}/metrics and each worker's /metrics. Ctrl-C stops everything.
 """, flush=True)
+
+
+RESTART_BACKOFF_S = 1.0
+RESTART_BACKOFF_MAX_S = 30.0
+RESTART_RESET_S = 60.0  # up this long: the next exit starts from the first backoff again
+
+
+@dataclass
+class _Child:
+    """A supervised process: how to start it again and when."""
+
+    name: str
+    args: list[str]
+    proc: subprocess.Popen
+    started: float
+    backoff_s: float
+    restart_at: float | None = None
+
+
+def _kv_port_of(worker_args: list[str], i: int) -> list[str]:
+    """`worker_args` for worker `i`: a fixed `--kv-port P` becomes P + i (one port each)."""
+    if "--kv-port" not in worker_args:
+        return worker_args
+    args = list(worker_args)
+    at = args.index("--kv-port") + 1
+    if int(args[at]) != 0:
+        args[at] = str(int(args[at]) + i)
+    return args
 
 
 class _Aborted(Exception):

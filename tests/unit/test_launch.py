@@ -1,0 +1,84 @@
+"""`baton up`: every worker flag reaches the workers, and a process that exits is started
+again with backoff while the others keep running."""
+
+from __future__ import annotations
+
+import argparse
+import threading
+import time
+
+import pytest
+
+from baton import launch
+from baton.cli import build_parser
+from baton.cli_common import WORKER_GROUP
+from baton.launch import Cluster
+
+
+def _subparser(name: str) -> argparse.ArgumentParser:
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices[name]
+
+
+def _worker_group(p: argparse.ArgumentParser) -> dict[str, argparse.Action]:
+    group = next(g for g in p._action_groups if g.title == WORKER_GROUP)
+    return {a.option_strings[0]: a for a in group._group_actions}
+
+
+def test_up_takes_every_worker_flag_serve_has():
+    serve, up = _worker_group(_subparser("serve")), _worker_group(_subparser("up"))
+    assert set(serve) == set(up)
+    assert {"--kv-transfer-timeout", "--kv-lease-ttl", "--kv-failure-policy", "--kv-host",
+            "--kv-port", "--device", "--attention-backend", "--enforce-eager",
+            "--drain-timeout"} <= set(serve)
+
+
+# a value other than the default for every flag of the worker group
+NON_DEFAULTS = ["--dtype", "float32", "--block-size", "32", "--max-num-seqs", "7",
+                "--max-num-batched-tokens", "333", "--max-model-len", "1024",
+                "--num-kv-blocks", "99", "--kv-cache-gib", "0.5", "--no-prefix-caching",
+                "--scheduling-policy", "priority", "--num-threads", "1", "--device", "cpu",
+                "--attention-backend", "torch", "--enforce-eager",
+                "--served-model-name", "m", "--max-waiting", "5", "--drain-timeout", "7",
+                "--kv-transport", "tcp", "--kv-host", "127.0.0.2", "--kv-port", "0",
+                "--kv-lease-ttl", "11", "--kv-transfer-timeout", "12",
+                "--kv-failure-policy", "fail", "--model", "/some/model"]
+
+
+def test_up_passes_every_flag_it_was_given_to_its_workers():
+    up_args = build_parser().parse_args(["up", *NON_DEFAULTS])
+    worker_args = Cluster.from_args(up_args).worker_args
+    serve_args = build_parser().parse_args(["serve", *worker_args])
+    direct = build_parser().parse_args(["serve", *NON_DEFAULTS])
+    for dest in {a.dest for a in _worker_group(_subparser("serve")).values()}:
+        assert getattr(serve_args, dest) == getattr(direct, dest), dest
+    missing = [f for f in _worker_group(_subparser("serve")) if f not in NON_DEFAULTS
+               and f not in ("--transport",)]
+    assert not missing, f"add a non-default value for {missing} to NON_DEFAULTS"
+
+
+def test_a_fixed_kv_port_becomes_one_port_per_worker():
+    assert launch._kv_port_of(["--kv-port", "7000", "--x"], 2) == ["--kv-port", "7002", "--x"]
+    assert launch._kv_port_of(["--kv-port", "0"], 3) == ["--kv-port", "0"]
+
+
+def test_an_exited_process_is_restarted_with_backoff(monkeypatch):
+    monkeypatch.setattr(launch, "RESTART_BACKOFF_S", 0.2)
+    cluster = Cluster(num_workers=1)
+    # a real `baton` process that exits at once (code 2: no such file)
+    cluster.procs.append(cluster._start_process(
+        "flaky", ["config", "validate", "/nonexistent/baton.yaml"], 0.2))
+    first = cluster.procs[0].proc
+    stop = launch._StopSignal()
+    try:
+        threading.Timer(4.0, lambda: setattr(stop, "requested", True)).start()
+        t0 = time.monotonic()
+        cluster._supervise(stop)
+        assert time.monotonic() - t0 == pytest.approx(4.0, abs=1.5)
+        child = cluster.procs[0]
+        assert child.proc is not first  # started again
+        assert child.backoff_s >= 0.8  # 0.2 doubled at each restart
+    finally:
+        stop.restore()
+        cluster.stop(grace_s=2)
