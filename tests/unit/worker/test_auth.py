@@ -48,7 +48,7 @@ def test_v1_needs_a_key_or_the_internal_token_once_keys_are_set():
     assert call(app, "POST", "/v1/chat/completions", CHAT,
                 Authorization=f"Bearer {KEY}")[0] == 200
     assert call(app, "POST", "/v1/chat/completions", CHAT, **{TOKEN_HEADER: TOKEN})[0] == 200
-    assert call(app, "GET", "/ready")[0] != 401
+    assert call(app, "GET", "/health")[0] == 200
 
 
 def test_the_token_comes_from_the_environment_or_a_file(tmp_path):
