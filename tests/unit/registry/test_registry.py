@@ -175,3 +175,31 @@ def test_unknown_messages_and_bad_prefixes_are_refused():
     assert reg.parse_event('{"v": 1, "kind": "heartbeat", "record": {"id": "x"}}') is None
     with pytest.raises(ValueError, match="prefix"):
         reg.Keys("a:b")
+
+
+def test_a_redis_with_a_password(tmp_path):
+    """The registry URL carries the password (from $BATON_REDIS_URL, a Secret, in a
+    cluster); without it the worker cannot register and says why, never hangs."""
+    from tests.redis_server import RedisServer, server_binary
+
+    server = RedisServer(server_binary(), tmp_path / "redis.log", password="s3cret-pw").start()
+    try:
+        async def go():
+            state = {"report": report()}
+            good = worker("http://w1:8001", server.url, state)
+            router = RegistryDiscovery(server.url, "baton")
+            good.start()
+            await router.start(None)
+            try:
+                await until(lambda: "http://w1:8001" in router.endpoints, what="w1 to join")
+            finally:
+                await good.stop()
+                await router.stop()
+            anonymous = reg.redis_client(server.url.replace(":s3cret-pw@", ""))
+            with pytest.raises(Exception, match="(?i)auth"):
+                await anonymous.ping()
+            await anonymous.aclose()
+
+        asyncio.run(go())
+    finally:
+        server.stop()
