@@ -68,6 +68,9 @@ def _serve_parser(sub) -> None:
     p.add_argument("--advertise-url", default=None,
                    help="the URL routers reach this worker at (default http://HOST:PORT)")
     _registry_prefix_flag(p)
+    p.add_argument("--otlp-endpoint", default=None,
+                   help="export OpenTelemetry traces to this OTLP/HTTP collector "
+                        "(default: $OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT; none: off)")
     add_worker_flags(p)
     p.add_argument("--config-dir", default=None,
                    help="a mounted tuning ConfigMap (file baton.yaml, section worker): "
@@ -125,6 +128,7 @@ def _worker_settings(args, engine: EngineConfig, pinned: frozenset[str]):
     """The WorkerSettings of `baton serve`'s flags; an unset `--max-waiting` leaves
     WorkerSettings' default. Raises ValueError for an invalid combination."""
     from baton.common.auth import internal_token
+    from baton.common.tracing import otlp_endpoint
     from baton.worker.state import WorkerSettings
 
     given = {name: getattr(args, dest) for dest, name in (
@@ -136,6 +140,7 @@ def _worker_settings(args, engine: EngineConfig, pinned: frozenset[str]):
                           registry_url=args.registry, registry_prefix=args.registry_prefix,
                           advertise_url=args.advertise_url or _advertise(args),
                           internal_token=internal_token(),
+                          otlp_endpoint=otlp_endpoint(args.otlp_endpoint, os.environ),
                           api_keys=(api_key,) if api_key else (), **given)
 
 

@@ -31,6 +31,8 @@ from baton.common.protocol import parse_request
 from baton.common.roles import Role
 from baton.common.sampling_params import SamplingParams
 from baton.engine.kv_connector import HoldKV, PullKV
+from baton.common.tracing import NO_SPAN, Span
+from baton.worker import traces
 from baton.worker.openai_api import Internal
 from baton.worker.pipeline import Call, Pipeline
 from baton.worker.serving import engine_error, new_id
@@ -44,7 +46,9 @@ def install_internal_routes(app: FastAPI, state: WorkerState) -> None:
         @app.post("/internal/prefill")
         async def internal_prefill(request: Request):
             msg = parse_request(PrefillRequest, await request.body())
-            answer = await prefill(state.require_pipeline(), msg, new_id("prefill"))
+            pipeline = state.require_pipeline()
+            span = traces.start_request(pipeline.tracing, "worker.prefill", request.headers)
+            answer = await prefill(pipeline, msg, new_id("prefill"), span)
             return Response(answer.model_dump_json(), media_type="application/json")
 
     if role == Role.DECODE:
@@ -60,19 +64,34 @@ def prefill_params(params: SamplingParams) -> SamplingParams:
                    ignore_eos=True, logprobs=None)
 
 
-async def prefill(pipeline: Pipeline, msg: PrefillRequest, request_id: str
-                  ) -> PrefillResponse:
-    """Compute the prompt's KV and hold it. Raises OpenAIError: 400 for a bad request or
-    more than one prompt, 429 when the queue is full, 5xx when the engine fails or ends
-    without KV to hand over."""
+async def prefill(pipeline: Pipeline, msg: PrefillRequest, request_id: str,
+                  span: Span = NO_SPAN) -> PrefillResponse:
+    """Compute the prompt's KV and hold it; `span` (the request's) ends with it. Raises
+    OpenAIError: 400 for a bad request or more than one prompt, 429 when the queue is
+    full, 5xx when the engine fails or ends without KV to hand over."""
+    jobs: list = []
+    try:
+        jobs = _prefill_jobs(pipeline, msg, request_id)
+        answer = await _run_prefill(pipeline.serving, jobs, request_id)
+    except BaseException as err:
+        traces.end_request(pipeline.tracing, span, jobs, err)
+        raise
+    traces.end_request(pipeline.tracing, span, jobs)
+    return answer
+
+
+def _prefill_jobs(pipeline: Pipeline, msg: PrefillRequest, request_id: str) -> list:
     req = msg.request
     pipeline.check_model(req.model)
     prompts = pipeline.prompts(msg.api, req)
     if len(prompts) != 1:
         raise OpenAIError(400, "remote prefill takes one prompt per request")
-    serving = pipeline.serving
-    jobs = serving.make_jobs(request_id, prompts, prefill_params(req.to_sampling_params()),
-                             "prompt", kv=HoldKV())
+    return pipeline.serving.make_jobs(request_id, prompts,
+                                      prefill_params(req.to_sampling_params()), "prompt",
+                                      kv=HoldKV())
+
+
+async def _run_prefill(serving, jobs: list, request_id: str) -> PrefillResponse:
     serving.admit(jobs)
     t0 = time.monotonic()
     try:
@@ -86,7 +105,7 @@ async def prefill(pipeline: Pipeline, msg: PrefillRequest, request_id: str
     if kv is None:
         raise OpenAIError(500, f"the prefill of {request_id} ended without KV to hand over",
                           code="prefill_failed")
-    return PrefillResponse(prompt_token_ids=prompts[0], kv_transfer_params=kv,
+    return PrefillResponse(prompt_token_ids=jobs[0].prompt_ids, kv_transfer_params=kv,
                            prefill_s=time.monotonic() - t0)
 
 

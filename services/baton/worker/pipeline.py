@@ -25,8 +25,9 @@ from baton.common.errors import OpenAIError
 from baton.common.internal import Api, OpenAIBody
 from baton.common.protocol import ChatCompletionRequest
 from baton.engine.kv_connector import PullKV
+from baton.common.tracing import Span, Tracing
 from baton.engine.tokenizer import apply_chat_template
-from baton.worker import openai_api
+from baton.worker import openai_api, traces
 from baton.worker.openai_api import PUBLIC, Internal, OpenAIFormat
 from baton.worker.serving import Job, Serving, engine_error, new_id
 
@@ -45,9 +46,11 @@ class Call:
 
 
 class Pipeline:
-    def __init__(self, serving: Serving, fmt: OpenAIFormat) -> None:
+    def __init__(self, serving: Serving, fmt: OpenAIFormat,
+                 tracing: Tracing | None = None) -> None:
         self.serving = serving
         self.format = fmt
+        self.tracing = tracing or Tracing()
         self.model_name = fmt.model_name
         self.tokenizer = fmt.tokenizer
 
@@ -95,27 +98,41 @@ class Pipeline:
             raise OpenAIError(400, "return_token_ids needs one prompt and n = 1",
                               param="return_token_ids")
         answer = self.format.answer(call.api, req, rid, prompts, len(jobs), internal)
-        return await self._respond(http, jobs, answer, req.stream)
+        span = traces.start_request(self.tracing, f"worker.{call.api}", http.headers,
+                                    **{"baton.stream": req.stream, "baton.jobs": len(jobs)})
+        return await self._respond(http, jobs, answer, req.stream, span)
 
     async def _respond(self, http: Request, jobs: list[Job], answer: openai_api.Answer,
-                       stream: bool) -> Response:
+                       stream: bool, span: Span) -> Response:
         """Admit the jobs (or raise), then answer; every job still running when the answer
-        ends is aborted (a stream's in a background task after its last byte)."""
+        ends is aborted (a stream's in a background task after its last byte), and the
+        request's span ends."""
         serving = self.serving
-        serving.admit(jobs)
+        try:
+            serving.admit(jobs)
+        except OpenAIError as err:
+            traces.end_request(self.tracing, span, jobs, err)
+            raise
         if stream:
+            def done() -> None:
+                serving.abort(jobs)
+                traces.end_request(self.tracing, span, jobs)
             return StreamingResponse(openai_api.events(answer, serving.run(jobs)),
                                      media_type="text/event-stream",
-                                     background=BackgroundTask(serving.abort, jobs),
+                                     background=BackgroundTask(done),
                                      headers={"Cache-Control": "no-cache"})
+        error: BaseException | None = None
         try:
             body = await until_disconnect(http, openai_api.body(answer, serving.run(jobs)))
-        except OpenAIError:
+        except OpenAIError as err:
+            error = err
             raise
         except Exception as err:  # noqa: BLE001 - engine death or a bug: a clean 5xx
+            error = err
             raise engine_error(err) from None
         finally:
             serving.abort(jobs)
+            traces.end_request(self.tracing, span, jobs, error)
         return JSONResponse(body)
 
 

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 from baton.common.errors import OpenAIError
 from baton.common.metrics import WorkerMetrics
 from baton.common.roles import ROLE_NAMES, Role
+from baton.common.tracing import setup_tracing
 from baton.engine.config import EngineConfig
 from baton.worker.openai_api import OpenAIFormat
 from baton.worker.pipeline import Pipeline
@@ -40,6 +41,7 @@ class WorkerSettings:
     # Keys a client may call /v1 with directly (the internal token is accepted too); none:
     # /v1 is open (behind a router and a NetworkPolicy).
     api_keys: tuple[str, ...] = field(default=(), repr=False)
+    otlp_endpoint: str | None = None  # OTLP/HTTP traces URL (`common.tracing`); None: off
 
     def __post_init__(self) -> None:
         if self.registry_url is not None and not self.advertise_url:
@@ -79,6 +81,7 @@ class WorkerState:
         self.metrics = WorkerMetrics(self._stats)
         self.started = time.time()
         self.watcher = watcher
+        self.tracing = setup_tracing(f"baton-{settings.role.value}", settings.otlp_endpoint)
         self.draining = False  # SIGTERM: finishing what runs, taking nothing new
         self.exit_code = 0  # 1 once the engine loop died
         self.registration: Registration | None = None
@@ -100,7 +103,7 @@ class WorkerState:
         self.engine = engine
         serving = Serving(engine, self.metrics, self.settings.max_waiting)
         fmt = OpenAIFormat(engine.tokenizer, self.settings.model_name)
-        self.pipeline = Pipeline(serving, fmt)
+        self.pipeline = Pipeline(serving, fmt, self.tracing)
 
     def load_report(self) -> dict:
         """Role, model and load: what `/load` answers and the registry's heartbeat says."""
