@@ -32,9 +32,8 @@ n_blocks, repeats, kind = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 kv = torch.randn(30, 2, n_blocks, 16, 3, 64).to(torch.bfloat16)
 t = make_transport(kind)
 ep = t.start(kv, "holder")
-for r in range(repeats + 1):
-    t.hold(f"r{r}", list(range(n_blocks)), 600)
-print(json.dumps(ep.to_dict()), flush=True)
+leases = [t.hold(f"r{r}", list(range(n_blocks)), 600) for r in range(repeats + 1)]
+print(json.dumps({"endpoint": ep.to_dict(), "leases": leases}), flush=True)
 time.sleep(3600)
 """
 
@@ -61,7 +60,8 @@ def transport_pulls(kind: str, n: int, repeats: int) -> list[float]:
     holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(2 * n), str(repeats), kind],
                               stdout=subprocess.PIPE)
     try:
-        ep = Endpoint.from_dict(json.loads(holder.stdout.readline()))
+        hello = json.loads(holder.stdout.readline())
+        ep, leases = Endpoint.from_dict(hello["endpoint"]), hello["leases"]
         puller = make_transport(kind)
         puller.start(_cache(2 * n), "puller")
         puller.connect(ep)
@@ -69,7 +69,7 @@ def transport_pulls(kind: str, n: int, repeats: int) -> list[float]:
         for r in range(repeats + 1):
             src, dst = random.sample(range(2 * n), n), random.sample(range(2 * n), n)
             t0 = time.perf_counter()
-            t = puller.pull(ep, f"r{r}", src, dst, timeout_s=120)
+            t = puller.pull(ep, leases[r], src, dst, timeout_s=120)
             if t.wait(120) != TransferState.DONE:
                 raise RuntimeError(f"{kind} pull failed: {t.error!r}")
             times.append(time.perf_counter() - t0)

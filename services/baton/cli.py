@@ -68,6 +68,7 @@ def _serve_parser(sub) -> None:
     p.add_argument("--advertise-url", default=None,
                    help="the URL routers reach this worker at (default http://HOST:PORT)")
     _registry_prefix_flag(p)
+    _header_timeout_flag(p)
     p.add_argument("--otlp-endpoint", default=None,
                    help="export OpenTelemetry traces to this OTLP/HTTP collector "
                         "(default: $OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT; none: off)")
@@ -85,6 +86,14 @@ def _registry_flag(p, help_text: str, **kwargs) -> None:
     p.add_argument("--registry", default=os.environ.get("BATON_REDIS_URL") or None,
                    metavar="REDIS_URL", help=help_text + " (default: $BATON_REDIS_URL)",
                    **kwargs)
+
+
+def _header_timeout_flag(p) -> None:
+    from baton.common.http_limits import HEADER_TIMEOUT_S
+
+    p.add_argument("--header-timeout", type=float, default=HEADER_TIMEOUT_S,
+                   help="seconds a request's line and headers may take to arrive before "
+                        "the connection is closed (slow clients, slowloris)")
 
 
 def _registry_prefix_flag(p) -> None:
@@ -117,7 +126,7 @@ def _serve(args) -> int:
     settings = _worker_settings(args, engine, pinned)
     state = WorkerState(settings, watcher)
     serve(build_app(settings, state), state, args.host, args.port, args.log_level,
-          settings.drain_timeout_s, **_uvicorn_options())
+          settings.drain_timeout_s, args.header_timeout)
     if state.load_error is not None:
         print(f"baton serve: the engine failed to load: {state.load_error}", file=sys.stderr)
         return 1
@@ -175,6 +184,11 @@ def _router_parser(sub) -> None:
     p.add_argument("--config-dir", default=None,
                    help="a mounted tuning ConfigMap (file baton.yaml, section router): "
                         "reloaded live; flags given here win over it")
+    p.add_argument("--api-keys-file", default=None, metavar="PATH",
+                   help="tenants' keys and rate limits (YAML; default $BATON_API_KEYS_FILE)")
+    _header_timeout_flag(p)
+    p.add_argument("--otlp-endpoint", default=None, metavar="URL", help="OTLP/HTTP trace "
+                   "collector (default $OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT; none: off)")
     add_common_flags(p, "router")
     p.set_defaults(run=_router, parser=p)
 
@@ -223,15 +237,23 @@ def _router(args) -> int:
 
 
 def _router_settings(args):
-    """The RouterSettings of `baton router`'s flags (the API key from $BATON_API_KEY).
-    Raises ValueError naming a bad flag or field."""
+    """The RouterSettings of `baton router`'s flags and $BATON_API_KEY[S_FILE],
+    $BATON_INTERNAL_TOKEN[_FILE], $OTEL_EXPORTER_OTLP_*. Raises ValueError naming a bad
+    flag or field."""
+    from baton.common.auth import internal_token
+    from baton.common.tracing import otlp_endpoint
     from baton.router.settings import DisaggSettings, ProxySettings, RouterSettings
+    from baton.router.tenants import KEYS_FILE_ENV, load_tenants
 
     weights = _parse_weights(args.weights)
+    keys_file = args.api_keys_file or os.environ.get(KEYS_FILE_ENV) or None
     return RouterSettings(
         workers=tuple(u.strip() for u in (args.workers or "").split(",") if u.strip()),
         registry_url=args.registry, registry_prefix=args.registry_prefix,
         api_key=os.environ.get("BATON_API_KEY") or None,
+        tenants=load_tenants(keys_file) if keys_file else (), internal_token=internal_token(),
+        header_timeout_s=args.header_timeout,
+        otlp_endpoint=otlp_endpoint(args.otlp_endpoint, os.environ),
         policy=args.policy, scorer_weights=weights, check_interval_s=args.check_interval,
         proxy=ProxySettings(max_attempts=args.max_attempts,
                             connect_timeout_s=args.connect_timeout,
@@ -271,20 +293,6 @@ def _pinned(args, tunables: dict[str, str]) -> frozenset[str]:
     config file does not override them (defaults < file < flags)."""
     return frozenset(field for dest, field in tunables.items()
                      if getattr(args, dest) != args.parser.get_default(dest))
-
-
-def _uvicorn_options() -> dict:
-    """uvicorn options both servers share beyond the defaults `baton.worker.lifecycle`
-    sets."""
-    return {}
-
-
-def _run_uvicorn(app, host: str, port: int, log_level: str) -> None:
-    import uvicorn
-
-    uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=False,
-                loop="uvloop", http="httptools", timeout_graceful_shutdown=5,
-                log_config=None)
 
 
 # -- baton config ------------------------------------------------------------------------

@@ -14,6 +14,7 @@ import dataclasses
 from functools import partial
 from typing import Any
 
+from baton.common.auth import internal_token
 from baton.common.roles import Role
 from baton.engine.config import (ATTENTION_BACKENDS, DEVICES, DTYPES, KV_FAILURE_POLICIES,
                                  SCHEDULING_POLICIES, EngineConfig)
@@ -156,7 +157,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         kv_transport=_kv_transport(args.kv_transport, role),
         engine_id=f"{role}-{args.port}" if hasattr(args, "port") else None,
         kv_cache_memory_bytes=int(args.kv_cache_gib * _GIB),
-        enable_prefix_caching=not args.no_prefix_caching)
+        enable_prefix_caching=not args.no_prefix_caching,
+        kv_secret=internal_token())  # the deployment's internal token keys the KV port
 
 
 def _kv_transport(flag: str | None, role: Role) -> str | None:

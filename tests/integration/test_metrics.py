@@ -85,7 +85,8 @@ def test_metrics_names_values_and_lint(cluster):
     rtypes = _types(rpage.decode())
     for name, kind in ROUTER_METRICS.items():
         assert rtypes.get(name.removesuffix("_total")) == kind or rtypes.get(name) == kind, name
-    assert metric_value(cluster.router, 'baton:router_requests_total{code="200"}') >= 1
+    assert metric_value(cluster.router,
+                        'baton:router_requests_total{code="200",tenant="default"}') >= 1
 
     if promtool() is None:
         if os.environ.get("BATON_REQUIRE_PROMTOOL"):

@@ -65,3 +65,9 @@ def install_error_handlers(app) -> None:
     @app.exception_handler(RequestValidationError)
     async def _validation(_request, err: RequestValidationError):
         return error_response(OpenAIError(400, str(err.errors()[0].get("msg"))))
+
+
+# On a 5xx a router retries a worker's failure elsewhere; with this header the worker says
+# the request itself caused it (its own settings failed the engine), so the router answers
+# it as it is instead.
+NO_RETRY_HEADER = "X-Baton-No-Retry"

@@ -117,6 +117,14 @@ class PrefillResponse(BaseModel):
     prefill_s: Annotated[float, Field(ge=0)]
 
 
+class ReleaseRequest(BaseModel):
+    """A router to a prefill pod: nobody will pull this lease (its client left)."""
+
+    model_config = _WIRE
+    v: Literal[1] = WIRE_VERSION
+    lease_id: Annotated[str, Field(min_length=1, max_length=256)]
+
+
 class ResumeState(BaseModel):
     """A stream another decode pod started: the original prompt's length, the tokens (and
     characters) the client already has, and the stream's `created` stamp."""

@@ -133,7 +133,28 @@ class RouterMetrics(ConfigMetrics):
         r = self.registry
         super().__init__(r)
         self.requests = Counter("baton:router_requests", "Requests answered by the router, by "
-                                "status code.", ["code"], registry=r)
+                                "status code and tenant.", ["code", "tenant"], registry=r)
+        slo = ["model", "decision", "tenant"]  # decision: remote prefill or local
+        self.ttft = Histogram("baton:router_time_to_first_token_seconds",
+                              "Time from a request's arrival at the router to its first "
+                              "output sent to the client (a non-streamed answer: the whole "
+                              "answer).", slo, buckets=TTFT_BUCKETS, registry=r)
+        self.itl = Histogram("baton:router_inter_token_latency_seconds",
+                             "Time between consecutive content chunks of a stream, as "
+                             "relayed to the client.", slo, buckets=ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("baton:router_e2e_request_latency_seconds",
+                             "Time from a request's arrival at the router to the end of its "
+                             "answer.", slo, buckets=E2E_BUCKETS, registry=r)
+        self.rate_limited = Counter("baton:router_rate_limited", "Requests refused with 429 "
+                                    "by a tenant's rate limit, by tenant and limit.",
+                                    ["tenant", "limit"], registry=r)
+        self.header_timeouts = Counter(
+            "baton:router_header_timeouts", "Connections closed because their request head "
+            "(request line + headers) did not arrive within --header-timeout.", registry=r)
+        self.kv_releases = Counter(
+            "baton:router_kv_releases", "Leases of prefilled KV released on a prefill pod "
+            "because no decode pod took them over (the client left), by result.",
+            ["result"], registry=r)
         self.upstream_latency = Histogram(
             "baton:router_upstream_latency_seconds",
             "Time from sending a request upstream to its response headers.",

@@ -75,6 +75,13 @@ class AsyncEngine:
         """Seconds each KV pull took since the last call (any thread)."""
         return self.core.take_kv_transfer_durations()
 
+    def release_lease(self, lease_id: str) -> bool:
+        """End a KV lease this (prefill) engine holds that nobody will pull (any thread);
+        the loop frees its blocks at its next poll. False when no such lease is held or its
+        pull has begun."""
+        connector = self.core.connector
+        return connector is not None and connector.release_lease(lease_id)
+
     def block_events(self):
         """The KV block pool's stored / evicted hash events (`BlockPool.record_events`),
         for the registry. Read-only use from the event loop."""

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from baton.common.auth import MIN_TOKEN_CHARS
 
 SCHEDULING_POLICIES = ("fcfs", "priority", "static")
 KV_FAILURE_POLICIES = ("recompute", "fail")
@@ -47,6 +49,9 @@ class EngineConfig:
     kv_lease_ttl_s: float = 30.0
     kv_transfer_timeout_s: float = 30.0
     kv_failure_policy: str = "recompute"
+    # The shared secret that keys the KV port's handshake (the internal token): with it,
+    # only peers proving the same secret pull from or serve this engine. Never shown.
+    kv_secret: str | None = field(default=None, repr=False)
 
     @property
     def live_settings(self) -> LiveSettings:
@@ -94,6 +99,8 @@ class EngineConfig:
                self.kv_transfer_timeout_s, "must be > 0")
         _check(self.kv_failure_policy in KV_FAILURE_POLICIES, "kv_failure_policy",
                self.kv_failure_policy, f"must be one of {KV_FAILURE_POLICIES}")
+        _check(self.kv_secret is None or len(self.kv_secret) >= MIN_TOKEN_CHARS, "kv_secret",
+               "<hidden>", f"must be None or at least {MIN_TOKEN_CHARS} characters")
 
 
 @dataclass(frozen=True)

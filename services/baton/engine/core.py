@@ -343,4 +343,5 @@ def _make_connector(config: EngineConfig, kv_cache) -> KVConnector | None:
     from baton.engine.kv_connector.transport import TransportKVConnector
 
     return TransportKVConnector(config.kv_transport, kv_cache, config.engine_id,
-                                config.live_settings.kv, config.kv_host, config.kv_port)
+                                config.live_settings.kv, config.kv_host, config.kv_port,
+                                secret=config.kv_secret)

@@ -2,13 +2,16 @@
 
 Holder (prefill) side: `start(layout, kv_cache, engine_id)` registers the cache once and
 returns the `Endpoint` peers use; `hold(request_id, block_ids, ttl_s)` pins blocks under a
-lease; `released()` reports, exactly once per lease, that it ended (pulled or expired) so
-the engine can free the blocks.
+lease and returns its id (random, unguessable, never derived from the request id: only the
+puller it is handed to can name it); `released()` reports, exactly once per lease, that it
+ended (pulled, expired, or `release`d by the holder) so the engine can free the request's
+blocks.
 
-Puller (decode) side: `connect(peer)` is idempotent and rejects a layout mismatch;
-`pull(peer, request_id, src_block_ids, dst_block_ids, timeout_s)` returns a `Transfer` at
-once — a small state machine (PENDING -> TRANSFERRING -> DONE | FAILED) that the engine
-loop polls; it never blocks the step. Failures are typed (`TransferError` subclasses).
+Puller (decode) side: `connect(peer)` is idempotent and rejects a layout mismatch or a peer
+that fails the handshake; `pull(peer, lease_id, src_block_ids, dst_block_ids, timeout_s)`
+returns a `Transfer` at once — a small state machine (PENDING -> TRANSFERRING -> DONE |
+FAILED) that the engine loop polls; it never blocks the step. Failures are typed
+(`TransferError` subclasses).
 
 The cache is the engine's one tensor `[layers, 2 (K/V), blocks, block_size, kv_heads,
 head_dim]`; a block's bytes are its `layers x 2` slices, gathered in that order.
@@ -43,7 +46,13 @@ class TransferTimeoutError(TransferError):
 
 
 class LeaseExpiredError(TransferError):
-    """The holder no longer has the blocks (lease expired, released, or never existed)."""
+    """The holder no longer has the blocks for us (lease expired, released, never existed,
+    or claimed by another puller), or we asked for blocks outside the lease."""
+
+
+class KVAuthError(TransferError):
+    """The peers could not authenticate each other: one has a KV secret and the other none,
+    or their secrets differ. Configure the same internal token on both."""
 
 
 @dataclass(frozen=True)
@@ -152,11 +161,19 @@ def scatter_blocks(kv_cache: torch.Tensor, block_ids: list[int], data: torch.Ten
 
 
 def check_pull(layout: KVLayout, src: list[int], dst: list[int], num_blocks: int) -> None:
+    """Puller side, before anything moves: one destination per source, each side's ids
+    distinct, destinations inside our cache, sources non-negative (the holder checks them
+    against its own cache and the lease)."""
     if len(src) != len(dst):
         raise ValueError(f"{len(src)} source blocks for {len(dst)} destination blocks")
     bad = [b for b in dst if not 0 <= b < num_blocks]
     if bad:
         raise ValueError(f"destination blocks {bad[:5]} outside [0, {num_blocks})")
+    if any(b < 0 for b in src):
+        raise ValueError(f"negative source blocks {[b for b in src if b < 0][:5]}")
+    for side, ids in (("source", src), ("destination", dst)):
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"repeated {side} blocks in {ids[:10]}")
 
 
 class KVTransport(ABC):
@@ -171,18 +188,28 @@ class KVTransport(ABC):
         """Idempotent; raises LayoutMismatchError or PeerUnreachableError."""
 
     @abstractmethod
-    def pull(self, peer: Endpoint, request_id: str, src_block_ids: list[int],
+    def pull(self, peer: Endpoint, lease_id: str, src_block_ids: list[int],
              dst_block_ids: list[int], timeout_s: float) -> Transfer:
-        """Start copying the peer's blocks into ours; returns at once."""
+        """Start copying the peer's blocks held under `lease_id` into ours; returns at once.
+        Raises ValueError for ids `check_pull` refuses; everything else fails the Transfer
+        (`KVAuthError` when the peers' secrets disagree). An empty pull releases the lease.
+        The first puller to claim a lease owns it: others are refused (LeaseExpiredError)."""
 
     @abstractmethod
-    def hold(self, request_id: str, block_ids: list[int], ttl_s: float) -> None:
-        """Holder side: keep these blocks for a puller until pulled or `ttl_s` passes."""
+    def hold(self, request_id: str, block_ids: list[int], ttl_s: float) -> str:
+        """Holder side: keep these blocks for a puller until pulled or `ttl_s` passes;
+        returns the lease id to hand to that puller. ValueError if `request_id` already
+        holds a lease or a block id is outside the cache."""
+
+    @abstractmethod
+    def release(self, lease_id: str) -> bool:
+        """Holder side, the holder's own call (its router says nobody will pull): end the
+        lease now. False when it is not held or is being pulled. Thread-safe."""
 
     @abstractmethod
     def released(self) -> list[tuple[str, str]]:
-        """Holder side: (request_id, "pulled" | "expired") for leases that ended since the
-        last call; each lease appears exactly once."""
+        """Holder side: (request_id, "pulled" | "expired" | "released") for leases that
+        ended since the last call; each lease appears exactly once."""
 
     @abstractmethod
     def close(self) -> None:

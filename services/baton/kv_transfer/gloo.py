@@ -1,12 +1,14 @@
 """torch.distributed point-to-point transport: `gloo` on CPU caches, `nccl` on CUDA ones.
 
-The control plane is the tcp transport's (hello with the layout fingerprint, pull, ack,
-leases); only the data phase differs: for each pull the holder opens a `TCPStore` on a free
-port and says which in its reply, both sides build a two-rank process group on it (the
-holder rank 0, the puller rank 1; no torchrun, ~10 ms), the holder gathers the blocks into
-one contiguous tensor and `send`s it, the puller `recv`s it into a staging tensor and
-scatters it into its destination blocks. One large message, because many small sends are
-slow on gloo.
+The control plane is the tcp transport's (bounded frames, the handshake with the layout
+fingerprint and the secret's challenge, pull, ack, leases); only the data phase differs:
+for each pull the holder opens a `TCPStore` on a free port and says which in its reply,
+both sides build a two-rank process group on it (the holder rank 0, the puller rank 1; no
+torchrun, ~10 ms), the holder gathers the blocks into one contiguous tensor and `send`s
+it, the puller `recv`s it into a staging tensor and scatters it into its destination
+blocks. One large message, because many small sends are slow on gloo. (The store itself
+takes no secret: its port, random and open for one pull, is told only to the puller that
+passed the handshake.)
 """
 
 from __future__ import annotations
@@ -19,7 +21,8 @@ import torch.distributed as dist
 
 from baton.kv_transfer.base import (Endpoint, PeerUnreachableError, TransferTimeoutError,
                                     gather_blocks, scatter_blocks)
-from baton.kv_transfer.tcp import TcpTransport, _send_msg
+from baton.kv_transfer.tcp import TcpTransport
+from baton.kv_transfer.wire import send_msg
 
 _SETUP = timedelta(seconds=30)
 
@@ -34,8 +37,8 @@ class GlooTransport(TcpTransport):
     name = "gloo"
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, max_pulls: int = 8,
-                 backend: str = "gloo") -> None:
-        super().__init__(host, port, max_pulls)
+                 backend: str = "gloo", **control) -> None:
+        super().__init__(host, port, max_pulls, **control)  # control: tcp's secret, limits
         self.backend = backend
         self.name = backend
 
@@ -46,11 +49,11 @@ class GlooTransport(TcpTransport):
 
     def _send_blocks(self, conn: socket.socket, blocks: list[int]) -> None:
         if not blocks:
-            _send_msg(conn, {"ok": True, "nbytes": 0})
+            send_msg(conn, {"ok": True, "nbytes": 0})
             return
         data = gather_blocks(self.kv_cache, blocks).contiguous()
         store = dist.TCPStore(self.host, 0, 2, True, timeout=_SETUP, wait_for_workers=False)
-        _send_msg(conn, {"ok": True, "nbytes": data.numel() * data.element_size(),
+        send_msg(conn, {"ok": True, "nbytes": data.numel() * data.element_size(),
                          "store_port": store.port})
         pg = _group(store, 0, _SETUP, self.backend)
         pg.send([data], 1, 0).wait(_SETUP)
@@ -67,7 +70,10 @@ class GlooTransport(TcpTransport):
         host = peer.address.rsplit(":", 1)[0]
         try:
             left = timedelta(seconds=remaining())
-            store = dist.TCPStore(host, int(reply["store_port"]), 2, False, timeout=left)
+            port = reply.get("store_port")
+            if type(port) is not int or not 0 < port < 65536:
+                raise PeerUnreachableError(f"{peer.address} named no store port: {port!r}")
+            store = dist.TCPStore(host, port, 2, False, timeout=left)
             pg = _group(store, 1, left, self.backend)
             if not pg.recv([staging], 0, 0).wait(timedelta(seconds=remaining())):
                 raise TransferTimeoutError(f"receiving from {peer.address} timed out")

@@ -1,16 +1,19 @@
 """In-process transport: holders register in a process-wide table; a pull copies on a
-worker thread. For unit tests and single-process setups."""
+worker thread. For unit tests and single-process setups. The network transports' rules hold
+here too: a puller's secret must match the holder's, and a lease is bound to the first
+puller (by engine id) that claims it."""
 
 from __future__ import annotations
 
+import hmac
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from baton.kv_transfer.base import (Endpoint, KVLayout, KVTransport, LayoutMismatchError,
-                                    PeerUnreachableError, Transfer, TransferError,
-                                    check_pull, gather_blocks, scatter_blocks)
+from baton.kv_transfer.base import (Endpoint, KVAuthError, KVLayout, KVTransport,
+                                    LayoutMismatchError, PeerUnreachableError, Transfer,
+                                    TransferError, check_pull, gather_blocks, scatter_blocks)
 from baton.kv_transfer.leases import LeaseTable
 
 _HOLDERS: dict[str, "LocalTransport"] = {}
@@ -20,7 +23,8 @@ _LOCK = threading.Lock()
 class LocalTransport(KVTransport):
     name = "local"
 
-    def __init__(self) -> None:
+    def __init__(self, secret: str | None = None) -> None:
+        self.secret = secret
         self.kv_cache: torch.Tensor | None = None
         self.layout: KVLayout | None = None
         self.endpoint: Endpoint | None = None
@@ -29,6 +33,7 @@ class LocalTransport(KVTransport):
 
     def start(self, kv_cache: torch.Tensor, engine_id: str) -> Endpoint:
         self.kv_cache, self.layout = kv_cache, KVLayout.of(kv_cache)
+        self.leases.num_blocks = kv_cache.shape[2]
         self.endpoint = Endpoint(self.name, engine_id, engine_id, self.layout)
         with _LOCK:
             _HOLDERS[engine_id] = self
@@ -39,31 +44,37 @@ class LocalTransport(KVTransport):
             raise LayoutMismatchError(f"peer {peer.engine_id} has layout {peer.layout}, "
                                       f"ours is {self.layout}")
         with _LOCK:
-            if peer.address not in _HOLDERS:
-                raise PeerUnreachableError(f"no local engine {peer.address!r}")
+            holder = _HOLDERS.get(peer.address)
+        if holder is None:
+            raise PeerUnreachableError(f"no local engine {peer.address!r}")
+        if (holder.secret is None) != (self.secret is None) or (
+                self.secret is not None
+                and not hmac.compare_digest(holder.secret.encode(), self.secret.encode())):
+            raise KVAuthError(f"local engine {peer.address!r} and this one have different "
+                              "KV secrets (or only one has one)")
 
-    def pull(self, peer: Endpoint, request_id: str, src_block_ids: list[int],
+    def pull(self, peer: Endpoint, lease_id: str, src_block_ids: list[int],
              dst_block_ids: list[int], timeout_s: float) -> Transfer:
         check_pull(self.layout, src_block_ids, dst_block_ids, self.kv_cache.shape[2])
-        transfer = Transfer(request_id, len(dst_block_ids))
-        self._pool.submit(self._copy, transfer, peer, request_id, list(src_block_ids),
+        transfer = Transfer(lease_id, len(dst_block_ids))
+        self._pool.submit(self._copy, transfer, peer, lease_id, list(src_block_ids),
                           list(dst_block_ids))
         return transfer
 
-    def _copy(self, transfer: Transfer, peer: Endpoint, request_id: str, src: list[int],
+    def _copy(self, transfer: Transfer, peer: Endpoint, lease_id: str, src: list[int],
               dst: list[int]) -> None:
         try:
             self.connect(peer)
             with _LOCK:
                 holder = _HOLDERS[peer.address]
             transfer._transferring()
-            holder.leases.take(request_id, src)
+            holder.leases.take(lease_id, src, self.endpoint.engine_id)
             try:
                 data = gather_blocks(holder.kv_cache, src) if src else None
             except BaseException:
-                holder.leases.abandon(request_id)
+                holder.leases.abandon(lease_id)
                 raise
-            holder.leases.complete(request_id)
+            holder.leases.complete(lease_id)
             if data is not None:
                 scatter_blocks(self.kv_cache, dst, data)
             transfer._succeed(0 if data is None else data.numel() * data.element_size())
@@ -72,8 +83,11 @@ class LocalTransport(KVTransport):
         except Exception as err:  # noqa: BLE001 - any failure is the transfer's
             transfer._fail(TransferError(f"local copy failed: {err!r}"))
 
-    def hold(self, request_id: str, block_ids: list[int], ttl_s: float) -> None:
-        self.leases.hold(request_id, block_ids, ttl_s)
+    def hold(self, request_id: str, block_ids: list[int], ttl_s: float) -> str:
+        return self.leases.hold(request_id, block_ids, ttl_s)
+
+    def release(self, lease_id: str) -> bool:
+        return self.leases.release(lease_id)
 
     def released(self) -> list[tuple[str, str]]:
         return self.leases.released()

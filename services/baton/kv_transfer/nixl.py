@@ -1,8 +1,9 @@
 """NIXL transport: one-sided RDMA-style READs of the holder's blocks (UCX backend).
 
-The control plane is the tcp transport's (hello with the layout fingerprint, pull, ack,
-leases); the data moves through NIXL: each side registers its whole KV cache tensor with
-its agent once, a puller loads the holder's agent metadata on its first hello (and again if
+The control plane is the tcp transport's (bounded frames, the handshake with the layout
+fingerprint and the secret's challenge, pull, ack, leases); the data moves through NIXL:
+each side registers its whole KV cache tensor with its agent once, a puller loads the
+holder's agent metadata on its first hello (handed out only after the handshake; again if
 the holder restarts under the same address: the pull reply names the holder's agent), and
 for a pull the holder only confirms the lease; the puller then posts one READ with a
 descriptor per (layer, K/V, run of consecutive blocks) on both sides and polls it to DONE,
@@ -26,7 +27,8 @@ import uuid
 import torch
 
 from baton.kv_transfer.base import Endpoint, PeerUnreachableError, TransferError
-from baton.kv_transfer.tcp import TcpTransport, _send_msg
+from baton.kv_transfer.tcp import TcpTransport
+from baton.kv_transfer.wire import send_msg
 
 _POLL_S = 0.0002
 
@@ -57,8 +59,9 @@ def paired_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
 class NixlTransport(TcpTransport):
     name = "nixl"
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, max_pulls: int = 8) -> None:
-        super().__init__(host, port, max_pulls)
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, max_pulls: int = 8,
+                 **control) -> None:
+        super().__init__(host, port, max_pulls, **control)  # control: tcp's secret, limits
         if host in ("127.0.0.1", "localhost", "::1"):
             os.environ.setdefault("UCX_NET_DEVICES", "lo")  # loopback only, read at agent init
         self._nixl = _import_nixl()
@@ -102,7 +105,7 @@ class NixlTransport(TcpTransport):
         # The puller READs the blocks itself; we say the lease is taken and by whom, then
         # drive our agent's progress until the puller's ack arrives (no progress thread:
         # it would spin a core forever; this spins only while a pull is in flight).
-        _send_msg(conn, {"ok": True, "nbytes": len(blocks) * self.layout.bytes_per_block,
+        send_msg(conn, {"ok": True, "nbytes": len(blocks) * self.layout.bytes_per_block,
                          "agent": self.agent_name})
         deadline = time.monotonic() + (conn.gettimeout() or 60)
         while not select.select([conn], [], [], 0)[0]:
@@ -121,14 +124,18 @@ class NixlTransport(TcpTransport):
         reply = self._say_hello(peer, timeout_s)
         with self._peers_lock:
             old = self._peers.get(peer.address)
-            if old is not None and old[0] != reply["agent"]:
+            if old is not None and old[0] != reply.get("agent"):
                 try:  # the holder restarted: forget its old agent
                     self.agent.remove_remote_agent(old[0])
                 except Exception:  # noqa: BLE001 - already gone
                     pass
-            name = self.agent.add_remote_agent(base64.b64decode(reply["metadata"]))
+            base, blocks, md = reply.get("base"), reply.get("blocks"), reply.get("metadata")
+            if (type(base) is not int or type(blocks) is not int or base < 0 or blocks < 0
+                    or not isinstance(md, str)):
+                raise PeerUnreachableError(f"{peer.address} sent a malformed NIXL hello")
+            name = self.agent.add_remote_agent(base64.b64decode(md))
             name = name.decode() if isinstance(name, bytes) else name
-            self._peers[peer.address] = (name, int(reply["base"]), int(reply["blocks"]))
+            self._peers[peer.address] = (name, base, blocks)
             return self._peers[peer.address]
 
     def _receive(self, sock: socket.socket, reply: dict, src: list[int], dst: list[int],
@@ -140,6 +147,9 @@ class NixlTransport(TcpTransport):
         if known is None or known[0] != reply.get("agent"):
             known = self._handshake(peer, remaining())
         agent, base, peer_blocks = known
+        if max(src) >= peer_blocks:  # never READ past the cache the holder registered
+            raise TransferError(f"blocks {[b for b in src if b >= peer_blocks][:5]} are "
+                                f"outside {peer.address}'s {peer_blocks}-block cache")
         runs = paired_runs(src, dst)
         local = self.agent.get_xfer_descs(
             self._descs(self.kv_cache.data_ptr(), self.kv_cache.shape[2],

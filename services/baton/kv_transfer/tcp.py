@@ -1,58 +1,45 @@
 """TCP transport: no dependency beyond the standard library.
 
-Wire format, one pull per connection: the puller sends a framed JSON request (4-byte
-big-endian length + JSON); the holder answers a framed JSON header and then, for a pull,
-`nbytes` of block data in wire order (`[layers, 2, n, block_size, kv_heads, head_dim]`);
-both sides move the bytes with scatter/gather I/O straight between the caches (`sendmsg`
-from the holder's blocks, `recvmsg_into` the puller's destination blocks: no staging copy,
-runs of consecutive block ids become one buffer), then the puller sends a framed `ack`, on which the holder ends
-the lease ("pulled") and confirms, so a finished Transfer means a released lease. A connection lost before the ack leaves the lease held until it
-expires, so a retry can still succeed.
+Control plane (shared with gloo / nccl and nixl), one request per connection: the
+handshake of `handshake.py` over the bounded frames of `wire.py` (magic and version, layout
+fingerprint, the HMAC challenge when a secret is configured), then the request: `info` (the
+holder's hello: nothing here, NIXL's agent metadata there) or `pull` (a lease id and the
+holder's block ids). For a pull the holder answers a header and then `nbytes` of block data
+in wire order (`[layers, 2, n, block_size, kv_heads, head_dim]`); both sides move the bytes
+with scatter/gather I/O straight between the caches (`sendmsg` from the holder's blocks,
+`recvmsg_into` the puller's destination blocks: no staging copy, runs of consecutive block
+ids become one buffer), then the puller sends a framed `ack`, on which the holder ends the
+lease ("pulled") and confirms, so a finished Transfer means a released lease. A connection
+lost before the ack leaves the lease held (bound to its puller) until it expires, so that
+puller's retry can still succeed.
 
-Holder: a thread per connection. Puller: a small thread pool; the `Transfer` it returns
-is polled by the engine loop.
+Nothing a peer sends sizes an allocation: frames are bounded, block ids must fall inside
+the holder's cache and its lease, the data's size follows from the ids each side knows.
+
+Holder: an accept thread, at most `max_handshakes` connections in their handshake at once
+(more are closed at once), a thread per connection. Puller: a small thread pool; the
+`Transfer` it returns is polled by the engine loop.
 """
 
 from __future__ import annotations
 
-import json
 import socket
-import struct
 import threading
 import time
+import uuid
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from baton.kv_transfer import handshake
 from baton.kv_transfer.base import (Endpoint, KVLayout, KVTransport, LayoutMismatchError,
                                     LeaseExpiredError, PeerUnreachableError, Transfer,
                                     TransferError, TransferTimeoutError, check_pull)
-from baton.kv_transfer.leases import LeaseTable
+from baton.kv_transfer.handshake import HolderTerms, PullerTerms, Refused
+from baton.kv_transfer.leases import LeaseTable, short
+from baton.kv_transfer.wire import MAX_FRAME_BYTES, recv_msg, send_msg
 
-_LEN = struct.Struct(">I")
-_ERRORS = {"layout": LayoutMismatchError, "lease": LeaseExpiredError}
-
-
-def _send_msg(sock: socket.socket, obj: dict) -> None:
-    data = json.dumps(obj).encode()
-    sock.sendall(_LEN.pack(len(data)) + data)
-
-
-def _recv_exact(sock: socket.socket, view: memoryview) -> None:
-    got = 0
-    while got < len(view):
-        n = sock.recv_into(view[got:])
-        if n == 0:
-            raise ConnectionError("the peer closed the connection")
-        got += n
-
-
-def _recv_msg(sock: socket.socket) -> dict:
-    head = bytearray(4)
-    _recv_exact(sock, memoryview(head))
-    body = bytearray(_LEN.unpack(head)[0])
-    _recv_exact(sock, memoryview(body))
-    return json.loads(body)
+_DATA_TIMEOUT_S = 60.0  # an authenticated peer's data phase and ack
 
 
 def _byte_view(t: torch.Tensor) -> memoryview:
@@ -124,12 +111,26 @@ def _recv_views(sock: socket.socket, views: list[memoryview], remaining, peer_ad
 class TcpTransport(KVTransport):
     name = "tcp"
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, max_pulls: int = 8) -> None:
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, max_pulls: int = 8,
+                 secret: str | None = None,
+                 handshake_timeout_s: float = handshake.HANDSHAKE_TIMEOUT_S,
+                 max_frame_bytes: int = MAX_FRAME_BYTES, max_handshakes: int = 64) -> None:
+        if secret is not None and not secret:
+            raise ValueError("the KV secret must be None (no authentication) or non-empty")
+        if handshake_timeout_s <= 0 or max_frame_bytes < 4096 or max_handshakes < 1:
+            raise ValueError(f"handshake_timeout_s={handshake_timeout_s} must be > 0, "
+                             f"max_frame_bytes={max_frame_bytes} >= 4096, "
+                             f"max_handshakes={max_handshakes} >= 1")
         self.host, self.port = host, port
+        self.secret = secret
+        self.handshake_timeout_s = handshake_timeout_s
+        self.max_frame_bytes = max_frame_bytes
         self.kv_cache: torch.Tensor | None = None
         self.layout: KVLayout | None = None
         self.endpoint: Endpoint | None = None
         self.leases = LeaseTable()
+        self.refused = handshake.RefusalLog()  # holder: connections refused, and their log
+        self._handshakes = threading.BoundedSemaphore(max_handshakes)
         self._server: socket.socket | None = None
         self._closed = threading.Event()
         self._connected: set[str] = set()
@@ -145,68 +146,94 @@ class TcpTransport(KVTransport):
         if not kv_cache.is_contiguous():
             raise ValueError("the tcp transport needs a contiguous KV cache tensor")
         self.kv_cache, self.layout = kv_cache, KVLayout.of(kv_cache)
+        self.leases.num_blocks = kv_cache.shape[2]
         self._cache_bytes = _byte_view(kv_cache.view(-1))
         srv = socket.create_server((self.host, self.port), backlog=128)
         self._server = srv
         host, port = srv.getsockname()[:2]
         self.endpoint = Endpoint(self.name, engine_id, f"{host}:{port}", self.layout)
+        self._terms = HolderTerms(engine_id, str(self.layout), self.layout.fingerprint,
+                                  kv_cache.shape[2], self.secret, self.handshake_timeout_s,
+                                  self.max_frame_bytes)
         threading.Thread(target=self._accept, name="kv-tcp-accept", daemon=True).start()
         return self.endpoint
 
     def _accept(self) -> None:
         while not self._closed.is_set():
             try:
-                conn, _ = self._server.accept()
+                conn, addr = self._server.accept()
             except OSError:
                 return
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+            if not self._handshakes.acquire(blocking=False):
+                conn.close()
+                self.refused(f"{addr[0]}: too many connections in their handshake")
+                continue
+            threading.Thread(target=self._serve, args=(conn, addr[0]), daemon=True).start()
 
-    def _serve(self, conn: socket.socket) -> None:
+    def _serve(self, conn: socket.socket, ip: str) -> None:
         with conn:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn.settimeout(60)
             try:
-                req = _recv_msg(conn)
-                if req.get("fingerprint") != self.layout.fingerprint:
-                    _send_msg(conn, {"ok": False, "kind": "layout", "error":
-                                     f"layout mismatch: holder has {self.layout}"})
-                    return
-                if req["op"] == "hello":
-                    _send_msg(conn, self._hello())
-                elif req["op"] == "pull":
-                    self._serve_pull(conn, req["request_id"], req["src"])
-            except (OSError, ValueError, KeyError):
+                session = self._accept_session(conn, ip)
+            finally:
+                self._handshakes.release()
+            if session is None:
+                return
+            peer, req = session
+            conn.settimeout(_DATA_TIMEOUT_S)
+            try:
+                if req["op"] == "info":
+                    send_msg(conn, self._hello())
+                else:
+                    self._serve_pull(conn, req["lease"], req["src"], peer)
+            except (OSError, ValueError):
                 return  # the puller sees the connection drop
 
+    def _accept_session(self, conn: socket.socket, ip: str) -> tuple[str, dict] | None:
+        """The peer's identity and its request, or None: refused (and logged), or gone."""
+        try:
+            return handshake.accept(conn, ip, self._terms)
+        except Refused as why:
+            self.refused(str(why))
+        except TimeoutError:
+            self.refused(f"{ip}: no handshake within {self.handshake_timeout_s} s")
+        except OSError:
+            pass  # gone before its handshake (a TCP probe, a puller giving up)
+        return None
+
     def _hello(self) -> dict:
-        """The holder's answer to a puller's hello (after the layout check)."""
+        """The holder's answer to an authenticated `info` request."""
         return {"ok": True}
 
-    def _serve_pull(self, conn: socket.socket, request_id: str, src: list[int]) -> None:
+    def _serve_pull(self, conn: socket.socket, lease_id: str, src: list[int], peer: str
+                    ) -> None:
         try:
-            blocks = self.leases.take(request_id, src)
+            blocks = self.leases.take(lease_id, src, peer)
         except LeaseExpiredError as err:
-            _send_msg(conn, {"ok": False, "kind": "lease", "error": str(err)})
+            send_msg(conn, {"ok": False, "kind": "lease", "error": str(err)})
             return
         acked = False
         try:
             self._send_blocks(conn, blocks)
-            acked = _recv_msg(conn).get("op") == "ack"
+            acked = recv_msg(conn, self.max_frame_bytes).get("op") == "ack"
         finally:
             if acked:
-                self.leases.complete(request_id)
+                self.leases.complete(lease_id)
             else:
-                self.leases.abandon(request_id)
-        _send_msg(conn, {"ok": True, "released": True})
+                self.leases.abandon(lease_id)
+        send_msg(conn, {"ok": True, "released": True})
 
     def _send_blocks(self, conn: socket.socket, blocks: list[int]) -> None:
         """The data phase, holder side: a header, then the blocks' bytes on `conn`."""
         views = block_views(self.kv_cache, self._cache_bytes, blocks)
-        _send_msg(conn, {"ok": True, "nbytes": sum(len(v) for v in views)})
+        send_msg(conn, {"ok": True, "nbytes": sum(len(v) for v in views)})
         _send_views(conn, views)
 
-    def hold(self, request_id: str, block_ids: list[int], ttl_s: float) -> None:
-        self.leases.hold(request_id, block_ids, ttl_s)
+    def hold(self, request_id: str, block_ids: list[int], ttl_s: float) -> str:
+        return self.leases.hold(request_id, block_ids, ttl_s)
+
+    def release(self, lease_id: str) -> bool:
+        return self.leases.release(lease_id)
 
     def released(self) -> list[tuple[str, str]]:
         return self.leases.released()
@@ -222,6 +249,13 @@ class TcpTransport(KVTransport):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return sock
 
+    def _request(self, sock: socket.socket, peer: Endpoint, req: dict, deadline: float
+                 ) -> dict:
+        """Handshake on `sock` and send `req`; the holder's answer, checked."""
+        me = self.endpoint.engine_id if self.endpoint else f"puller-{uuid.uuid4().hex[:8]}"
+        terms = PullerTerms(me, self.layout.fingerprint, self.secret, self.max_frame_bytes)
+        return handshake.request(sock, terms, peer, req, deadline)
+
     def connect(self, peer: Endpoint, timeout_s: float = 5.0) -> None:
         self._check_layout(peer)
         if peer.address in self._connected:
@@ -235,78 +269,66 @@ class TcpTransport(KVTransport):
                                       f"ours is {self.layout}")
 
     def _say_hello(self, peer: Endpoint, timeout_s: float) -> dict:
-        """The handshake: the holder checks our layout and answers `_hello()`."""
+        """The handshake and an `info` request: the holder's `_hello()`."""
         with self._open(peer, timeout_s) as sock:
             try:
-                sock.settimeout(timeout_s)
-                _send_msg(sock, {"op": "hello", "fingerprint": self.layout.fingerprint})
-                reply = _recv_msg(sock)
+                return self._request(sock, peer, {"op": "info"}, time.monotonic() + timeout_s)
             except TimeoutError:
                 raise TransferTimeoutError(f"handshake with {peer.address} timed out") \
                     from None
             except (OSError, ValueError) as err:
                 raise PeerUnreachableError(f"handshake with {peer.address} failed: "
                                            f"{err}") from None
-        self._check(reply)
-        return reply
 
-    @staticmethod
-    def _check(reply: dict) -> None:
-        if not reply.get("ok"):
-            raise _ERRORS.get(reply.get("kind"), TransferError)(reply.get("error", "refused"))
-
-    def pull(self, peer: Endpoint, request_id: str, src_block_ids: list[int],
+    def pull(self, peer: Endpoint, lease_id: str, src_block_ids: list[int],
              dst_block_ids: list[int], timeout_s: float) -> Transfer:
         check_pull(self.layout, src_block_ids, dst_block_ids, self.kv_cache.shape[2])
-        transfer = Transfer(request_id, len(dst_block_ids))
+        transfer = Transfer(lease_id, len(dst_block_ids))
         if peer.layout.fingerprint != self.layout.fingerprint:
             transfer._fail(LayoutMismatchError(f"peer {peer.engine_id} has layout "
                                                f"{peer.layout}, ours is {self.layout}"))
             return transfer
-        self._pool.submit(self._pull, transfer, peer, request_id, list(src_block_ids),
+        self._pool.submit(self._pull, transfer, peer, lease_id, list(src_block_ids),
                           list(dst_block_ids), time.monotonic() + timeout_s)
         return transfer
 
-    def _pull(self, transfer: Transfer, peer: Endpoint, request_id: str, src: list[int],
+    def _pull(self, transfer: Transfer, peer: Endpoint, lease_id: str, src: list[int],
               dst: list[int], deadline: float) -> None:
+        what = f"lease {short(lease_id)} ({len(src)} blocks) from {peer.address}"
+
         def remaining() -> float:
             left = deadline - time.monotonic()
             if left <= 0:
-                raise TransferTimeoutError(f"pulling {len(src)} blocks of {request_id!r} "
-                                           f"from {peer.address} timed out")
+                raise TransferTimeoutError(f"pulling {what} timed out")
             return left
 
         try:
             with self._open(peer, remaining()) as sock:
                 transfer._transferring()
-                sock.settimeout(remaining())
-                _send_msg(sock, {"op": "pull", "request_id": request_id, "src": src,
-                                 "fingerprint": self.layout.fingerprint})
-                reply = _recv_msg(sock)
-                self._check(reply)
+                reply = self._request(sock, peer, {"op": "pull", "lease": lease_id,
+                                                   "src": src}, deadline)
                 got = self._receive(sock, reply, src, dst, remaining, peer)
-                _send_msg(sock, {"op": "ack"})
+                send_msg(sock, {"op": "ack"})
                 try:  # the holder has ended the lease once this arrives
-                    _recv_msg(sock)
+                    recv_msg(sock, self.max_frame_bytes)
                 except OSError:
                     pass  # our blocks are complete; the holder's lease expires instead
             transfer._succeed(got)
         except TransferError as err:
             transfer._fail(err)
         except TimeoutError:
-            transfer._fail(TransferTimeoutError(f"pulling {request_id!r} from {peer.address} "
-                                                "timed out"))
+            transfer._fail(TransferTimeoutError(f"pulling {what} timed out"))
         except (OSError, ValueError) as err:
             transfer._fail(PeerUnreachableError(f"lost {peer.address} during the transfer of "
-                                                f"{request_id!r}: {err!r}"))
+                                                f"{what}: {err!r}"))
         except Exception as err:  # noqa: BLE001 - never leave a transfer hanging
-            transfer._fail(TransferError(f"pulling {request_id!r} failed: {err!r}"))
+            transfer._fail(TransferError(f"pulling {what} failed: {err!r}"))
 
     def _receive(self, sock: socket.socket, reply: dict, src: list[int], dst: list[int],
                  remaining, peer: Endpoint) -> int:
         """The data phase, puller side: the peer's `src` blocks straight into our `dst`
         blocks (no staging copy)."""
-        nbytes = reply["nbytes"]
+        nbytes = reply.get("nbytes")
         views = block_views(self.kv_cache, self._cache_bytes, dst)
         want = sum(len(v) for v in views)
         if nbytes != want:

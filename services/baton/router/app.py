@@ -8,6 +8,13 @@ the retry loop (`retry.py`) whose attempts relay the answer (`relay.py`) and res
 decode stream that breaks (`resume.py`). `/v1/models` aggregates what the healthy workers
 serve. Settings and the live `Tunables` are in `settings.py`. Never imports torch.
 
+Around that path: the caller's tenant (`tenants.py`: API keys, rate limits), the latency
+the client sees (`slo.py`), a `router.request` span continuing the client's `traceparent`
+(`common.tracing`), and the release of a prefilled lease no decode pod took over
+(`handover.py`). Every call to a worker carries the internal token (`X-Baton-Token`, from
+`common.auth`), never the client's `Authorization`. The server closes connections whose
+request head does not arrive within `--header-timeout` (`common.http_limits`).
+
 Built on aiohttp's server rather than FastAPI: the router is a relay on the hot path of every
 token, and aiohttp's server and client on one event loop cost a fraction of an ASGI stack
 per chunk (see the router benchmark in the README).
@@ -16,7 +23,6 @@ per chunk (see the router benchmark in the README).
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import signal
 import time
@@ -26,12 +32,16 @@ import aiohttp
 import uvloop
 from aiohttp import web
 
+from baton.common.auth import upstream_headers
 from baton.common.errors import OpenAIError
+from baton.common.http_limits import aiohttp_protocols
 from baton.common.internal import Api
 from baton.common.metrics import CONTENT_TYPE, RouterMetrics, render
 from baton.common.protocol import ChatCompletionRequest, CompletionRequest, parse_request
+from baton.common.tracing import Span, Tracing, setup_tracing
 from baton.common.tuning import ConfigWatcher, Tuning, TuningError
 from baton.router.discovery import Discovery, StaticDiscovery
+from baton.router.handover import Releaser
 from baton.router.prefix import BlockIndex
 from baton.router.redis_discovery import RegistryDiscovery
 from baton.router.relay import Relay
@@ -39,6 +49,8 @@ from baton.router.remote_prefill import RemotePrefill
 from baton.router.retry import Forwarder, Inbound
 from baton.router.routing_context import ContextBuilder
 from baton.router.settings import RouterSettings, Tunables
+from baton.router.slo import ClientClock
+from baton.router.tenants import RateLimited, Tenant, Tenants, TokenCharge
 from baton.router.tokens import TokenizerCache
 
 log = logging.getLogger("baton.router")
@@ -54,9 +66,11 @@ class Router:
     """The service: discovery, metrics, the live `Tunables`, and (from `lifespan`, which
     opens the HTTP session) the request path: context builder, remote prefill, retry loop."""
 
-    def __init__(self, settings: RouterSettings) -> None:
+    def __init__(self, settings: RouterSettings, tracing: Tracing | None = None) -> None:
         self.settings = settings
         self.metrics = RouterMetrics()
+        self.tenants = Tenants(settings.all_tenants, time.monotonic())
+        self.tracing = tracing or setup_tracing("baton-router", settings.otlp_endpoint)
         self.discovery: Discovery
         self.exact_index: BlockIndex | None = None  # what the workers hold (registry only)
         if settings.registry_url:
@@ -71,6 +85,7 @@ class Router:
         self.contexts: ContextBuilder | None = None
         self.prefill: RemotePrefill | None = None
         self.forwarder: Forwarder | None = None
+        self.releaser: Releaser | None = None
         self._gauged: set[str] = set()  # upstreams with a health gauge series
         self.watcher = None
         if settings.config_dir is not None:
@@ -90,12 +105,15 @@ class Router:
 
     async def lifespan(self, _app: web.Application):
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60)
-        session = aiohttp.ClientSession(connector=connector, auto_decompress=False)
+        session = aiohttp.ClientSession(  # every call to a worker carries the token
+            connector=connector, auto_decompress=False,
+            headers=upstream_headers(self.settings.internal_token))
         self.tokenizers = TokenizerCache(session)
         self.contexts = ContextBuilder(self.discovery, self.exact_index, self.tokenizers)
-        self.prefill = RemotePrefill(session, self.discovery, self.metrics)
+        self.prefill = RemotePrefill(session, self.discovery, self.metrics, self.tracing)
+        self.releaser = Releaser(session, self.metrics, self.tracing)
         self.forwarder = Forwarder(self.discovery, self.metrics,
-                                   Relay(session, self.discovery, self.metrics))
+                                   Relay(session, self.discovery, self.metrics, self.tracing))
         if self.watcher is not None:
             self.apply_tuning(self.watcher.load_initial())  # an invalid file: no start
             self.watcher.start(self.apply_tuning, self.metrics.reloaded)
@@ -105,6 +123,7 @@ class Router:
         if self.watcher is not None:
             await self.watcher.stop()
         await self.tokenizers.close()
+        await self.releaser.close()
         await self.discovery.stop()
         await session.close()
 
@@ -162,20 +181,51 @@ class Router:
     async def _relay(self, request: web.Request, path: str, model_cls,
                      api: Api) -> web.StreamResponse:
         received = time.monotonic()
+        tenant = request[TENANT]
+        with self.tracing.span("router.request", headers=request.headers, attributes={
+                "url.path": path, "baton.tenant": tenant.name}) as span:
+            try:
+                response = await self._answer(request, path, model_cls, api, tenant,
+                                              received, span)
+            except OpenAIError as err:
+                if isinstance(err, RateLimited):
+                    self.metrics.rate_limited.labels(tenant.name, err.limit).inc()
+                response = _error(err)
+            span.set("http.response.status_code", response.status)
+        self.metrics.requests.labels(str(response.status), tenant.name).inc()
+        return response
+
+    async def _answer(self, request: web.Request, path: str, model_cls, api: Api,
+                      tenant: Tenant, received: float, span: Span) -> web.StreamResponse:
+        """Admit, parse, route and relay one request; raises OpenAIError for an answer the
+        router gives itself."""
         tunables = self.tunables  # this request's snapshot, whatever a reload does meanwhile
+        tenant.admit(received)
+        body = await request.read()
+        req = parse_request(model_cls, body)
+        self._check_model(req.model)
+        rid = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+        span.set("baton.request_id", rid)
+        span.set("baton.model", req.model)
+        ctx = await self.contexts.build(api, req, len(body),
+                                        request.headers.get("X-Session-Id") or req.user)
+        charge = TokenCharge.of(api, req, ctx.prompt_tokens, len(body))
+        tenant.charge(charge.total, time.monotonic())
+        decode = await self.prefill.plan(api, req, rid, ctx, tunables)
+        decision = decode.decision if decode is not None else "local"
+        span.set("baton.decision", decision)
+        clock = ClientClock(self.metrics, received, req.stream, req.model, decision,
+                            tenant.name)
+        inbound = Inbound(request, path, body, rid, req.stream, received, clock)
         try:
-            body = await request.read()
-            req = parse_request(model_cls, body)
-            self._check_model(req.model)
-            rid = request.headers.get("X-Request-Id") or uuid.uuid4().hex
-            ctx = await self.contexts.build(api, req, len(body),
-                                            request.headers.get("X-Session-Id") or req.user)
-            decode = await self.prefill.plan(api, req, rid, ctx, tunables)
-            inbound = Inbound(request, path, body, rid, req.stream, received)
             response = await self.forwarder.forward(inbound, ctx, decode, tunables)
-        except OpenAIError as err:
-            response = _error(err)
-        self.metrics.requests.labels(str(response.status)).inc()
+        finally:  # a client gone, or no decode pod took it: the prefill pod frees the KV
+            self.releaser.release_unclaimed(decode and decode.handover, rid)
+        metered = tenant.tokens is not None and isinstance(response, web.Response)
+        clock.finish(response.status, response.body if metered else None)
+        if tenant.tokens is not None and response.status == 200:
+            tenant.settle(charge.total, charge.used(clock.usage_tokens, clock.chunks),
+                          time.monotonic())
         return response
 
     def _check_model(self, model: str) -> None:
@@ -201,26 +251,34 @@ async def _openai_errors(request: web.Request, handler):
         return _error(OpenAIError(exc.status, exc.reason))
 
 
-def _api_key(key: str):
-    """With an API key, the OpenAI paths (/v1/…) need `Authorization: Bearer <key>`, as
-    vLLM's --api-key; health, readiness and metrics stay open for probes and scrapers."""
-    expected = f"Bearer {key}".encode()
+TENANT = web.RequestKey("tenant", Tenant)  # who is calling, set by `_authenticate`
+PROTECTED = ("/v1/", "/workers")  # with keys configured; probes and scrapers stay open
+
+
+def _authenticate(tenants: Tenants):
+    """With any key configured, the OpenAI paths (/v1/…) and /workers (worker URLs and
+    loads) need `Authorization: Bearer <key>`, as vLLM's --api-key; /health, /ready and
+    /metrics stay open. Without keys every request is tenant `default`."""
 
     @web.middleware
     async def check(request: web.Request, handler):
-        if request.path.startswith("/v1/") and not hmac.compare_digest(
-                request.headers.get("Authorization", "").encode(), expected):
-            return _error(OpenAIError(401, "invalid or missing API key (send "
-                                           "Authorization: Bearer <key>)",
-                                      code="invalid_api_key"))
+        tenant = tenants.anonymous
+        if tenant is None and request.path.startswith(PROTECTED):
+            tenant = tenants.identify(request.headers.get("Authorization"))
+            if tenant is None:
+                return _error(OpenAIError(401, "invalid or missing API key (send "
+                                               "Authorization: Bearer <key>)",
+                                          code="invalid_api_key"))
+        if tenant is not None:
+            request[TENANT] = tenant
         return await handler(request)
     return check
 
 
-def build_app(settings: RouterSettings) -> web.Application:
-    router = Router(settings)
-    middlewares = [_openai_errors] + ([_api_key(settings.api_key)] if settings.api_key else [])
-    app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=middlewares)
+def build_app(settings: RouterSettings, tracing: Tracing | None = None) -> web.Application:
+    router = Router(settings, tracing)
+    app = web.Application(client_max_size=MAX_BODY_BYTES,
+                          middlewares=[_openai_errors, _authenticate(router.tenants)])
     app[ROUTER] = router
     app.cleanup_ctx.append(router.lifespan)
     app.router.add_get("/health", router.health)
@@ -233,14 +291,26 @@ def build_app(settings: RouterSettings) -> web.Application:
     return app
 
 
+async def listen(settings: RouterSettings, host: str, port: int,
+                 tracing: Tracing | None = None) -> tuple[web.AppRunner, asyncio.Server]:
+    """The router serving on host:port (its connections under the head deadline); stop
+    it with `server.close()` then `runner.cleanup()`."""
+    runner = web.AppRunner(build_app(settings, tracing), handler_cancellation=True,
+                           access_log=None)
+    await runner.setup()
+    metrics = runner.app[ROUTER].metrics
+    protocols = aiohttp_protocols(runner.server, settings.header_timeout_s,
+                                  metrics.header_timeouts.inc)
+    server = await asyncio.get_running_loop().create_server(protocols, host, port,
+                                                            reuse_address=True)
+    return runner, server
+
+
 def run(settings: RouterSettings, host: str, port: int) -> None:
     """Serve until SIGINT/SIGTERM; a client that disconnects cancels its handler."""
 
     async def serve() -> None:
-        runner = web.AppRunner(build_app(settings), handler_cancellation=True,
-                               access_log=None)
-        await runner.setup()
-        await web.TCPSite(runner, host, port).start()
+        runner, server = await listen(settings, host, port)
         log.info("router listening on http://%s:%d, workers: %s", host, port,
                  settings.registry_url or ", ".join(settings.workers))
         stop = asyncio.Event()
@@ -250,6 +320,8 @@ def run(settings: RouterSettings, host: str, port: int) -> None:
         try:
             await stop.wait()
         finally:
+            server.close()
             await runner.cleanup()
+            runner.app[ROUTER].tracing.shutdown()
 
     uvloop.run(serve())

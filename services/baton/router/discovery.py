@@ -16,6 +16,7 @@ import asyncio
 import logging
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import aiohttp
@@ -43,6 +44,8 @@ class Upstream:
     last_seen: float = 0.0
     worker_id: str | None = None  # the registry's id of the process behind the URL
     ttl_s: float = 0.0  # registry: gone when no heartbeat came for this long
+    _down_watchers: set[Callable[[], None]] = field(default_factory=set, init=False,
+                                                    repr=False, compare=False)
 
     @property
     def kv_usage(self) -> float:
@@ -56,6 +59,20 @@ class Upstream:
 
     def circuit_open(self, now: float | None = None) -> bool:
         return (now if now is not None else time.monotonic()) < self.open_until
+
+    def set_healthy(self, healthy: bool) -> None:
+        """The health checks' (or the registry's) verdict. Going down calls the `on_down`
+        watchers at once (requests waiting on this worker give up on it)."""
+        was, self.healthy = self.healthy, healthy
+        if was and not healthy:
+            for watcher in list(self._down_watchers):
+                watcher()
+
+    def on_down(self, watcher: Callable[[], None]) -> Callable[[], None]:
+        """Calls `watcher` (on the event loop) if this worker is marked down; returns the
+        function that stops watching."""
+        self._down_watchers.add(watcher)
+        return lambda: self._down_watchers.discard(watcher)
 
 
 @dataclass(frozen=True)
@@ -141,7 +158,7 @@ class StaticDiscovery(Discovery):
                 log.warning("worker %s failed its health check: %r", ep.url, err)
         was = ep.healthy
         if report is None or not report.get("ready"):
-            ep.healthy = False
+            ep.set_healthy(False)
             return
         update(ep, report)
         if not was:
@@ -150,7 +167,7 @@ class StaticDiscovery(Discovery):
 
 def update(ep: Upstream, report: dict) -> None:
     """Take a worker's load report (`/load`, or a registry heartbeat's fields)."""
-    ep.healthy = bool(report.get("ready", True))
+    ep.set_healthy(bool(report.get("ready", True)))
     ep.last_seen = time.monotonic()
     ep.role, ep.model = report["role"], report["model"]
     ep.max_model_len = report.get("max_model_len")

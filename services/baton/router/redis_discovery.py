@@ -109,6 +109,7 @@ class RegistryDiscovery(Discovery):
         if ep is None or ep.worker_id != record.id:
             if ep is not None:  # the same address, a new process: its cache is empty
                 self.blocks.drop(ep.worker_id)
+                ep.set_healthy(False)  # the old process is gone
             else:
                 log.info("worker %s joined (model %s, role %s)", record.url, record.model,
                          record.role)
@@ -120,6 +121,7 @@ class RegistryDiscovery(Discovery):
         for url, ep in list(self.endpoints.items()):
             if ep.worker_id == worker_id:
                 del self.endpoints[url]
+                ep.set_healthy(False)
                 log.info("worker %s %s", url, why)
         self.blocks.drop(worker_id)
 

@@ -1,12 +1,14 @@
 """One attempt on one upstream, and relaying its answer to the client.
 
 An attempt raises `Retryable` while nothing has reached the client's body yet: connection
-refused or reset, a timeout before the response headers or the first chunk, a 5xx, a 429
-(that worker's queue is full), or a stream that ends before its first byte; the retry loop
-(`router.retry`) then moves to another upstream. Once the first bytes are relayed the
-stream is committed: a resumable decode stream that breaks raises `Interrupted` (the retry
-loop resumes it on another decode pod, `router.resume`); any other ends with an in-band
-error event and `[DONE]`. A 4xx other than 429 is the client's error and is relayed as is.
+refused or reset, a timeout before the response headers or the first chunk, a 5xx, a 408
+or a 429 (that worker's queue is full), or a stream that ends before its first byte; the
+retry loop (`router.retry`) then moves to another upstream. Once the first bytes are
+relayed the stream is committed: a resumable decode stream that breaks raises
+`Interrupted` (the retry loop resumes it on another decode pod, `router.resume`); any other
+ends with an in-band error event and `[DONE]`. A failure the request itself caused is
+final and relayed as is, never retried: a 4xx other than 408 / 429, or a 5xx marked
+`X-Baton-No-Retry: 1` (a worker whose engine failed on this request's own settings).
 
 Deadlines: `connect_timeout_s` to open a connection, `first_byte_timeout_s` for the response
 headers and first chunk, `idle_timeout_s` between chunks, and the request's own deadline
@@ -26,13 +28,25 @@ from dataclasses import dataclass
 import aiohttp
 from aiohttp import web
 
-from baton.common.errors import OpenAIError
+from baton.common.errors import NO_RETRY_HEADER, OpenAIError
 from baton.common.metrics import RouterMetrics
+from baton.common.tracing import Tracing
 from baton.router.discovery import Discovery, Upstream
+from baton.router.handover import Handover
 from baton.router.resume import StreamTracker
 from baton.router.settings import ProxySettings
+from baton.router.slo import ClientClock
 
 log = logging.getLogger("baton.router")
+
+def refused_by_request(resp: aiohttp.ClientResponse) -> bool:
+    """Whether a worker's error answer is final: the request itself failed (a 4xx other
+    than 408 / 429, or a 5xx marked `X-Baton-No-Retry: 1`); any worker would answer it
+    the same way."""
+    status = resp.status
+    if status < 400 or status in (408, 429):
+        return False
+    return status < 500 or resp.headers.get(NO_RETRY_HEADER) == "1"
 
 
 class Retryable(Exception):
@@ -54,19 +68,22 @@ class Interrupted(Exception):
 
 @dataclass(frozen=True)
 class Send:
-    """What one attempt posts: `body` on `path`; `tracker` reads a resumable decode stream."""
+    """What one attempt posts: `body` on `path`; `tracker` reads a resumable decode stream;
+    `handover` is claimed when the decode pod accepts the body carrying its lease."""
 
     path: str
     body: bytes
     headers: dict[str, str]
     tracker: StreamTracker | None = None
+    handover: Handover | None = None
 
 
 class ClientSide:
-    """The client's half of one streamed exchange."""
+    """The client's half of one streamed exchange; `clock` times what it is sent."""
 
-    def __init__(self, request: web.Request) -> None:
+    def __init__(self, request: web.Request, clock: ClientClock | None = None) -> None:
         self.request = request
+        self.clock = clock
         self.out: web.StreamResponse | None = None
 
     @property
@@ -79,6 +96,11 @@ class ClientSide:
             self.out = web.StreamResponse(headers={"Content-Type": "text/event-stream",
                                                    "Cache-Control": "no-cache"})
             await self.out.prepare(self.request)
+
+    async def write(self, chunk: bytes) -> None:
+        await self.out.write(chunk)
+        if self.clock is not None:
+            self.clock.sent(chunk)
 
     async def finish_with(self, events: bytes) -> web.StreamResponse:
         await self.out.write(events)
@@ -93,10 +115,11 @@ class ClientSide:
 
 class Relay:
     def __init__(self, session: aiohttp.ClientSession, discovery: Discovery,
-                 metrics: RouterMetrics) -> None:
+                 metrics: RouterMetrics, tracing: Tracing | None = None) -> None:
         self.session = session
         self.discovery = discovery
         self.metrics = metrics
+        self.tracing = tracing or Tracing()
 
     async def attempt(self, client: ClientSide, ep: Upstream, send: Send, stream: bool,
                       deadline: float, s: ProxySettings) -> web.StreamResponse:
@@ -104,19 +127,24 @@ class Relay:
         while no body byte reached the client, Interrupted for a resumable stream that
         broke after. For a stream, the client gets its 200 and headers as soon as the
         worker sends its own (so the first token is not held up by header processing);
-        the body is still untouched, so a failure before the first byte can move on."""
+        the body is still untouched, so a failure before the first byte can move on.
+        Traced as a `router.attempt` span, whose context the upstream gets."""
         ep.inflight += 1
         try:
-            resp, first = await self._open(client, ep, send, stream, deadline, s)
-            if first is None:
-                return resp
-            try:
-                await self._relay(client, ep, resp, first, deadline, s, send.tracker)
-            except BaseException:
-                resp.close()  # drops the connection: the worker sees it and aborts the request
-                raise
-            resp.release()  # read to the end: the connection goes back to the pool
-            return client.out
+            with self.tracing.span("router.attempt", kind="client", attributes={
+                    "baton.upstream": ep.url, "url.path": send.path}) as span:
+                self.tracing.inject(send.headers)
+                resp, first = await self._open(client, ep, send, stream, deadline, s)
+                span.set("http.response.status_code", resp.status)
+                if first is None:
+                    return resp
+                try:
+                    await self._relay(client, ep, resp, first, deadline, s, send.tracker)
+                except BaseException:
+                    resp.close()  # drops the connection: the worker aborts the request
+                    raise
+                resp.release()  # read to the end: the connection goes back to the pool
+                return client.out
         finally:
             ep.inflight -= 1
 
@@ -134,8 +162,10 @@ class Relay:
                     ep.url + send.path, data=send.body, headers=send.headers,
                     timeout=aiohttp.ClientTimeout(total=None, connect=s.connect_timeout_s))
                 self.metrics.upstream_latency.labels(ep.url).observe(loop.time() - t0)
-                if resp.status >= 500 or resp.status == 429:
+                if resp.status >= 400 and not refused_by_request(resp):
                     raise await self._refused(ep, resp)
+                if send.handover is not None and resp.status == 200:
+                    send.handover.claim()  # the decode pod has the lease now
                 if not stream or resp.status != 200:
                     timer.reschedule(deadline)
                     content = await resp.read()
@@ -157,7 +187,8 @@ class Relay:
         return resp, first
 
     async def _refused(self, ep: Upstream, resp: aiohttp.ClientResponse) -> Retryable:
-        """A 5xx or 429: retry elsewhere, keeping the answer in case nobody else can."""
+        """A 5xx, 408 or 429: retry elsewhere, keeping the answer in case nobody else
+        can."""
         content = await resp.read()
         if resp.status >= 500:
             self.discovery.record_failure(ep)
@@ -169,7 +200,7 @@ class Relay:
                      first: bytes, deadline: float, s: ProxySettings,
                      tracker: StreamTracker | None) -> None:
         out = client.out
-        write = out.write if tracker is None else _tracked(out, tracker)
+        write = client.write if tracker is None else _tracked(client, tracker)
         loop = asyncio.get_running_loop()
         idle = s.idle_timeout_s
         try:
@@ -199,12 +230,12 @@ class Relay:
             pass  # the client left after the last event ([DONE]); nothing is lost
 
 
-def _tracked(out: web.StreamResponse, tracker: StreamTracker):
+def _tracked(client: ClientSide, tracker: StreamTracker):
     async def write(chunk: bytes) -> None:
         try:
             public = tracker.feed(chunk)
         except ValueError as err:  # a malformed token event: the stream is broken
             raise aiohttp.ClientPayloadError(str(err)) from None
         if public:
-            await out.write(public)
+            await client.write(public)
     return write

@@ -10,23 +10,36 @@ prefix) gets `POST /internal/prefill` with a `PrefillRequest` and answers a
 then carries. Any failure before the decode pod has the KV ends in a local prefill on the
 decode pod, counted in `baton:fallbacks_total{reason}`: `no_prefill_worker` (none healthy
 and not saturated), `prefill_failed` (connection error, timeout, a malformed answer),
-`prefill_error` (the pod answered an error status). Every decision is counted in
+`prefill_pod_down` (the health checks marked the pod down while the request waited on it:
+it falls back at once, not after the prefill timeout), `prefill_error` (the pod failed:
+a 5xx, a 408 or a 429). Every decision is counted in
 `baton:disagg_decisions_total{decision="remote"|"local"}`.
+
+A refusal the request itself caused is not a failure of the pod: a 4xx (other than 408 /
+429), or a 5xx marked `X-Baton-No-Retry: 1`, goes back to the client as the pod's own
+error (a local prefill would refuse it the same way). A client that leaves while the
+prefill runs cancels the call (the prefill pod aborts the request); one that leaves after
+it, before a decode pod took the lease over, has the lease released (`router.handover`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import time
 from dataclasses import replace
 
 import aiohttp
 
+from baton.common.errors import OpenAIError
 from baton.common.internal import Api, OpenAIBody, PrefillRequest, PrefillResponse
 from baton.common.metrics import RouterMetrics
 from baton.common.roles import Role
+from baton.common.tracing import Span, Tracing
 from baton.router.discovery import Discovery, Upstream
+from baton.router.handover import Handover
+from baton.router.relay import refused_by_request
 from baton.router.resume import DecodeCall
 from baton.router.scheduling.context import Phase, RoutingContext
 from baton.router.scheduling.pipeline import PREFILL_FILTERS, RoutingPipeline
@@ -38,10 +51,11 @@ PREFILL_PATH = "/internal/prefill"
 
 class RemotePrefill:
     def __init__(self, session: aiohttp.ClientSession, discovery: Discovery,
-                 metrics: RouterMetrics) -> None:
+                 metrics: RouterMetrics, tracing: Tracing | None = None) -> None:
         self.session = session
         self.discovery = discovery
         self.metrics = metrics
+        self.tracing = tracing or Tracing()
         self.pipeline = RoutingPipeline(filters=PREFILL_FILTERS, picker="max_score",
                                         scorers={"queue": 1.0, "prefix": 1.0})
 
@@ -49,7 +63,8 @@ class RemotePrefill:
                    tunables: Tunables) -> DecodeCall | None:
         """What the decode pod gets: with the prompt's ids and `kv_transfer_params` when a
         prefill pod ran, without them to prefill on the decode pod (the fallback); None
-        without decode pods (colocated). Raises nothing: a failed prefill falls back."""
+        without decode pods (colocated). Raises OpenAIError when the prefill pod refused
+        the request itself; any other failure falls back."""
         upstreams = self.discovery.all()
         if not any(u.role == Role.DECODE for u in upstreams):
             return None
@@ -64,42 +79,43 @@ class RemotePrefill:
             self._local("no_prefill_worker")
             return DecodeCall(api, req, preferred=decode_pod)
         t0 = time.monotonic()
-        answer = await self._call(prefill_pod, PrefillRequest(api=api, request=req),
-                                  request_id, ctx, tunables)
+        with self.tracing.span("router.prefill", kind="client",
+                               attributes={"baton.upstream": prefill_pod.url}) as span:
+            answer = await self._call(prefill_pod, PrefillRequest(api=api, request=req),
+                                      request_id, ctx, tunables, span)
         took = time.monotonic() - t0
         if answer is None:
             return DecodeCall(api, req, preferred=decode_pod, prefill_s=took)
         return DecodeCall(api, req, prompt_token_ids=answer.prompt_token_ids,
                           kv_transfer_params=answer.kv_transfer_params,
-                          preferred=decode_pod, prefill_s=took)
+                          preferred=decode_pod, prefill_s=took,
+                          handover=Handover(answer.kv_transfer_params, prefill_pod))
 
     async def _call(self, pod: Upstream, message: PrefillRequest, request_id: str,
-                    ctx: RoutingContext, tunables: Tunables) -> PrefillResponse | None:
+                    ctx: RoutingContext, tunables: Tunables,
+                    span: Span) -> PrefillResponse | None:
         """POST /internal/prefill on `pod`; None (counted, and reported to the pod's circuit
-        breaker) when it fails."""
-        timeout = aiohttp.ClientTimeout(total=None, connect=tunables.proxy.connect_timeout_s)
+        breaker) when it fails or the pod is marked down meanwhile. Raises OpenAIError, the
+        pod's own answer, when the request caused the refusal."""
+        headers = self.tracing.inject({"Content-Type": "application/json",
+                                       "X-Request-Id": request_id + "-prefill"})
         pod.inflight += 1
         try:
-            async with asyncio.timeout(tunables.disagg.prefill_timeout_s):
-                async with self.session.post(
-                        pod.url + PREFILL_PATH, data=message.to_json(), timeout=timeout,
-                        headers={"Content-Type": "application/json",
-                                 "X-Request-Id": request_id + "-prefill"}) as resp:
-                    status = resp.status
-                    answer = (PrefillResponse.model_validate_json(await resp.read())
-                              if status == 200 else None)
+            status, final, raw = await self._post(pod, message.to_json(), headers, tunables)
+            answer = PrefillResponse.model_validate_json(raw) if status == 200 else None
         except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as err:
-            self.discovery.record_failure(pod)
-            self._local("prefill_failed")
-            log.warning("request %s: prefill on %s failed (%r); prefilling on decode",
-                        request_id, pod.url, err)
+            reason = "prefill_failed" if pod.healthy else "prefill_pod_down"
+            self._failed(pod, reason, request_id, repr(err), span)
             return None
         finally:
             pod.inflight -= 1
+        span.set("http.response.status_code", status)
+        if final:
+            self.metrics.upstream_errors.labels(pod.url, f"status {status}").inc()
+            raise _pod_error(status, raw)
         if answer is None:
-            if status >= 500:
-                self.discovery.record_failure(pod)
-            self._local("prefill_error")
+            self._failed(pod, "prefill_error", request_id, f"status {status}", span,
+                         breaker=status >= 500)
             return None
         self.discovery.record_success(pod)
         if ctx.prefix_index is not None:
@@ -107,7 +123,39 @@ class RemotePrefill:
         self.metrics.disagg_decisions.labels("remote").inc()
         return answer
 
+    async def _post(self, pod: Upstream, body: bytes, headers: dict[str, str],
+                    tunables: Tunables) -> tuple[int, bool, bytes]:
+        """The pod's status, whether its refusal is final, and its body; within the
+        prefill timeout, cut short (TimeoutError) if the pod is marked down meanwhile."""
+        timeout = aiohttp.ClientTimeout(total=None, connect=tunables.proxy.connect_timeout_s)
+        async with asyncio.timeout(tunables.disagg.prefill_timeout_s) as timer:
+            stop_watching = pod.on_down(lambda: timer.reschedule(0.0))  # 0.0: expire now
+            try:
+                async with self.session.post(pod.url + PREFILL_PATH, data=body,
+                                             headers=headers, timeout=timeout) as resp:
+                    return resp.status, refused_by_request(resp), await resp.read()
+            finally:
+                stop_watching()
+
+    def _failed(self, pod: Upstream, reason: str, request_id: str, what: str, span: Span,
+                breaker: bool = True) -> None:
+        if breaker:
+            self.discovery.record_failure(pod)
+        self._local(reason)
+        span.set("baton.fallback", reason)
+        log.warning("request %s: prefill on %s failed (%s: %s); prefilling on decode",
+                    request_id, pod.url, reason, what)
+
     def _local(self, reason: str) -> None:
         self.metrics.disagg_decisions.labels("local").inc()
         self.metrics.fallbacks.labels(reason).inc()
 
+
+def _pod_error(status: int, raw: bytes) -> OpenAIError:
+    """The prefill pod's own error answer (OpenAI-shaped), for the client."""
+    try:
+        error = json.loads(raw)["error"]
+        return OpenAIError(status, str(error["message"]), param=error.get("param"),
+                           code=error.get("code"))
+    except (ValueError, KeyError, TypeError):
+        return OpenAIError(status, f"the prefill worker refused the request (HTTP {status})")

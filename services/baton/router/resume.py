@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from baton.common.internal import (TOKENS_EVENT, Api, GenerateRequest, KVTransferParams,
                                    OpenAIBody, ResumeState, StreamHeader, TokenEvent)
 from baton.router.discovery import Upstream
+from baton.router.handover import Handover
 
 _TOKEN_EVENT = b"event: " + TOKENS_EVENT.encode()
 _DONE = b"data: [DONE]"
@@ -42,6 +43,13 @@ class DecodeCall:
     kv_transfer_params: KVTransferParams | None = None
     preferred: Upstream | None = field(default=None, repr=False)  # the decode pod picked first
     prefill_s: float = 0.0  # how long the remote prefill took (0 when local)
+    # the prefill pod's lease of kv_transfer_params, until a decode pod takes it over
+    handover: Handover | None = field(default=None, repr=False)
+
+    @property
+    def decision(self) -> str:
+        """`remote` when a prefill pod computed the prompt, else `local`."""
+        return "remote" if self.kv_transfer_params is not None else "local"
 
     @property
     def resumable(self) -> bool:

@@ -31,6 +31,7 @@ from baton.router.resume import DecodeCall, StreamTracker
 from baton.router.scheduling.context import Phase, RoutingContext
 from baton.router.scheduling.pipeline import RoutingPipeline
 from baton.router.settings import ProxySettings, Tunables
+from baton.router.slo import ClientClock
 
 log = logging.getLogger("baton.router")
 GENERATE_PATH = "/internal/generate"
@@ -46,6 +47,7 @@ class Inbound:
     request_id: str
     stream: bool
     received: float | None = None  # monotonic; for the TTFT breakdown (`X-Baton-Timing`)
+    clock: ClientClock | None = None  # times what the client is sent (`router.slo`)
 
 
 class Forwarder:
@@ -60,7 +62,7 @@ class Forwarder:
         nothing was sent to the client yet."""
         s = tunables.proxy
         deadline = asyncio.get_running_loop().time() + s.request_timeout_s
-        client = ClientSide(inbound.http)
+        client = ClientSide(inbound.http, inbound.clock)
         tracker = StreamTracker(decode) if decode is not None and decode.resumable else None
         preferred = decode.preferred if decode is not None else None
         last: Retryable | None = None
@@ -139,7 +141,7 @@ def _send(ep: Upstream, inbound: Inbound, decode: DecodeCall | None,
         return Send(inbound.path, inbound.body, headers)
     if tracker is not None and tracker.resumes:
         return Send(GENERATE_PATH, tracker.continuation(), headers, tracker)
-    return Send(GENERATE_PATH, decode.body(), headers, tracker)
+    return Send(GENERATE_PATH, decode.body(), headers, tracker, decode.handover)
 
 
 async def _give_up(client: ClientSide, last: Retryable | None,

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from baton.common.http_limits import HEADER_TIMEOUT_S
 from baton.common.tuning import RouterTuning, set_fields
 from baton.router.discovery import BreakerSettings
 from baton.router.scheduling.disagg import DisaggSettings
 from baton.router.scheduling.pipeline import RoutingPipeline
+from baton.router.tenants import TenantSpec, with_api_key
 
 __all__ = ["DisaggSettings", "ProxySettings", "RouterSettings", "Tunables"]
 
@@ -41,10 +43,19 @@ class ProxySettings:
 
 @dataclass(frozen=True)
 class RouterSettings:
+    """The router's flags. Secrets (the API key, the tenants' keys, the internal token)
+    are left out of its repr, so a logged or printed settings object shows none."""
+
     workers: tuple[str, ...] = ()  # static worker URLs (local mode), or
     registry_url: str | None = None  # redis://… where workers register (clusters)
     registry_prefix: str = "baton"
-    api_key: str | None = None  # clients must send `Authorization: Bearer <key>`
+    # clients send `Authorization: Bearer <key>`: $BATON_API_KEY (tenant `default`) or a
+    # key of a tenant of --api-keys-file (`router.tenants`); `all_tenants` has both
+    api_key: str | None = field(default=None, repr=False)
+    tenants: tuple[TenantSpec, ...] = field(default=(), repr=False)
+    internal_token: str | None = field(default=None, repr=False)  # sent to workers
+    header_timeout_s: float = HEADER_TIMEOUT_S  # a request head must arrive within this
+    otlp_endpoint: str | None = None  # OTLP/HTTP traces URL (`common.tracing`); None: off
     policy: str = "load"
     scorer_weights: dict[str, float] | None = None
     check_interval_s: float = 1.0
@@ -68,6 +79,15 @@ class RouterSettings:
             if not url.startswith(("http://", "https://")):
                 raise ValueError(f"RouterSettings.workers: {url!r} is not an http(s) URL")
         RoutingPipeline.from_policy(self.policy, self.scorer_weights)  # validates names
+        if self.header_timeout_s <= 0:
+            raise ValueError(f"RouterSettings.header_timeout_s={self.header_timeout_s} must "
+                             "be > 0")
+        self.all_tenants  # noqa: B018 - validates the API key against the tenants
+
+    @property
+    def all_tenants(self) -> tuple[TenantSpec, ...]:
+        """The tenants of the keys file, and `default` for `api_key`."""
+        return with_api_key(self.tenants, self.api_key)
 
 
 _PROXY_TUNABLES = ("max_attempts", "first_byte_timeout_s", "idle_timeout_s",

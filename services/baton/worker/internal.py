@@ -3,6 +3,7 @@ them; they are not part of the OpenAI surface and the router does not expose the
 are the typed messages of `common.internal`; one that does not validate is a 400.
 
     POST /internal/prefill   PrefillRequest  -> PrefillResponse      (role prefill)
+    POST /internal/release   ReleaseRequest  -> {"released": bool}   (role prefill)
     POST /internal/generate  GenerateRequest -> the OpenAI answer    (role decode)
 
 A prefill samples the first token with the request's own sampling settings (greedy stays
@@ -26,7 +27,8 @@ from fastapi import FastAPI, Request
 from starlette.responses import Response
 
 from baton.common.errors import OpenAIError
-from baton.common.internal import GenerateRequest, PrefillRequest, PrefillResponse
+from baton.common.internal import (GenerateRequest, PrefillRequest, PrefillResponse,
+                                   ReleaseRequest)
 from baton.common.protocol import parse_request
 from baton.common.roles import Role
 from baton.common.sampling_params import SamplingParams
@@ -50,6 +52,14 @@ def install_internal_routes(app: FastAPI, state: WorkerState) -> None:
             span = traces.start_request(pipeline.tracing, "worker.prefill", request.headers)
             answer = await prefill(pipeline, msg, new_id("prefill"), span)
             return Response(answer.model_dump_json(), media_type="application/json")
+
+        @app.post("/internal/release")
+        async def internal_release(request: Request):
+            """A router's word that nobody will pull this lease (its client left)."""
+            msg = parse_request(ReleaseRequest, await request.body())
+            if state.engine is None:
+                return {"released": False}
+            return {"released": state.engine.release_lease(msg.lease_id)}
 
     if role == Role.DECODE:
         @app.post("/internal/generate")

@@ -19,6 +19,7 @@ import time
 
 import uvicorn
 
+from baton.common.http_limits import HEADER_TIMEOUT_S, httptools_protocol
 from baton.worker.state import WorkerState
 
 log = logging.getLogger("baton.worker")
@@ -124,10 +125,12 @@ async def drain(state: WorkerState, inflight: Inflight, timeout_s: float) -> Non
 
 
 def serve(app, state: WorkerState, host: str, port: int, log_level: str,
-          drain_timeout_s: float, **uvicorn_options) -> None:
-    """Run the worker's app until it is stopped (drained, interrupted, engine dead)."""
+          drain_timeout_s: float, header_timeout_s: float = HEADER_TIMEOUT_S) -> None:
+    """Run the worker's app until it is stopped (drained, interrupted, engine dead). A
+    connection whose request head takes longer than `header_timeout_s` is closed."""
     inflight = Inflight(app)
     config = uvicorn.Config(inflight, host=host, port=port, log_level=log_level,
-                            access_log=False, loop="uvloop", http="httptools",
-                            timeout_graceful_shutdown=5, log_config=None, **uvicorn_options)
+                            access_log=False, loop="uvloop",
+                            http=httptools_protocol(header_timeout_s),
+                            timeout_graceful_shutdown=5, log_config=None)
     WorkerServer(config, state, inflight, drain_timeout_s).run()

@@ -19,7 +19,7 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
-from baton.common.errors import OpenAIError
+from baton.common.errors import NO_RETRY_HEADER, OpenAIError
 from baton.common.internal import KVTransferParams
 from baton.common.metrics import WorkerMetrics
 from baton.common.sampling_params import SamplingParams, child_params
@@ -208,11 +208,6 @@ class Serving:
 class RequestFailedError(RuntimeError):
     """The engine ended one request with an error its own settings caused (the engine and
     every other request go on). Another worker would fail it the same way."""
-
-
-# On a 5xx a worker's fault is retried elsewhere by routers; this header says it was the
-# request's own (`RequestFailedError`), so a router answers it as it is.
-NO_RETRY_HEADER = "X-Baton-No-Retry"
 
 
 def new_id(prefix: str) -> str:

@@ -12,6 +12,7 @@ from multidict import CIMultiDict
 
 from baton.common.internal import (KVEndpointInfo, KVLayoutInfo, KVTransferParams,
                                    PrefillResponse, StreamHeader, TokenEvent)
+from baton.common.tracing import Tracing
 from baton.router.app import ROUTER, build_app
 from baton.router.settings import RouterSettings
 
@@ -20,15 +21,22 @@ HEADER = StreamHeader(id="chatcmpl-1", object="chat.completion.chunk", created=7
 
 
 class FakePod:
-    """A worker of `role` that reports itself ready on /load and answers every POST with
-    `reply`, recording the bodies and headers it got."""
+    """A worker of `role` that reports itself ready on /load (`ready`) and answers every
+    POST with `reply`, recording the bodies and headers it got; `/internal/release` records
+    the lease ids it is asked to release, and every GET's headers are kept too."""
 
     def __init__(self, role: str, reply: Reply) -> None:
         self.role, self.reply = role, reply
+        self.ready = True
         self.bodies: list[bytes] = []
         self.headers: list[CIMultiDict[str]] = []
+        self.get_headers: dict[str, CIMultiDict[str]] = {}  # path -> the last GET's headers
+        self.released: list[str] = []
+        self.release_headers: list[CIMultiDict[str]] = []
         app = web.Application()
         app.router.add_get("/load", self._load)
+        app.router.add_get("/internal/tokenizer", self._tokenizer)
+        app.router.add_post("/internal/release", self._release)
         app.router.add_post("/{path:.*}", self._post)
         self.server = TestServer(app)
 
@@ -36,10 +44,20 @@ class FakePod:
     def url(self) -> str:
         return str(self.server.make_url("")).rstrip("/")
 
-    async def _load(self, _request: web.Request) -> web.Response:
-        return web.json_response({"ready": True, "role": self.role, "model": "m",
+    async def _load(self, request: web.Request) -> web.Response:
+        self.get_headers[request.path] = request.headers.copy()
+        return web.json_response({"ready": self.ready, "role": self.role, "model": "m",
                                   "running": 0, "waiting": 0, "kv_blocks_used": 0,
                                   "kv_blocks_total": 10})
+
+    async def _tokenizer(self, request: web.Request) -> web.Response:
+        self.get_headers[request.path] = request.headers.copy()
+        return web.json_response({"error": "no tokenizer here"}, status=404)
+
+    async def _release(self, request: web.Request) -> web.Response:
+        self.release_headers.append(request.headers.copy())
+        self.released.append((await request.json())["lease_id"])
+        return web.json_response({"released": True})
 
     async def _post(self, request: web.Request) -> web.StreamResponse:
         body = await request.read()
@@ -48,12 +66,13 @@ class FakePod:
         return await self.reply(self, request, body)
 
 
-async def start(*pods: FakePod, **settings) -> tuple[TestServer, list[FakePod]]:
+async def start(*pods: FakePod, tracing: Tracing | None = None,
+                **settings) -> tuple[TestServer, list[FakePod]]:
     """The pods, and a router in front of them that has seen them all healthy."""
     for pod in pods:
         await pod.server.start_server()
     router = TestServer(build_app(RouterSettings(workers=tuple(p.url for p in pods),
-                                                 **settings)))
+                                                 **settings), tracing))
     await router.start_server()
     return router, list(pods)
 

@@ -108,3 +108,27 @@ def test_a_stream_that_breaks_with_no_decode_pod_left_ends_in_band():
         assert error["code"] == "upstream_failed" and "baton.tokens" not in body
         await stop(router, pods)
     asyncio.run(main())
+
+
+def test_a_failure_the_request_caused_is_final_and_a_408_is_retried():
+    async def answers(pod: FakePod, request: web.Request, body: bytes):
+        if pod.mode == "bad request":
+            return web.json_response({"error": {"message": "bad"}}, status=400)
+        if pod.mode == "engine refused it":
+            return web.json_response({"error": {"message": "no"}}, status=500,
+                                     headers={"X-Baton-No-Retry": "1"})
+        return web.json_response({"error": {"message": "slow"}}, status=408)
+
+    async def main():
+        router, pods = await start(FakePod("both", answers), FakePod("both", answers))
+        for mode, status, calls in [("bad request", 400, 1), ("engine refused it", 500, 1),
+                                    ("timeout", 408, 2)]:
+            for pod in pods:
+                pod.mode, pod.bodies = mode, []
+            answered, _, body = await post(router, chat())
+            assert answered == status, mode
+            assert sum(len(p.bodies) for p in pods) == calls, mode
+        assert metric(router, "baton:router_retries_total") == 1  # the 408 only
+        assert all(e.consecutive_failures == 0 for e in router.app[ROUTER].discovery.all())
+        await stop(router, pods)
+    asyncio.run(main())

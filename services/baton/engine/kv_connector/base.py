@@ -99,6 +99,12 @@ class KVConnector(ABC):
     def num_leases_held(self) -> int:
         """Finished requests whose blocks wait for a puller."""
 
+    def release_lease(self, lease_id: str) -> bool:
+        """Holder side, any thread: nobody will pull this lease (its client left), so end
+        it now; the next `poll()` reports its blocks freeable. False when this connector
+        holds no such lease or its pull has begun. Connectors without leases: False."""
+        return False
+
     def metrics_snapshot(self) -> dict:
         """The connector's part of the engine's /metrics snapshot (any thread)."""
         return {"baton:kv_transfer_bytes_total": self.stats.bytes,

@@ -2,7 +2,10 @@
 
 Prefill side: a request made with `HoldKV` runs its prompt and samples one token; when it
 ends normally its blocks go under a lease with the transport and its final output carries
-the `KVTransferParams`. When the lease ends (pulled, or expired) `poll()` frees the blocks.
+the `KVTransferParams`, with the lease id the transport made up (random: a client's request
+id never reaches the wire). When the lease ends (pulled, or expired) `poll()` frees the
+blocks. With a secret (`EngineConfig.kv_secret`, the internal token) the transport only
+serves, and only pulls from, peers that prove the same secret.
 
 Decode side: a request made with `PullKV` is admitted with blocks for its prompt (local
 prefix-cache hits are not pulled), waits in WAITING_FOR_REMOTE_KV while its pull runs, and
@@ -24,9 +27,10 @@ from baton.engine.kv_connector.base import KVConnector, KVConnectorStats, KVUpda
 from baton.engine.kv_connector.handoff import HoldKV, PullKV
 from baton.engine.request import Request, RequestStatus
 from baton.kv_transfer import make_transport
-from baton.kv_transfer.base import (Endpoint, LeaseExpiredError, PeerUnreachableError,
-                                    Transfer, TransferError, TransferState,
-                                    TransferTimeoutError)
+from baton.kv_transfer.base import (Endpoint, KVAuthError, LeaseExpiredError,
+                                    PeerUnreachableError, Transfer, TransferError,
+                                    TransferState, TransferTimeoutError)
+from baton.kv_transfer.leases import short
 
 log = logging.getLogger(__name__)
 _NORMAL_END = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)
@@ -34,9 +38,10 @@ _NORMAL_END = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAP
 
 class TransportKVConnector(KVConnector):
     def __init__(self, transport: str, kv_cache, engine_id: str | None,
-                 live: LiveKVSettings, host: str = "127.0.0.1", port: int = 0) -> None:
-        self.transport = make_transport(transport, **({} if transport == "local" else {
-            "host": host, "port": port}))
+                 live: LiveKVSettings, host: str = "127.0.0.1", port: int = 0,
+                 secret: str | None = None) -> None:
+        self.transport = make_transport(transport, secret=secret, **(
+            {} if transport == "local" else {"host": host, "port": port}))
         self.endpoint = self.transport.start(kv_cache, engine_id or uuid.uuid4().hex[:12])
         self._endpoint_info = KVEndpointInfo.model_validate(self.endpoint.to_dict())
         self.block_size = kv_cache.shape[3]
@@ -139,11 +144,20 @@ class TransportKVConnector(KVConnector):
 
     def _lease(self, req: Request, block_ids: list[int]) -> KVTransferParams:
         ttl = self.live.lease_ttl_s
-        self.transport.hold(req.request_id, block_ids, ttl)
+        lease_id = self.transport.hold(req.request_id, block_ids, ttl)
         self._held[req.request_id] = req
         return KVTransferParams(endpoint=self._endpoint_info, block_ids=block_ids,
-                                num_tokens=req.num_prompt_tokens, lease_id=req.request_id,
+                                num_tokens=req.num_prompt_tokens, lease_id=lease_id,
                                 first_token=req.output_token_ids[-1], lease_ttl_s=ttl)
+
+    def release_lease(self, lease_id: str) -> bool:
+        """Holder side: end a lease nobody will pull (its router says so); the request's
+        blocks come back in a later `poll()`. False when it is not held or being pulled.
+        Any thread: it touches only the transport's (locked) lease table."""
+        return self.transport.release(lease_id)
+
+    def release_lease(self, lease_id: str) -> bool:
+        return self.transport.release(lease_id)  # thread-safe; poll() frees the blocks
 
     def _release_unpulled(self, params: KVTransferParams) -> None:
         """Tell the holder we will not pull: an empty pull ends the lease at once instead
@@ -152,7 +166,7 @@ class TransportKVConnector(KVConnector):
             self.transport.pull(Endpoint.from_dict(params.endpoint.model_dump()),
                                 params.lease_id, [], [], self.live.transfer_timeout_s)
         except (ValueError, TransferError) as err:
-            log.warning("could not release lease %s: %s", params.lease_id, err)
+            log.warning("could not release lease %s: %s", short(params.lease_id), err)
 
     # -- operations ------------------------------------------------------------------------
     def reconfigure(self, live: LiveKVSettings) -> None:
@@ -174,7 +188,8 @@ class TransportKVConnector(KVConnector):
 
 def fallback_reason(error: TransferError | None) -> str:
     """The `baton:fallbacks_total` reason of a failed pull."""
-    for kind, reason in ((TransferTimeoutError, "transfer_timeout"),
+    for kind, reason in ((KVAuthError, "kv_auth"),
+                         (TransferTimeoutError, "transfer_timeout"),
                          (PeerUnreachableError, "kv_peer_lost"),
                          (LeaseExpiredError, "lease_expired")):
         if isinstance(error, kind):
