@@ -168,10 +168,10 @@ def _router_parser(sub) -> None:
     p = sub.add_parser("router", help="run the router in front of running workers")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    found = p.add_mutually_exclusive_group(required=True)
+    found = p.add_mutually_exclusive_group()  # one of them, or $BATON_REDIS_URL
     found.add_argument("--workers", help="comma-separated worker URLs (local mode)")
-    found.add_argument("--registry", metavar="REDIS_URL",
-                       help="follow the workers registered in this Redis (redis://host:6379/0)")
+    _registry_flag(found, "follow the workers registered in this Redis "
+                          "(redis://[:password@]host:6379/0, rediss:// for TLS)")
     _registry_prefix_flag(p)
     _policy_flag(p)
     p.add_argument("--weights", default=None,
@@ -249,8 +249,8 @@ def _router_settings(args):
     keys_file = args.api_keys_file or os.environ.get(KEYS_FILE_ENV) or None
     return RouterSettings(
         workers=tuple(u.strip() for u in (args.workers or "").split(",") if u.strip()),
-        registry_url=args.registry, registry_prefix=args.registry_prefix,
-        api_key=os.environ.get("BATON_API_KEY") or None,
+        registry_url=None if args.workers else args.registry,
+        registry_prefix=args.registry_prefix, api_key=os.environ.get("BATON_API_KEY") or None,
         tenants=load_tenants(keys_file) if keys_file else (), internal_token=internal_token(),
         header_timeout_s=args.header_timeout,
         otlp_endpoint=otlp_endpoint(args.otlp_endpoint, os.environ),

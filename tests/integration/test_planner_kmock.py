@@ -91,7 +91,7 @@ class RouterPage:
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self):
                 m = RouterMetrics()
-                m.requests.labels("200").inc(page.total)
+                m.requests.labels(code="200", tenant="default").inc(page.total)
                 body = render(m.registry)
                 self.send_response(200)
                 self.send_header("Content-Length", str(len(body)))

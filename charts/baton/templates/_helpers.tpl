@@ -4,7 +4,7 @@
 {{- end }}
 
 {{/* The prefix of every object's name: the release name, plus the chart name unless the
-release name already contains it. Component suffixes are at most 8 characters. */}}
+release name already contains it. Component suffixes are at most 9 characters. */}}
 {{- define "baton.fullname" -}}
 {{- if .Values.fullnameOverride }}
 {{- .Values.fullnameOverride | trunc 54 | trimSuffix "-" }}
@@ -33,19 +33,29 @@ app.kubernetes.io/managed-by: {{ .root.Release.Service }}
 helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version | replace "+" "_" }}
 {{- end }}
 
-{{/* Peers of this release that may call workers and Redis (router, workers, planner). */}}
+{{/* Peers of this release that may call workers and Redis: the router and the workers
+(the planner only reads the routers' metrics and the Kubernetes API). */}}
 {{- define "baton.releasePeers" -}}
 - podSelector:
     matchLabels:
       app.kubernetes.io/name: {{ include "baton.name" . }}
       app.kubernetes.io/instance: {{ .Release.Name }}
     matchExpressions:
-      - {key: app.kubernetes.io/component, operator: In, values: [router, prefill, decode, planner]}
+      - {key: app.kubernetes.io/component, operator: In, values: [router, prefill, decode]}
 {{- end }}
 
 {{/* Values derived from several places ------------------------------------------------- */}}
+{{/* A block's image: call with (dict "root" $ "block" BLOCK); empty fields fall back to
+the top-level image, an empty tag to the chart's appVersion. */}}
 {{- define "baton.image" -}}
-{{- printf "%s:%s" .Values.image.repository (.Values.image.tag | default .Chart.AppVersion) }}
+{{- $img := .root.Values.image }}
+{{- $own := .block.image | default dict }}
+{{- printf "%s:%s" ($own.repository | default $img.repository) ($own.tag | default ($img.tag | default .root.Chart.AppVersion)) }}
+{{- end }}
+
+{{- define "baton.pullPolicy" -}}
+{{- $own := .block.image | default dict }}
+{{- $own.pullPolicy | default .root.Values.image.pullPolicy }}
 {{- end }}
 
 {{- define "baton.serviceAccountName" -}}
@@ -56,19 +66,24 @@ helm.sh/chart: {{ printf "%s-%s" .root.Chart.Name .root.Chart.Version | replace 
 {{- end }}
 {{- end }}
 
-{{/* The registry the router reads and workers register in. */}}
-{{- define "baton.registryUrl" -}}
-{{- if .Values.redis.enabled }}
-{{- printf "redis://%s-redis:6379/0" (include "baton.fullname" .) }}
-{{- else if .Values.redis.external.url }}
-{{- .Values.redis.external.url }}
-{{- else }}
-{{- fail "redis.external.url is required when redis.enabled is false" }}
-{{- end }}
+{{/* The registry's key prefix: one per release, so releases sharing a Redis never see
+each other's workers. */}}
+{{- define "baton.registryPrefix" -}}
+{{- .Values.redis.prefix | default (printf "%s/%s" .Release.Namespace .Release.Name) }}
 {{- end }}
 
 {{- define "baton.apiKeySecret" -}}
 {{- .Values.router.apiKey.existingSecret | default (printf "%s-api-key" (include "baton.fullname" .)) }}
+{{- end }}
+
+{{- define "baton.apiKeyEnabled" -}}
+{{- if or .Values.router.apiKey.existingSecret .Values.router.apiKey.value }}true{{ end }}
+{{- end }}
+
+{{/* Whether the planner or an autoscaler owns a pool's replicas: call with (dict "root" $
+"role" ROLE); "true" or "". */}}
+{{- define "baton.replicasOwnedElsewhere" -}}
+{{- if or .root.Values.planner.enabled (index .root.Values .role).autoscaling.kind }}true{{ end }}
 {{- end }}
 
 {{/* A PodDisruptionBudget's budget: call with a block's pdb values; minAvailable wins. */}}
@@ -82,91 +97,13 @@ maxUnavailable: {{ .maxUnavailable }}
 {{- end }}
 {{- end }}
 
-{{/* The pod template shared by router, prefill, decode and planner: call with (dict "root" $
-"component" NAME "block" BLOCK "args" LIST "ports" LIST "env" LIST "probes" YAML "mounts" LIST
-"volumes" LIST "serviceAccountName" NAME "automountToken" BOOL). */}}
-{{- define "baton.podTemplate" -}}
-{{- $root := .root }}
-{{- $b := .block -}}
-metadata:
-  labels:
-    {{- include "baton.selectorLabels" . | nindent 4 }}
-  {{- with $b.podAnnotations }}
-  annotations:
-    {{- toYaml . | nindent 4 }}
-  {{- end }}
-spec:
-  serviceAccountName: {{ .serviceAccountName }}
-  automountServiceAccountToken: {{ .automountToken | default false }}
-  {{- with $root.Values.imagePullSecrets }}
-  imagePullSecrets:
-    {{- toYaml . | nindent 4 }}
-  {{- end }}
-  securityContext:
-    {{- toYaml $root.Values.podSecurityContext | nindent 4 }}
-  {{- if $b.hostNetwork }}
-  hostNetwork: true
-  dnsPolicy: ClusterFirstWithHostNet
-  {{- end }}
-  {{- if $b.hostIPC }}
-  hostIPC: true
-  {{- end }}
-  {{- with $b.priorityClassName }}
-  priorityClassName: {{ . }}
-  {{- end }}
-  {{- with $b.nodeSelector }}
-  nodeSelector:
-    {{- toYaml . | nindent 4 }}
-  {{- end }}
-  {{- with $b.tolerations }}
-  tolerations:
-    {{- toYaml . | nindent 4 }}
-  {{- end }}
-  {{- with $b.affinity }}
-  affinity:
-    {{- toYaml . | nindent 4 }}
-  {{- end }}
-  containers:
-    - name: {{ .component }}
-      image: {{ include "baton.image" $root }}
-      imagePullPolicy: {{ $root.Values.image.pullPolicy }}
-      command: [baton]
-      args:
-        {{- toYaml (concat .args $b.extraArgs) | nindent 8 }}
-      {{- with .ports }}
-      ports:
-        {{- toYaml . | nindent 8 }}
-      {{- end }}
-      env:
-        - {name: HOME, value: /tmp}
-        - {name: XDG_CACHE_HOME, value: /cache}
-        {{- with concat .env $b.env }}
-        {{- toYaml . | nindent 8 }}
-        {{- end }}
-      {{- with .probes }}
-      {{- . | nindent 6 }}
-      {{- end }}
-      resources:
-        {{- toYaml $b.resources | nindent 8 }}
-      securityContext:
-        {{- toYaml $root.Values.securityContext | nindent 8 }}
-      volumeMounts:
-        - {name: tmp, mountPath: /tmp}
-        - {name: cache, mountPath: /cache}
-        {{- with .mounts }}
-        {{- toYaml . | nindent 8 }}
-        {{- end }}
-  volumes:
-    - name: tmp
-      emptyDir: {}
-    - name: cache
-      emptyDir: {sizeLimit: {{ $root.Values.cacheSizeLimit }}}
-    {{- with .volumes }}
-    {{- toYaml . | nindent 4 }}
-    {{- end }}
+{{/* terminationGracePeriodSeconds: the preStop sleep, the drain, and 10 s to exit. */}}
+{{- define "baton.gracePeriod" -}}
+{{- add .Values.drain.preStopSleepSeconds .Values.drain.timeoutSeconds 10 }}
 {{- end }}
 
-{{/* HTTP probes of the router and the workers. */}}
+{{/* HTTP probes of the router and the workers: liveness on /health (the process answers),
+readiness on /ready (it can take requests; 503 while loading and once draining). */}}
 {{- define "baton.httpProbes" -}}
 livenessProbe:
   httpGet: {path: /health, port: http}
@@ -191,25 +128,46 @@ reach the running services). */}}
   configMap: {name: {{ include "baton.fullname" . }}-tuning}
 {{- end }}
 
-{{/* The model weights volume (read-only), when model.volume names one; else nothing. */}}
-{{- define "baton.modelVolume" -}}
-{{- $v := .Values.model.volume }}
-{{- if and $v.claimName $v.hostPath }}
-{{- fail "model.volume: set claimName or hostPath, not both" }}
-{{- else if $v.claimName }}
-- name: model
-  persistentVolumeClaim: {claimName: {{ $v.claimName }}, readOnly: true}
-{{- else if $v.hostPath }}
-- name: model
-  hostPath: {path: {{ $v.hostPath }}, type: Directory}
+{{/* Tracing: `--otlp-endpoint` (OTLP/HTTP) for the router and the workers, and the standard
+OTEL_* variables the OpenTelemetry SDK reads (sampler, resource attributes). */}}
+{{- define "baton.tracingArgs" -}}
+{{- with .Values.tracing.otlpEndpoint }}
+- --otlp-endpoint
+- {{ . }}
 {{- else }}
 []
 {{- end }}
 {{- end }}
 
-{{- define "baton.modelMount" -}}
-{{- if or .Values.model.volume.claimName .Values.model.volume.hostPath }}
-- {name: model, mountPath: {{ .Values.model.volume.mountPath }}, readOnly: true}
+{{- define "baton.tracingEnv" -}}
+{{- $t := .root.Values.tracing }}
+{{- if $t.otlpEndpoint }}
+- name: OTEL_RESOURCE_ATTRIBUTES
+  value: k8s.namespace.name={{ .root.Release.Namespace }},service.namespace={{ .root.Release.Name }}
+{{- if not (kindIs "invalid" $t.samplerRatio) }}
+- {name: OTEL_TRACES_SAMPLER, value: parentbased_traceidratio}
+- {name: OTEL_TRACES_SAMPLER_ARG, value: {{ $t.samplerRatio | toString | quote }}}
+{{- end }}
+{{- else }}
+[]
+{{- end }}
+{{- end }}
+
+{{/* The pods' own IP (advertised to the registry) and namespace. */}}
+{{- define "baton.podIPEnv" -}}
+- name: POD_IP
+  valueFrom: {fieldRef: {fieldPath: status.podIP}}
+{{- end }}
+
+{{/* Who may scrape the workers' HTTP port: networkPolicy.metricsFrom, else (ServiceMonitor
+on) Prometheus Operator's Prometheus pods in any namespace, else nobody outside the release. */}}
+{{- define "baton.metricsFrom" -}}
+{{- if .Values.networkPolicy.metricsFrom }}
+{{- toYaml .Values.networkPolicy.metricsFrom }}
+{{- else if .Values.monitoring.serviceMonitor.enabled }}
+- namespaceSelector: {}
+  podSelector:
+    matchLabels: {app.kubernetes.io/name: prometheus}
 {{- else }}
 []
 {{- end }}

@@ -6,7 +6,8 @@ the Deployments at that size.
     simulate.py        discrete-event simulation of p prefill + d decode pods on a trace
     plan.py            `baton plan`: the fewest p + d meeting the SLO, table / JSON output
     base.py            interfaces: MetricsSource (live workload), KubeClient (replicas)
-    metrics_source.py  ScrapeSource: rates and mean lengths from a Prometheus page
+    metrics_source.py  ScrapeSource: rates and mean lengths from Prometheus pages (every
+                       router pod behind a name, each against its own baseline)
     kube.py            KubernetesClient: the Deployment scale subresource (official client)
     scaler.py          `baton planner`: the loop (plan, clamp, hysteresis, dry run)
     cli.py             the three subcommands, added to `baton` by `add_subcommands`

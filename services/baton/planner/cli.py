@@ -159,7 +159,10 @@ def _planner_parser(sub) -> None:
     p.add_argument("--namespace", default="default")
     p.add_argument("--prefill-deployment", required=True)
     p.add_argument("--decode-deployment", required=True)
-    p.add_argument("--metrics-url", required=True, help="the router's /metrics URL")
+    p.add_argument("--metrics-url", required=True, action="append",
+                   help="the routers' /metrics URL; its host is resolved to every address "
+                        "behind it (a headless Service: every router pod), each scraped on "
+                        "its own; repeat the flag for several")
     p.add_argument("--profile", required=True, help="a profile from `baton profile`")
     p.add_argument("--interval", type=float, default=30.0, help="seconds between rounds")
     _slo_args(p)

@@ -12,6 +12,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from tests.unit.deploy import crds
+
 ROOT = Path(__file__).resolve().parents[3]
 CHART = ROOT / "charts" / "baton"
 K8S = ROOT / "k8s"
@@ -20,8 +22,6 @@ BAD_VALUES = sorted((CHART / "ci-bad").glob("*-values.yaml"))
 OVERLAYS = sorted(p.parent for p in (K8S / "overlays").glob("*/kustomization.yaml"))
 # The oldest Kubernetes the chart supports (Chart.yaml kubeVersion) and the newest schemas.
 KUBE_VERSIONS = ("1.29", "1.37")
-# Prometheus Operator kinds have no schema in kubernetes-validate: it only warns on them.
-CUSTOM_GROUPS = ("monitoring.coreos.com/",)
 RELEASE, NAMESPACE = "baton", "llm"
 HELM_LABELS = ("helm.sh/chart", "app.kubernetes.io/managed-by")
 
@@ -47,8 +47,9 @@ def load_docs(text: str) -> list[dict]:
     return [doc for doc in yaml.safe_load_all(text) if doc]
 
 
-def helm_template(helm: str, *values: Path, sets: tuple[str, ...] = ()) -> list[dict]:
-    cmd = [helm, "template", RELEASE, CHART, "--namespace", NAMESPACE]
+def helm_template(helm: str, *values: Path, sets: tuple[str, ...] = (), release: str = RELEASE,
+                  namespace: str = NAMESPACE) -> list[dict]:
+    cmd = [helm, "template", release, CHART, "--namespace", namespace]
     for path in values:
         cmd += ["-f", path]
     for assignment in sets:
@@ -65,11 +66,15 @@ def kustomize(kubectl: str, directory: Path) -> list[dict]:
 
 
 def validation_problems(docs: list[dict]) -> list[str]:
-    """Every document against the strict (no unknown field) schemas of each version; a kind
-    without a schema is a problem unless it is a Prometheus Operator kind."""
+    """Every document against the strict (no unknown field) schemas of each version, or a
+    custom resource against its CRD's vendored schema (crds.py); a kind with neither is a
+    problem."""
     problems = []
     for doc in docs:
         what = f"{doc.get('kind')}/{doc.get('metadata', {}).get('name')}"
+        if crds.has_schema(doc):
+            problems += crds.crd_problems(doc)
+            continue
         for version in KUBE_VERSIONS:
             try:
                 kubernetes_validate.validate(doc, version, strict=True)
@@ -77,8 +82,7 @@ def validation_problems(docs: list[dict]) -> list[str]:
                 path = ".".join(str(p) for p in err.path)
                 problems.append(f"{what} on {version}: {path}: {err.message}")
             except kubernetes_validate.SchemaNotFoundError as err:
-                if not doc["apiVersion"].startswith(CUSTOM_GROUPS):
-                    problems.append(f"{what}: {err.message}")
+                problems.append(f"{what}: {err.message}")
     return problems
 
 
@@ -95,6 +99,14 @@ def find(docs: list[dict], kind: str, name: str) -> dict:
 
 def names(docs: list[dict], kind: str) -> set[str]:
     return {d["metadata"]["name"] for d in find_all(docs, kind)}
+
+
+def deployment(docs: list[dict], component: str, release: str = RELEASE) -> dict:
+    return find(docs, "Deployment", f"{release}-{component}")
+
+
+def pod_spec(dep: dict) -> dict:
+    return dep["spec"]["template"]["spec"]
 
 
 def container(deployment: dict) -> dict:

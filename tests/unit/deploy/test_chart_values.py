@@ -15,8 +15,10 @@ SCHEMA = json.loads((CHART / "values.schema.json").read_text())
 VALUES_TEXT = (CHART / "values.yaml").read_text()
 VALUES = yaml.safe_load(VALUES_TEXT)
 # Kubernetes types and the tuning file: the schema lists their fields, values.yaml need not
-# set them all (they are optional there too).
-OPTIONAL_FIELDS = {"#/$defs/resources", "#/$defs/affinity", "#/$defs/tuning"}
+# set them all (they are optional there too), and Kubernetes documents them.
+OPTIONAL_FIELDS = {"#/$defs/resources", "#/$defs/affinity", "#/$defs/tuning",
+                   "#/$defs/securityContext", "#/$defs/podSecurityContext", "#/$defs/strategy",
+                   "#/$defs/labelSelector"}
 
 
 def resolve(schema: dict) -> dict:
@@ -89,18 +91,26 @@ def test_every_declared_value_has_a_doc_comment():
                 row -= 1
             if not any(c.startswith("# --") for c in comment):
                 missing.append(f"{path}.{key_node.value} (line {key_node.start_mark.line + 1})")
-            if key_node.value in props:
+            if key_node.value in props and props[key_node.value].get("$ref") \
+                    not in OPTIONAL_FIELDS:
                 visit(value_node, props[key_node.value], f"{path}.{key_node.value}")
 
     visit(yaml.compose(VALUES_TEXT), SCHEMA, "")
     assert missing == []
 
 
+ROUTER_ONLY = {"policy", "service", "apiKey", "apiKeys"}
+WORKER_ONLY = {"enabled", "engine", "startupTimeoutSeconds", "shm", "autoscaling"}
+
+
 def test_pod_blocks_have_the_same_shape():
     router, prefill, decode = (set(VALUES[b]) for b in ("router", "prefill", "decode"))
     assert prefill == decode
-    assert router - {"policy", "service", "apiKey"} == \
-        prefill - {"enabled", "engine", "startupTimeoutSeconds"}
+    assert router - ROUTER_ONLY == prefill - WORKER_ONLY
+    # What operators of llm-d's and production-stack's charts expect on every pod block.
+    assert {"image", "podLabels", "securityContext", "podSecurityContext", "runtimeClassName",
+            "strategy", "topologySpreadConstraints", "extraVolumes", "extraVolumeMounts",
+            "initContainers", "resourceClaims"} <= router & prefill
     assert declared(SCHEMA["properties"]["prefill"]) == declared(SCHEMA["properties"]["decode"])
     shared = router & prefill
     worker_props = declared(SCHEMA["properties"]["prefill"])

@@ -21,19 +21,38 @@ def test_helm_and_kubectl_are_the_pinned_versions(helm, kubectl):
 def test_every_build_validates(builds):
     assert set(builds) == {"base", "cpu-demo", "gpu"} == {"base", *(o.name for o in OVERLAYS)}
     for name, docs in builds.items():
-        assert len(docs) >= 15, name
+        assert len(docs) >= 18, name
         assert validation_problems(docs) == [], name
+
+
+def secret_values_hidden(doc: dict) -> dict:
+    """A Secret with its values blanked: the chart draws random ones on each render, the base
+    holds placeholders (k8s/base/secrets.yaml says to replace them)."""
+    if doc["kind"] != "Secret":
+        return doc
+    return {**doc, "data": {k: "" for k in doc["data"]}}
 
 
 def test_base_is_the_chart_with_default_values(builds, renders):
     def key(doc):
         return doc["kind"], doc["metadata"]["name"]
 
-    chart = {key(d): strip_helm_labels(d) for d in renders["defaults"]}
-    base = {key(d): d for d in builds["base"]}
+    chart = {key(d): secret_values_hidden(strip_helm_labels(d)) for d in renders["defaults"]}
+    base = {key(d): secret_values_hidden(d) for d in builds["base"]}
     assert base.keys() == chart.keys()
     for k in chart:
         assert base[k] == chart[k], f"k8s/base differs from the chart for {k}"
+
+
+def test_base_secrets_are_marked_placeholders(builds):
+    import base64
+
+    secrets = find_all(builds["base"], "Secret")
+    assert {s["metadata"]["name"] for s in secrets} == {f"{RELEASE}-internal", f"{RELEASE}-redis"}
+    for secret in secrets:
+        for value in secret["data"].values():
+            text = base64.b64decode(value).decode()
+            assert text.startswith("REPLACE") and len(text) >= 16  # auth.py's minimum
 
 
 def test_no_helm_labels_in_plain_manifests(builds):
@@ -75,7 +94,8 @@ def test_cpu_demo_overlay(builds):
 def test_gpu_overlay_requests_gpus_and_nixl(builds):
     docs = builds["gpu"]
     for role in WORKERS:
-        _, pod, cont = worker(docs, role)
+        dep, pod, cont = worker(docs, role)
+        assert dep["spec"]["strategy"]["rollingUpdate"] == {"maxSurge": 0, "maxUnavailable": 1}
         assert cont["resources"]["limits"]["nvidia.com/gpu"] == 1
         assert cont["resources"]["requests"]["nvidia.com/gpu"] == 1
         assert flag(cont["args"], "--kv-transport") == "nixl"
@@ -85,8 +105,13 @@ def test_gpu_overlay_requests_gpus_and_nixl(builds):
         names = [e["name"] for e in cont["env"]]
         assert "UCX_TLS" in names and "POD_IP" in names  # the patch merged, not replaced
         assert flag(cont["args"], "--role") == role
+        assert {"name": "shm", "mountPath": "/dev/shm"} in cont["volumeMounts"]
+        assert {"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "8Gi"}} in \
+            pod["volumes"]
+        assert {"name": "tuning", "configMap": {"name": f"{RELEASE}-tuning"}} in pod["volumes"]
+    # The router needs no CUDA: it keeps the CPU image.
     router = container(find(docs, "Deployment", f"{RELEASE}-router"))
-    assert router["image"] == "baton:0.1.0-cuda"
+    assert router["image"] == "baton:0.1.0"
     assert "nvidia.com/gpu" not in router["resources"].get("limits", {})
     redis = container(find(docs, "Deployment", f"{RELEASE}-redis"))
     assert redis["image"] == "valkey/valkey:8-alpine"

@@ -65,11 +65,14 @@ def test_planner_accepts_the_charts_flags():
     # the arguments charts/baton/templates/planner.yaml passes
     args = parse(["planner", "--namespace", "prod", "--prefill-deployment", "b-prefill",
                   "--decode-deployment", "b-decode", "--metrics-url",
-                  "http://b-router:8000/metrics", "--profile", "/etc/p/profile.yaml",
+                  "http://b-routers:8000/metrics", "--metrics-url", "http://10.0.0.9:8000/metrics",
+                  "--profile", "/etc/p/profile.yaml",
                   "--interval", "30", "--ttft-slo", "1.0", "--itl-slo", "0.05",
                   "--min-prefill", "1", "--max-prefill", "8", "--min-decode", "1",
                   "--max-decode", "8", "--dry-run", "--kube-api", "http://127.0.0.1:1"])
     assert (args.namespace, args.max_decode, args.dry_run) == ("prod", 8, True)
+    # every router pod behind the headless Service, and any page named beside it
+    assert args.metrics_url == ["http://b-routers:8000/metrics", "http://10.0.0.9:8000/metrics"]
     assert args.parser.prog.endswith("planner") and args.log_level == "info"
 
 

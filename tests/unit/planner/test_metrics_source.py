@@ -1,5 +1,6 @@
-"""ScrapeSource against a real HTTP server on loopback whose counters change between
-scrapes: rates from deltas, lengths when the page has worker series, errors typed."""
+"""ScrapeSource against real HTTP servers on loopback whose counters change between
+scrapes: rates from deltas, lengths when the page has worker series, errors typed, and
+several router pods behind one name (a headless Service) each compared with itself."""
 
 from __future__ import annotations
 
@@ -28,8 +29,8 @@ class Pages:
         return self.pages.pop(0) if len(self.pages) > 1 else self.pages[0]
 
 
-@pytest.fixture
-def server():
+def start_server(host: str = "127.0.0.1", port: int = 0):
+    """A page server on `host:port`; returns (pages, url, stop)."""
     pages = Pages()
 
     class Handler(BaseHTTPRequestHandler):
@@ -44,13 +45,23 @@ def server():
         def log_message(self, *args):
             pass
 
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    httpd = ThreadingHTTPServer((host, port), Handler)
     thread = threading.Thread(target=httpd.serve_forever, args=(0.05,), daemon=True)
     thread.start()
-    yield pages, f"http://127.0.0.1:{httpd.server_address[1]}/metrics"
-    httpd.shutdown()
-    httpd.server_close()
-    thread.join()
+
+    def stop():
+        httpd.shutdown()
+        httpd.server_close()
+        thread.join()
+
+    return pages, f"http://{host}:{httpd.server_address[1]}/metrics", stop
+
+
+@pytest.fixture
+def server():
+    pages, url, stop = start_server()
+    yield pages, url
+    stop()
 
 
 class Clock:
@@ -63,8 +74,8 @@ class Clock:
 
 def router_page(ok: int, refused: int) -> bytes:
     m = RouterMetrics()  # the router's own registry, rendered as the router serves it
-    m.requests.labels("200").inc(ok)
-    m.requests.labels("429").inc(refused)
+    m.requests.labels(code="200", tenant="team-a").inc(ok)
+    m.requests.labels(code="429", tenant="team-b").inc(refused)
     return render(m.registry)
 
 
@@ -164,3 +175,81 @@ def test_failed_scrape_keeps_the_baseline(server):
         source.sample()
     clock.now += 10.0
     assert source.sample().rate == pytest.approx(60 / 20)  # over both intervals
+
+
+# -- several routers behind one name (the chart's headless Service) ------------------------
+@pytest.fixture
+def two_routers():
+    """Two router pages on the same port of 127.0.0.1 and 127.0.0.2, and a resolver that
+    answers both for "routers.baton.svc" (what DNS answers for a headless Service)."""
+    a_pages, a_url, a_stop = start_server("127.0.0.1")
+    port = int(a_url.rsplit(":", 1)[1].split("/")[0])
+    b_pages, _, b_stop = start_server("127.0.0.2", port)
+    answers = {"routers.baton.svc": ["127.0.0.1", "127.0.0.2"]}
+
+    def resolve(host, _port):
+        return answers[host]
+
+    yield a_pages, b_pages, f"http://routers.baton.svc:{port}/metrics", resolve, answers
+    a_stop()
+    b_stop()
+
+
+def test_two_routers_with_different_counters_add_up(two_routers):
+    a, b, url, resolve, _ = two_routers
+    a.push(router_page(ok=1000, refused=0))
+    a.push(router_page(ok=1100, refused=0))  # +100 in 10 s
+    b.push(router_page(ok=10, refused=0))
+    b.push(router_page(ok=25, refused=5))  # +20 in 10 s
+    clock = Clock()
+    source = ScrapeSource(url, clock=clock, resolve=resolve)
+    assert source.sample() is None
+    clock.now += 10.0
+    est = source.sample()
+    # Through one ClusterIP the two pages alternate: 1000 -> 25 reads as a reset (2.5/s) and
+    # 10 -> 1100 as 109/s. Per pod, the rate is the sum of both routers' rates.
+    assert est.rate == pytest.approx(12.0) and est.source == "router"
+    assert (a.served, b.served) == (2, 2)
+
+
+def test_router_pods_that_come_fail_and_go(two_routers):
+    a, b, url, resolve, answers = two_routers
+    a.push(router_page(ok=100, refused=0))
+    a.push(router_page(ok=200, refused=0))
+    a.push(router_page(ok=300, refused=0))
+    a.push(router_page(ok=400, refused=0))
+    b.push(router_page(ok=5000, refused=0))
+    b.push(b"down", status=503)
+    b.push(router_page(ok=5060, refused=0))
+    answers["routers.baton.svc"] = ["127.0.0.1"]  # only router a is ready at first
+    clock = Clock()
+    source = ScrapeSource(url, clock=clock, resolve=resolve)
+    source.sample()
+    answers["routers.baton.svc"] = ["127.0.0.1", "127.0.0.2"]  # b joins: a baseline only
+    clock.now += 10.0
+    assert source.sample().rate == pytest.approx(10.0)
+    clock.now += 10.0  # b fails this round: a alone is counted, b keeps its baseline
+    assert source.sample().rate == pytest.approx(10.0)
+    clock.now += 10.0  # b is back: +60 over its 20 s window, a +100 over 10 s
+    assert source.sample().rate == pytest.approx(10.0 + 3.0)
+    answers["routers.baton.svc"] = []  # every router gone: an error, not a zero rate
+    with pytest.raises(MetricsError, match="no address behind"):
+        source.sample()
+
+
+def test_dual_stack_names_count_each_pod_once(monkeypatch):
+    import socket
+
+    from baton.planner.metrics_source import expand, resolve_addresses
+
+    def fake(host, port, type=0):
+        return [(socket.AF_INET6, type, 6, "", ("fd00::1", port, 0, 0)),
+                (socket.AF_INET, type, 6, "", ("10.0.0.7", port)),
+                (socket.AF_INET, type, 6, "", ("10.0.0.5", port)),
+                (socket.AF_INET, type, 6, "", ("10.0.0.7", port))]
+
+    monkeypatch.setattr(socket, "getaddrinfo", fake)
+    assert resolve_addresses("r", 8000) == ["10.0.0.5", "10.0.0.7"]
+    assert expand("http://r:8000/metrics") == ["http://10.0.0.5:8000/metrics",
+                                              "http://10.0.0.7:8000/metrics"]
+    assert expand("http://r/metrics", lambda h, p: ["fd00::2"]) == ["http://[fd00::2]/metrics"]

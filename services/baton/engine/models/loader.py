@@ -1,9 +1,10 @@
 """Find a model's files and load its weights into our modules.
 
-`model` may be None (the bundled SmolLM2 GGUF), a Hugging Face directory with safetensors, or
-a `.gguf` file. A GGUF file is converted once through transformers' GGUF loader into a
-safetensors directory under the cache dir (dequantised to float32), so later starts take a
-second instead of ~20. Weight names are mapped here, outside the model code.
+`model` may be None (the bundled SmolLM2 GGUF), a Hugging Face directory with safetensors, a
+`.gguf` file, or a snapshot in a Hugging Face hub cache (`hf://ORG/NAME[@REVISION]` or a
+`models--ORG--NAME` directory: `hub.py`). A GGUF file is converted once through transformers'
+GGUF loader into a safetensors directory under the cache dir (dequantised to float32), so later
+starts take a second instead of ~20. Weight names are mapped here, outside the model code.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pathlib import Path
 import torch
 
 from baton.engine.models.config import ModelConfig
+from baton.engine.models.hub import resolve_hub_model
 from baton.engine.models.llama import LlamaForCausalLM
 from baton.engine.models.rope import RotaryEmbedding
 
@@ -49,6 +51,7 @@ def resolve_model_dir(model: str | None, cache_dir: str | Path | None = None) ->
     cache = Path(cache_dir) if cache_dir else default_cache_dir()
     if model is None:
         return convert_gguf(bundled_gguf_path(), cache)
+    model = resolve_hub_model(model)  # hf://ORG/NAME or a hub cache's repo dir: its snapshot
     path = Path(model).expanduser()
     if path.is_dir() and (path / "config.json").exists():
         return path
