@@ -156,15 +156,15 @@ def test_poisoned_fields_get_a_4xx_and_harm_no_engine(pods):
              + [("/v1/completions", why, b) for why, b in COMPLETION_POISON])
     for path, why, body in cases:
         for stream in (False, True):
-            if stream and isinstance(body, dict):
+            if stream and (isinstance(body, bytes) or "stream_options" in body):
+                break  # no stream variant (streaming would make this one valid)
+            if stream:
                 body = body | {"stream": True}
             t0 = time.monotonic()
             code, raw = post(router + path, body, AUTH, timeout=30)
             results.append((why, stream, code, time.monotonic() - t0))
             assert 400 <= code < 500, f"{why} (stream={stream}): {code} {raw[:300]!r}"
             assert time.monotonic() - t0 < 10, f"{why}: {time.monotonic() - t0:.1f}s"
-            if isinstance(body, bytes):
-                break
     assert_all_alive(pods)
     assert_nothing_held(pods)
 
