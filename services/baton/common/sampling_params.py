@@ -4,10 +4,33 @@ validates requests with the same class."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from typing import Literal
 
 _GREEDY_EPS = 1e-5
 # The seeds a generator takes (torch.Generator.manual_seed's range); child seeds wrap in it.
 SEED_MIN, SEED_MAX = -(1 << 63), (1 << 64) - 1
+
+
+STRUCTURED_KINDS = ("json_schema", "json_object", "regex", "grammar")
+LOGIT_BIAS_MAX = 100.0  # OpenAI's range: -100 bans a token, +100 all but forces it
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on the whole output, enforced token by token by a grammar engine
+    (`engine.structured`): `json_schema` (`spec` is the schema's JSON text), `json_object`
+    (any JSON object; `spec` empty), `regex` (`spec` the pattern) or `grammar` (`spec` an
+    EBNF / Lark grammar). The engine compiles it when the request is made; a spec it cannot
+    compile is the request's error (a 400), never the engine's."""
+
+    kind: Literal["json_schema", "json_object", "regex", "grammar"]
+    spec: str = ""
+
+    def __post_init__(self) -> None:
+        _check(self.kind in STRUCTURED_KINDS, "structured.kind", self.kind,
+               f"must be one of {STRUCTURED_KINDS}")
+        _check(self.kind == "json_object" or bool(self.spec), "structured.spec", self.spec,
+               f"must not be empty for {self.kind}")
 
 
 @dataclass
@@ -39,6 +62,10 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     skip_special_tokens: bool = True
+    # token id -> bias added to its logit (OpenAI's `logit_bias`, in [-100, 100])
+    logit_bias: dict[int, float] | None = None
+    structured: StructuredOutput | None = None  # grammar-constrained output
+    prompt_logprobs: int | None = None  # logprobs of each prompt token (`echo` + logprobs)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -74,6 +101,12 @@ class SamplingParams:
                "stop_token_ids", self.stop_token_ids, "must be non-negative ints")
         _check(self.seed is None or SEED_MIN <= self.seed <= SEED_MAX, "seed", self.seed,
                f"must be in [{SEED_MIN}, {SEED_MAX}]")
+        _check(self.logit_bias is None or all(
+            isinstance(t, int) and t >= 0 and -LOGIT_BIAS_MAX <= b <= LOGIT_BIAS_MAX
+            for t, b in self.logit_bias.items()), "logit_bias", self.logit_bias,
+            f"must map token ids >= 0 to biases in [-{LOGIT_BIAS_MAX:g}, {LOGIT_BIAS_MAX:g}]")
+        _check(self.prompt_logprobs is None or self.prompt_logprobs >= 0, "prompt_logprobs",
+               self.prompt_logprobs, "must be >= 0")
 
     @property
     def is_greedy(self) -> bool:
