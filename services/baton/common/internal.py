@@ -25,7 +25,7 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_serializer, model_validator
 
-from baton.common.protocol import ChatCompletionRequest, CompletionRequest
+from baton.common.protocol import MAX_LOGPROBS, ChatCompletionRequest, CompletionRequest
 
 WIRE_VERSION = 1
 TOKENS_EVENT = "baton.tokens"
@@ -59,9 +59,20 @@ class KVEndpointInfo(BaseModel):
     layout: KVLayoutInfo
 
 
+class FirstTokenLogprobs(BaseModel):
+    """The logprobs of the token a prefill sampled, as its sampler computed them (from the
+    raw distribution): the decode pod reports them as its first token's."""
+
+    model_config = _WIRE
+    logprob: float
+    rank: Annotated[int, Field(ge=1)]
+    top: Annotated[list[tuple[TokenId, float]], Field(max_length=MAX_LOGPROBS)] = []
+
+
 class KVTransferParams(BaseModel):
     """A prefill's KV, held under `lease_id` for `lease_ttl_s`: `block_ids` on the holder
-    cover the prompt's `num_tokens` tokens; `first_token` is the token the prefill sampled."""
+    cover the prompt's `num_tokens` tokens; `first_token` is the token the prefill sampled
+    (with its logprobs when the request asked for them)."""
 
     model_config = _WIRE
     v: Literal[1] = WIRE_VERSION
@@ -71,6 +82,7 @@ class KVTransferParams(BaseModel):
     lease_id: Annotated[str, Field(min_length=1)]
     first_token: TokenId
     lease_ttl_s: Annotated[float, Field(gt=0)]
+    first_token_logprobs: FirstTokenLogprobs | None = None
 
 
 # -- router <-> workers --------------------------------------------------------------------

@@ -21,6 +21,7 @@ from baton.engine.models.loader import resolve_model_dir
 from baton.engine.outputs import EngineOutput
 from baton.engine.request import Request, RequestStatus
 from baton.engine.runner import ModelRunner
+from baton.engine.sampler import TokenLogprobs
 from baton.engine.scheduler import SchedulerLimits, make_scheduler
 from baton.engine.tokenizer import IncrementalDetokenizer, load_tokenizer
 
@@ -165,8 +166,10 @@ class EngineCore:
             if status is not None:
                 self.scheduler.finish_requests([req.request_id], status)
                 text = self._detok_add(req, token)[0]
-                return outputs + [self._final_output(req, [token], text, None)]
-            outputs.append(self._token_output(req, token, None, False))
+                lp = _arrived_logprobs(req)
+                return outputs + [self._final_output(req, [token], text,
+                                                     [lp] if lp is not None else None)]
+            outputs.append(self._token_output(req, token, _arrived_logprobs(req), False))
             if outputs[-1].finished:
                 break
         return outputs
@@ -335,6 +338,20 @@ class EngineCore:
     def close(self) -> None:
         if self.connector is not None:
             self.connector.close()
+
+
+def _arrived_logprobs(req: Request) -> TokenLogprobs | None:
+    """The logprobs of a pulled request's first token, as the prefill sampled it, when the
+    request asks for logprobs (cut to its `logprobs` top entries)."""
+    k = req.sampling_params.logprobs
+    handoff = req.kv_handoff
+    if k is None or not isinstance(handoff, PullKV):
+        return None
+    lp = handoff.params.first_token_logprobs
+    if lp is None:
+        return None
+    return TokenLogprobs(handoff.params.first_token, lp.logprob, lp.rank,
+                         [(t, v) for t, v in lp.top[:k]])
 
 
 def _make_connector(config: EngineConfig, kv_cache) -> KVConnector | None:

@@ -20,11 +20,19 @@ from baton.router.tokens import TokenizerCache
 INLINE_TOKENIZE_BYTES = 4096  # bodies up to ~1,000 tokens are tokenized on the event loop
 
 
+def splittable(api: str, req) -> bool:
+    """Whether a prefill pod can compute this request's prompt for a decode pod: one
+    sample, and no prompt logprobs (completions' `echo` with `logprobs`: the decode pod
+    that pulls the KV never sees the prompt's logits)."""
+    return req.n == 1 and not (api == "completions" and req.echo
+                               and req.logprobs is not None)
+
+
 def estimate_prompt_tokens(api: str, req) -> int | None:
     """A rough token count for the decision (~4 characters a token, plus the chat
     template's few tokens a message), or None when the request cannot be split."""
     prompt = prompt_of(api, req)
-    if req.n != 1 or prompt is None:
+    if not splittable(api, req) or prompt is None:
         return None
     if not isinstance(prompt, str):
         return len(prompt)
@@ -68,5 +76,5 @@ class ContextBuilder:
             return None
         return RoutingContext(model=req.model, prefix_index=self.exact,
                               prefix_hashes=tok.block_hashes(ids), block_tokens=tok.block_size,
-                              prompt_tokens=len(ids) if req.n == 1 else None,
+                              prompt_tokens=len(ids) if splittable(api, req) else None,
                               session=session)

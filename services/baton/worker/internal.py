@@ -27,8 +27,8 @@ from fastapi import FastAPI, Request
 from starlette.responses import Response
 
 from baton.common.errors import OpenAIError
-from baton.common.internal import (GenerateRequest, PrefillRequest, PrefillResponse,
-                                   ReleaseRequest)
+from baton.common.internal import (FirstTokenLogprobs, GenerateRequest, PrefillRequest,
+                                   PrefillResponse, ReleaseRequest)
 from baton.common.protocol import parse_request
 from baton.common.roles import Role
 from baton.common.sampling_params import SamplingParams
@@ -69,9 +69,11 @@ def install_internal_routes(app: FastAPI, state: WorkerState) -> None:
 
 
 def prefill_params(params: SamplingParams) -> SamplingParams:
-    """The request's sampling settings for its first token only, with no stop conditions."""
+    """The request's sampling settings for its first token only, with no stop conditions
+    (its logprobs, logit bias and output constraint kept: the first token is the
+    request's own)."""
     return replace(params, n=1, max_tokens=1, min_tokens=0, stop=[], stop_token_ids=[],
-                   ignore_eos=True, logprobs=None)
+                   ignore_eos=True)
 
 
 async def prefill(pipeline: Pipeline, msg: PrefillRequest, request_id: str,
@@ -104,9 +106,10 @@ def _prefill_jobs(pipeline: Pipeline, msg: PrefillRequest, request_id: str) -> l
 async def _run_prefill(serving, jobs: list, request_id: str) -> PrefillResponse:
     serving.admit(jobs)
     t0 = time.monotonic()
+    first: list = []  # the first token's logprobs, when asked for
     try:
-        async for _ in serving.run(jobs):
-            pass
+        async for _, batch in serving.run(jobs):
+            first += [lp for out in batch for lp in out.new_logprobs or ()]
     except Exception as err:  # noqa: BLE001 - engine death: a clean 5xx
         raise engine_error(err) from None
     finally:
@@ -115,6 +118,10 @@ async def _run_prefill(serving, jobs: list, request_id: str) -> PrefillResponse:
     if kv is None:
         raise OpenAIError(500, f"the prefill of {request_id} ended without KV to hand over",
                           code="prefill_failed")
+    if first:
+        lp = first[0]
+        kv = kv.model_copy(update={"first_token_logprobs": FirstTokenLogprobs(
+            logprob=lp.logprob, rank=lp.rank, top=list(lp.top))})
     return PrefillResponse(prompt_token_ids=jobs[0].prompt_ids, kv_transfer_params=kv,
                            prefill_s=time.monotonic() - t0)
 

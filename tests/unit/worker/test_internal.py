@@ -118,3 +118,15 @@ def test_a_bad_generate_body_is_an_openai_400(body, param):
 def test_each_role_has_only_its_own_internal_endpoint(role, path):
     app, _ = make_app(role)
     assert post(app, path, {"api": "chat", "request": CHAT})[0] == 404
+
+
+def test_prefill_hands_over_its_first_tokens_logprobs_when_asked():
+    held = kv_params(len(PROMPT))
+    app, engine = make_app(Role.PREFILL, FakeEngine(lambda r: [[out(
+        r.request_id, [5], finish="length", logprobs=True, kv_transfer_params=held)]]))
+    request = CHAT | {"logprobs": True, "top_logprobs": 2}
+    code, _, raw = post(app, "/internal/prefill", {"api": "chat", "request": request})
+    assert code == 200, raw
+    first = PrefillResponse.model_validate_json(raw).kv_transfer_params.first_token_logprobs
+    assert (first.logprob, first.rank) == (-0.5, 1)
+    assert engine.made[0].params.logprobs == 2  # the prefill samples with the request's k
