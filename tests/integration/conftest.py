@@ -78,9 +78,10 @@ class Proc:
             return http_get(url + "/ready", 2)[0] == 200
         wait_for(ready, timeout, f"{url}/ready", 0.25)
 
-    def stop(self, timeout: float = 30.0) -> bool:
-        """SIGTERM; True when it exited cleanly (uvicorn re-raises SIGTERM after a graceful
-        shutdown, so -SIGTERM counts as clean)."""
+    def stop(self, timeout: float = 60.0) -> bool:
+        """SIGTERM; True when it exited cleanly (a worker drains: in-flight work and held
+        leases get up to its --drain-timeout, 30 s; a second signal's exit, -SIGTERM,
+        counts as clean too)."""
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)
         try:
