@@ -141,7 +141,7 @@ def test_dead_prefill_worker_falls_back_to_local_prefill(disagg, reference_llm):
                                    use_tqdm=False)[0].outputs[0].text
     assert chat(router, other)["choices"][0]["message"]["content"] == other_ref
     fallbacks = sum(metric_value(router, f'baton:fallbacks_total{{reason="{r}"}}')
-                    for r in ("prefill_failed", "no_prefill_worker")
+                    for r in ("prefill_failed", "prefill_pod_down", "no_prefill_worker")
                     if f'reason="{r}"'.encode() in http_get(router + "/metrics")[1])
     assert fallbacks >= 2
     assert_idle([disagg["decode"]])
