@@ -11,7 +11,7 @@ PORT     ?= 8000
 # transport installed (NIXL, else TCP). Colocated instead: make run CLUSTER="--workers 2"
 CLUSTER  ?= --prefill 1 --decode 1 --transport auto
 
-.PHONY: setup system-deps k8s-tools run test test-fast bench bench-gpu bench-router bench-loadgen clean
+.PHONY: setup system-deps k8s-tools run test test-fast bench bench-gpu bench-router bench-loadgen bench-structured clean
 
 setup: $(STAMP)
 
@@ -67,6 +67,9 @@ bench-router: $(STAMP)
 
 bench-loadgen: $(STAMP)
 	$(PY) -m baton_loadtest.loadgen_bench
+
+bench-structured: $(STAMP)
+	$(PY) -m baton_loadtest.structured_bench
 
 clean:
 	rm -rf $(VENV) build *.egg-info

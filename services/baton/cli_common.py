@@ -20,6 +20,9 @@ from baton.engine.config import (ATTENTION_BACKENDS, DEVICES, DTYPES, KV_FAILURE
                                  SCHEDULING_POLICIES, EngineConfig)
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
+# worker.tool_parsers.PARSER_CHOICES, spelled out: importing the parsers costs every
+# command ~0.3 s (a test keeps the two equal)
+TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "mistral", "none")
 _GIB = 1 << 30
 
 
@@ -77,6 +80,10 @@ def add_worker_flags(p: argparse.ArgumentParser) -> None:
                    help="on SIGTERM: seconds in-flight requests (and held KV leases) may "
                         "take before the worker stops (default: WorkerSettings."
                         "drain_timeout_s)")
+    g.add_argument("--tool-call-parser", default=None, choices=TOOL_CALL_PARSERS,
+                   help="how tool_choice auto answers are read: auto picks the format from "
+                        "the chat template (hermes when it does not tell); none refuses "
+                        "them (default: WorkerSettings.tool_call_parser)")
     _kv_transfer_flags(g)
 
 

@@ -144,7 +144,7 @@ COMPLETION_POISON = [
     ("prompt ids outside the vocabulary", {"model": MODEL, "prompt": [1, 2, 10**7]}),
     ("prompt id past 64 bits", {"model": MODEL, "prompt": [1, 1 << 70]}),
     ("empty prompt list", {"model": MODEL, "prompt": []}),
-    ("echo with logprobs", {"model": MODEL, "prompt": "x", "echo": True, "logprobs": 1}),
+    ("echo with logprobs 50", {"model": MODEL, "prompt": "x", "echo": True, "logprobs": 50}),
     ("logprobs 50", {"model": MODEL, "prompt": "x", "logprobs": 50}),
 ]
 

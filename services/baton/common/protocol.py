@@ -4,29 +4,76 @@ Requests are parsed strictly: a wrong JSON type is an error (no "0.5" -> 0.5 coe
 a field we do not implement is rejected with a 400 that names it, never silently ignored.
 Beyond OpenAI's fields we take vLLM's usual extras (`top_k`, `min_p`, `min_tokens`,
 `ignore_eos`, `repetition_penalty`, `stop_token_ids`, `include_stop_str_in_output`,
-`skip_special_tokens`) under the same names.
+`skip_special_tokens`, `priority`, `guided_json` / `guided_regex` / `guided_grammar`,
+`stream_options.continuous_usage_stats`) under the same names, and vLLM's `/tokenize` and
+`/detokenize` bodies. Tools and tool calls are in `common.tools`.
+
+An output constraint (`response_format` json_object / json_schema, a `guided_*` field, or
+a forced tool call) becomes `SamplingParams.structured`; a request may have one.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, ValidationError, field_validator,
+                      model_validator)
 
 from baton.common.errors import OpenAIError
-from baton.common.sampling_params import SEED_MAX, SEED_MIN, SamplingParams
+from baton.common.sampling_params import (LOGIT_BIAS_MAX, SEED_MAX, SEED_MIN, SamplingParams,
+                                          StructuredOutput)
+from baton.common.tools import (STRICT as _STRICT, ParamError, Tool, ToolCallParam, ToolChoice,
+                                check_json_schema, forced_schema)
 
 MAX_LOGPROBS = 20
 MAX_STOP = 256  # stop strings, and stop token ids: each is checked on every token
 MAX_STOP_CHARS = 4096
-# Strict types, and no NaN / Infinity (JSON's extensions): a non-finite float is a 400.
-_STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+MAX_TOOLS = 128  # OpenAI's limit
 _Stop = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 
 
 class StreamOptions(BaseModel):
     model_config = _STRICT
     include_usage: bool = False
+    continuous_usage_stats: bool = False  # usage on every chunk (with include_usage)
+
+
+class JsonSchemaSpec(BaseModel):
+    """`response_format.json_schema`; `schema` is a JSON Schema (checked when parsed)."""
+
+    model_config = ConfigDict(**_STRICT, serialize_by_alias=True)
+    name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_\-]{1,64}$")]
+    description: str | None = None
+    schema_: dict[str, object] = Field(alias="schema")
+    strict: bool | None = None  # the output is always constrained to the schema
+
+    @field_validator("schema_")
+    @classmethod
+    def _valid(cls, schema):
+        check_json_schema(schema, "response_format.json_schema.schema")
+        return schema
+
+
+class ResponseFormat(BaseModel):
+    model_config = _STRICT
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaSpec | None = None
+
+    @model_validator(mode="after")
+    def _schema_iff_json_schema(self):
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("response_format has json_schema exactly when its type is "
+                             "json_schema")
+        return self
+
+    def structured(self) -> StructuredOutput | None:
+        if self.type == "json_schema":
+            return StructuredOutput("json_schema", json.dumps(self.json_schema.schema_))
+        return StructuredOutput("json_object") if self.type == "json_object" else None
+
+
+_Bias = Annotated[float, Field(ge=-LOGIT_BIAS_MAX, le=LOGIT_BIAS_MAX)]
 
 
 class _SamplingFields(BaseModel):
@@ -53,6 +100,13 @@ class _SamplingFields(BaseModel):
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     user: str | None = None
+    # token id (a string of digits, as JSON keys are) -> bias added to its logit
+    logit_bias: dict[str, _Bias] | None = None
+    priority: Annotated[int, Field(ge=-(1 << 31), lt=1 << 31)] = 0  # lower runs first
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, object] | str | None = None
+    guided_regex: Annotated[str, Field(min_length=1)] | None = None
+    guided_grammar: Annotated[str, Field(min_length=1)] | None = None
 
     @model_validator(mode="after")
     def _check_stream_options(self):
@@ -60,7 +114,51 @@ class _SamplingFields(BaseModel):
             raise ValueError("stream_options is only allowed when stream is true")
         return self
 
-    def sampling_params(self, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    @field_validator("logit_bias")
+    @classmethod
+    def _token_ids(cls, bias):
+        for key in bias or ():
+            if not (key.isascii() and key.isdigit() and int(key) < 1 << 31):
+                raise ValueError(f"logit_bias keys are token ids (strings of digits), not "
+                                 f"{key!r}")
+        return bias
+
+    @field_validator("guided_json")
+    @classmethod
+    def _guided_schema(cls, schema):  # JSON text: parsed here, kept as the object
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except ValueError:
+                raise ValueError("guided_json is not JSON") from None
+        check_json_schema(schema, "guided_json")
+        return schema
+
+    @model_validator(mode="after")
+    def _one_constraint(self):
+        names = list(self.constraints())
+        if len(names) > 1:
+            raise ParamError(names[1], f"{' and '.join(names)} each constrain the output; "
+                                       "send one of them")
+        return self
+
+    def constraints(self) -> dict[str, StructuredOutput]:
+        """The output constraints the request asks for, by the field that asks (at most
+        one once parsed)."""
+        out = {}
+        if self.response_format is not None and self.response_format.type != "text":
+            out["response_format"] = self.response_format.structured()
+        if self.guided_json is not None:
+            out["guided_json"] = StructuredOutput("json_schema", json.dumps(self.guided_json))
+        if self.guided_regex is not None:
+            out["guided_regex"] = StructuredOutput("regex", self.guided_regex)
+        if self.guided_grammar is not None:
+            out["guided_grammar"] = StructuredOutput("grammar", self.guided_grammar)
+        return out
+
+    def sampling_params(self, max_tokens: int | None, logprobs: int | None,
+                        prompt_logprobs: int | None = None) -> SamplingParams:
+        bias = {int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None
         try:
             return SamplingParams(
                 n=self.n,
@@ -74,7 +172,9 @@ class _SamplingFields(BaseModel):
                 presence_penalty=self.presence_penalty or 0.0,
                 frequency_penalty=self.frequency_penalty or 0.0,
                 repetition_penalty=self.repetition_penalty or 1.0,
-                skip_special_tokens=self.skip_special_tokens)
+                skip_special_tokens=self.skip_special_tokens, logit_bias=bias,
+                structured=next(iter(self.constraints().values()), None),
+                prompt_logprobs=prompt_logprobs)
         except ValueError as err:
             field = str(err).split("=", 1)[0].removeprefix("SamplingParams.")
             raise OpenAIError(400, str(err), param=field) from None
@@ -82,6 +182,11 @@ class _SamplingFields(BaseModel):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        """Usage on every chunk (vLLM's `continuous_usage_stats`, with `include_usage`)."""
+        return self.include_usage and self.stream_options.continuous_usage_stats
 
 
 class CompletionRequest(_SamplingFields):
@@ -97,10 +202,12 @@ class CompletionRequest(_SamplingFields):
     def _check_prompt(self):
         if isinstance(self.prompt, list) and not self.prompt:
             raise ValueError("prompt must not be an empty list")
-        if self.echo and self.logprobs is not None:
-            raise ValueError("echo with logprobs needs prompt logprobs, which Baton does not "
-                             "compute; drop one of them")
         return self
+
+    @property
+    def prompt_logprobs(self) -> int | None:
+        """`echo` with `logprobs`: the prompt's tokens get logprobs too."""
+        return self.logprobs if self.echo else None
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
@@ -111,7 +218,7 @@ class CompletionRequest(_SamplingFields):
         return list(p)
 
     def to_sampling_params(self) -> SamplingParams:
-        return self.sampling_params(self.max_tokens, self.logprobs)
+        return self.sampling_params(self.max_tokens, self.logprobs, self.prompt_logprobs)
 
 
 class TextPart(BaseModel):
@@ -121,27 +228,69 @@ class TextPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
+    """One message of a conversation. `content` may be null only in an assistant message
+    with `tool_calls`; it is then "" (as vLLM: templates concatenate it)."""
+
     model_config = _STRICT
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallParam] | None = None  # assistant
+    tool_call_id: Annotated[str, Field(min_length=1)] | None = None  # tool: the call answered
+
+    @model_validator(mode="after")
+    def _fields_of_role(self):
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("only assistant messages have tool_calls")
+        if (self.role == "tool") != (self.tool_call_id is not None):
+            raise ValueError("tool messages, and only they, have a tool_call_id (the call "
+                             "they answer)")
+        if self.content is None:
+            if self.role != "assistant" or not self.tool_calls:
+                raise ValueError("content is required, unless an assistant message has "
+                                 "tool_calls")
+            self.content = ""
+        return self
 
     def as_template_dict(self) -> dict:
         text = self.content if isinstance(self.content, str) else "".join(
             p.text for p in self.content)
         role = "system" if self.role == "developer" else self.role
-        return {"role": role, "content": text}
+        out = {"role": role, "content": text}
+        if self.name is not None:
+            out["name"] = self.name
+        if self.tool_calls:
+            out["tool_calls"] = [c.template_dict() for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
 
 
-class ChatCompletionRequest(_SamplingFields):
+class _Conversation(BaseModel):
+    """Messages and tools, what a chat template renders."""
+
+    model_config = _STRICT
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    tools: Annotated[list[Tool], Field(min_length=1, max_length=MAX_TOOLS)] | None = None
+    add_generation_prompt: bool = True
+
+    def template_messages(self) -> list[dict]:
+        return [m.as_template_dict() for m in self.messages]
+
+    def template_tools(self) -> list[dict] | None:
+        """The tools as a template takes them (None without tools, as transformers)."""
+        return [t.template_dict() for t in self.tools] if self.tools else None
+
+
+class ChatCompletionRequest(_Conversation, _SamplingFields):
     """POST /v1/chat/completions (text content parts only)."""
 
-    messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool = False
     top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
-    add_generation_prompt: bool = True
+    tool_choice: ToolChoice | None = None  # default: auto with tools, else none
+    parallel_tool_calls: bool = True
 
     @model_validator(mode="after")
     def _check_logprobs(self):
@@ -149,10 +298,60 @@ class ChatCompletionRequest(_SamplingFields):
             raise ValueError("top_logprobs needs logprobs to be true")
         return self
 
+    @property
+    def effective_tool_choice(self) -> ToolChoice:
+        """What `tool_choice` means here: given, else `auto` with tools, `none` without."""
+        if self.tool_choice is not None:
+            return self.tool_choice
+        return "auto" if self.tools else "none"
+
+    def constraints(self) -> dict[str, StructuredOutput]:
+        """With a forced tool call's (`tool_choice`); raises ParamError for a `tool_choice`
+        the tools cannot satisfy (at parse: a 400)."""
+        out = super().constraints()
+        schema = forced_schema(self.tools or [], self.effective_tool_choice,
+                               self.parallel_tool_calls)
+        if schema is not None:
+            out["tool_choice"] = StructuredOutput("json_schema", json.dumps(schema))
+        return out
+
     def to_sampling_params(self) -> SamplingParams:
         max_tokens = self.max_completion_tokens or self.max_tokens
         k = (self.top_logprobs or 0) if self.logprobs else None
         return self.sampling_params(max_tokens, k)
+
+
+# -- vLLM's /tokenize and /detokenize ------------------------------------------------------
+class TokenizeCompletionRequest(BaseModel):
+    model_config = _STRICT
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+
+class TokenizeChatRequest(_Conversation):
+    model: str | None = None
+    add_special_tokens: Literal[False] = False  # the template writes the special tokens
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = _STRICT
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=0, lt=1 << 31)]]
+
+
+TokenizeRequest = TokenizeChatRequest | TokenizeCompletionRequest
+
+
+def parse_tokenize_request(body: bytes) -> TokenizeRequest:
+    """A /tokenize body: messages (chat, through the template) or a prompt."""
+    try:
+        chat = "messages" in json.loads(body)
+    except (ValueError, TypeError):
+        chat = False  # parse_request names the problem
+    return parse_request(TokenizeChatRequest if chat else TokenizeCompletionRequest, body)
 
 
 def parse_request(model: type[BaseModel], body: bytes):
@@ -165,8 +364,12 @@ def parse_request(model: type[BaseModel], body: bytes):
         kind = first["type"]
         if kind == "json_invalid":
             raise OpenAIError(400, f"the body is not valid JSON: {first['msg']}") from None
+        cause = first.get("ctx", {}).get("error")
+        if isinstance(cause, ParamError) and not loc:
+            loc = cause.param
         if kind == "extra_forbidden":
             msg = f"unsupported field {loc!r}: Baton does not implement it"
         else:
-            msg = f"{loc + ': ' if loc else ''}{first['msg']}"
+            text = str(cause) if isinstance(cause, ValueError) else first["msg"]
+            msg = f"{loc + ': ' if loc else ''}{text}"
         raise OpenAIError(400, msg, param=loc or None) from None

@@ -103,7 +103,10 @@ class AsyncEngine:
         return self._thread is not None and self._thread.is_alive() and self.dead_error is None
 
     def start(self) -> None:
+        """Start the engine loop (the grammar engine is built first, so the first
+        structured request pays no set-up)."""
         if self._thread is None:
+            self.core.structured.warm_up()
             self._thread = threading.Thread(target=self._run, name="baton-engine", daemon=True)
             self._thread.start()
 

@@ -23,6 +23,8 @@ from baton.engine.request import Request, RequestStatus
 from baton.engine.runner import ModelRunner
 from baton.engine.sampler import TokenLogprobs
 from baton.engine.scheduler import SchedulerLimits, make_scheduler
+from baton.engine.structured.base import GrammarCompileError
+from baton.engine.structured.manager import StructuredOutputs, grammar_complete, rebuild
 from baton.engine.tokenizer import IncrementalDetokenizer, load_tokenizer
 
 log = logging.getLogger(__name__)
@@ -71,6 +73,8 @@ class EngineCore:
             config.max_num_batched_tokens, config.max_num_seqs, max_len,
             config.scheduling_policy), self.kv, self.connector)
         self.eos_token_id = self.tokenizer.eos_token_id
+        self.structured = StructuredOutputs.for_tokenizer(
+            self.tokenizer, self.model_config.vocab_size, self.eos_token_id)
         self._detok: dict[str, IncrementalDetokenizer | None] = {}
         self.stats = EngineStats()
         self._failed_steps = 0  # in a row
@@ -96,7 +100,8 @@ class EngineCore:
         `kv`: `HoldKV` (prefill role) or `PullKV` (decode role), see `engine.kv_connector`;
         a pulled request's first output is the token the prefill sampled. `presampled`:
         draws a seeded sampler already made for this request elsewhere (tokens a resumed
-        stream had sent), which ours skips to continue its sequence."""
+        stream had sent), which ours skips to continue its sequence, and a structured
+        output's grammar is advanced over (in `add`; a spec that does not compile raises)."""
         n = len(prompt_token_ids)
         self._check_prompt(prompt_token_ids)
         self._check_params(params)
@@ -106,11 +111,15 @@ class EngineCore:
                       eos_token_id=self.eos_token_id, priority=priority, detokenize=detokenize)
         if arrival_time is not None:
             req.arrival_time = arrival_time
+        try:
+            req.grammar = self.structured.matcher_for(params.structured)
+        except GrammarCompileError as err:
+            raise InvalidRequestError(str(err), param="response_format") from None
         if presampled < 0:
             raise InvalidRequestError(f"presampled={presampled} must be >= 0")
         req.num_presampled = presampled
         if kv is not None:
-            self._check_handoff(kv, n)
+            self._check_handoff(kv, n, params)
             req.kv_handoff = kv
         if isinstance(kv, PullKV):
             req.output_token_ids.append(kv.params.first_token)
@@ -137,15 +146,21 @@ class EngineCore:
     def _check_params(self, params: SamplingParams) -> None:
         """What SamplingParams cannot check alone: token ids against this vocabulary."""
         vocab = self.model_config.vocab_size
-        bad = [t for t in params.stop_token_ids if not 0 <= t < vocab]
-        if bad:
-            raise InvalidRequestError(f"stop_token_ids {bad[:5]} are outside this model's "
-                                      f"vocabulary [0, {vocab})", param="stop_token_ids")
+        for name, ids in (("stop_token_ids", params.stop_token_ids),
+                          ("logit_bias", params.logit_bias or ())):
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise InvalidRequestError(f"{name} token ids {bad[:5]} are outside this "
+                                          f"model's vocabulary [0, {vocab})", param=name)
 
-    def _check_handoff(self, kv: KVHandoff, num_prompt: int) -> None:
+    def _check_handoff(self, kv: KVHandoff, num_prompt: int, params: SamplingParams) -> None:
         if self.connector is None:
             raise InvalidRequestError("this engine has no KV transport (kv_transport=None)")
         if isinstance(kv, PullKV):
+            if params.prompt_logprobs is not None:  # only the prefill engine sees the prompt
+                raise InvalidRequestError("prompt_logprobs come from the engine that computes "
+                                          "the prompt, not one pulling its KV",
+                                          param="prompt_logprobs")
             try:
                 kv.check(num_prompt, self.kv.blocks_for(num_prompt),
                          self.model_config.vocab_size)
@@ -160,6 +175,9 @@ class EngineCore:
         self._detok[req.request_id] = IncrementalDetokenizer(
             self.tokenizer, req.prompt_token_ids, p.stop, p.include_stop_str_in_output,
             p.skip_special_tokens) if req.detokenize else None
+        error = rebuild(req)
+        if error is not None:
+            return self._fail([req], {req.request_id: error})
         outputs = []
         for token in list(req.output_token_ids):
             status = self.scheduler.stop_status(req, token)
@@ -223,6 +241,7 @@ class EngineCore:
                                if s.request.request_id in result.failed], result.failed)
         for s in sched.scheduled:
             req = s.request
+            req.add_prompt_logprobs(result.prompt_logprobs.get(req.request_id))
             token = sampled.get(req.request_id)
             if token is None:
                 continue
@@ -259,16 +278,20 @@ class EngineCore:
 
     def _token_output(self, req: Request, token: int, lp, finished: bool) -> EngineOutput:
         text, matched = self._detok_add(req, token)
-        if matched is not None and not finished:
+        # A stop string, or a structured output now complete, ends it ("stop").
+        stopped = matched is not None or grammar_complete(req)
+        if stopped and not finished:
             self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
             req.stop_reason = matched
             finished = True
-        elif matched is not None:  # a stop string on the very token that also ended it
-            req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, matched
+        elif stopped:  # on the very token that also ended it
+            req.status = RequestStatus.FINISHED_STOPPED
+            req.stop_reason = matched or req.stop_reason
         lps = [lp] if lp is not None else None
         if finished:
             return self._final_output(req, [token], text, lps)
-        out = EngineOutput(req.request_id, [token], text, lps)
+        out = EngineOutput(req.request_id, [token], text, lps,
+                           prompt_logprobs=req.take_prompt_logprobs())
         if req.num_output_tokens == 1:  # the first token: how it was reached
             out.queue_time, out.kv_transfer_time = self._queued(req), req.kv_transfer_time
         return out
@@ -289,7 +312,8 @@ class EngineCore:
                             num_prompt_tokens=req.num_prompt_tokens,
                             num_cached_tokens=req.num_cached_tokens, queue_time=queued,
                             kv_transfer_time=req.kv_transfer_time,
-                            kv_transfer_params=req.kv_transfer_params)
+                            kv_transfer_params=req.kv_transfer_params,
+                            prompt_logprobs=req.take_prompt_logprobs() if tokens else None)
 
     # -- introspection ---------------------------------------------------------------------
     @property

@@ -9,6 +9,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 
 from baton.common.sampling_params import SamplingParams, child_params
 from baton.engine.config import EngineConfig
@@ -72,6 +73,8 @@ class LLM:
             self._counter += 1
             results.append(out)
             for i, child in enumerate(child_params(p)):
+                if i:  # one sample's prompt logprobs serve them all; the rest hit the cache
+                    child = replace(child, prompt_logprobs=None)
                 pending.append(engine.make_request(f"{out.request_id}-{i}", ids, child, pr))
         for req in pending:
             engine.add(req)
@@ -93,6 +96,8 @@ class LLM:
     def _apply(by_id: dict, o: EngineOutput, bar) -> None:
         result, completion = by_id[o.request_id]
         completion.add([o])
+        if o.prompt_logprobs is not None:
+            result.prompt_logprobs = o.prompt_logprobs
         if o.finished:
             result.num_cached_tokens = max(result.num_cached_tokens, o.num_cached_tokens)
             if bar is not None:

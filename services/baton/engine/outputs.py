@@ -23,6 +23,9 @@ class EngineOutput:
     queue_time: float | None = None  # arrival -> first scheduled; first and final outputs
     kv_transfer_time: float | None = None  # decode role: the KV pull; first and final
     kv_transfer_params: dict | None = None  # prefill role: where a decode pod pulls the KV
+    # sampling_params.prompt_logprobs: one entry per prompt token (the first None), on the
+    # request's first output that carries a token only
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -74,6 +77,8 @@ class RequestOutput:
     queue_time: float | None = None
     kv_transfer_time: float | None = None
     kv_transfer_params: dict | None = None
+    # vLLM's RequestOutput.prompt_logprobs: each prompt token's logprobs (the first None)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
 
     @property
     def finished(self) -> bool:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from baton.common.internal import KVTransferParams
 from baton.common.sampling_params import SamplingParams
 from baton.engine.kv_connector.handoff import KVHandoff
+from baton.engine.structured.base import GrammarMatcher
 
 
 class RequestStatus(enum.IntEnum):
@@ -71,6 +72,32 @@ class Request:
     # (hold my KV for a puller / pull this KV), and on a held one, where a puller finds it.
     kv_handoff: KVHandoff | None = None
     kv_transfer_params: KVTransferParams | None = None
+    # Structured output (sampling_params.structured): where the output is in its grammar.
+    grammar: GrammarMatcher | None = None
+    # sampling_params.prompt_logprobs: the sampler's TokenLogprobs of each prompt token
+    # computed so far (the first token has none: None), across prefill chunks; handed to
+    # the request's first output, then None.
+    prompt_logprobs: list | None = None
+
+    def __post_init__(self) -> None:
+        if self.sampling_params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]
+
+    def add_prompt_logprobs(self, lps: list | None) -> None:
+        """The next prompt tokens' logprobs, from the step that computed their positions."""
+        if lps and self.prompt_logprobs is not None:
+            self.prompt_logprobs += lps
+
+    def take_prompt_logprobs(self) -> list | None:
+        """The prompt logprobs, once (for the first output that carries a token)."""
+        lps, self.prompt_logprobs = self.prompt_logprobs, None
+        return lps
+
+    @property
+    def skips_prefix_cache(self) -> bool:
+        """Its prompt must be computed whole: prompt logprobs come from the prompt's own
+        logits, which a prefix-cache hit never produces (vLLM skips the cache likewise)."""
+        return self.sampling_params.prompt_logprobs is not None
 
     @property
     def num_prompt_tokens(self) -> int:

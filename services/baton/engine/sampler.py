@@ -1,5 +1,6 @@
-"""Token sampling for one step: penalties, min_tokens, greedy or temperature + top-k/top-p/
-min-p, per-request seeds, and logprobs of the raw model distribution.
+"""Token sampling for one step: logit_bias, penalties, min_tokens, grammar masks (structured
+outputs), greedy or temperature + top-k/top-p/min-p, per-request seeds, and logprobs of the
+raw model distribution (of sampled tokens, and of prompt tokens: `prompt_logprobs`).
 
 Seeded requests draw from their own generator, so their tokens do not depend on what else
 is in the batch; unseeded ones share the engine's generator.
@@ -12,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from baton.engine.request import Request
+from baton.engine.structured.masks import GrammarMasks, accept_sampled, apply_grammar_masks
 
 
 @dataclass
@@ -31,19 +33,25 @@ class Sampler:
         self._per_request.pop(request_id, None)
 
     def __call__(self, logits: torch.Tensor, reqs: list[Request],
-                 failed: dict[str, str] | None = None
+                 failed: dict[str, str] | None = None, masks: GrammarMasks | None = None
                  ) -> tuple[list[int], list[TokenLogprobs | None]]:
         """logits (N, V) float32, one row per request -> token ids and optional logprobs.
+        `logits` is not modified.
+
+        In order: logit_bias, penalties and min_tokens bans, the grammar `masks` of the
+        constrained rows (`structured.masks.fill_grammar_masks`), then temperature and
+        truncation; a constrained request's matcher then takes its token.
 
         `failed`: when given, a row whose own settings make its part raise (a seed torch
-        refuses, a banned or penalised id it cannot index) is sampled without them, and its
-        request id maps to the error in `failed`: the caller ends that request, the other
-        rows are unaffected. Without it the error propagates."""
+        refuses, a banned, biased or penalised id it cannot index, a token its grammar
+        rejects) is sampled without them, and its request id maps to the error in
+        `failed`: the caller ends that request, the other rows are unaffected. Without it
+        the error propagates."""
         logits = logits.float()
         want_logprobs = [i for i, r in enumerate(reqs) if r.sampling_params.logprobs is not None]
         raw_logprobs = (torch.log_softmax(logits[want_logprobs], dim=-1)
                         if want_logprobs else None)  # (W, V)
-        logits = self._apply_constraints(logits, reqs, failed)
+        logits = self._apply_constraints(logits, reqs, failed, masks)
         tokens = torch.empty(len(reqs), dtype=torch.long)
         greedy = [i for i, r in enumerate(reqs) if r.sampling_params.is_greedy]
         rand = [i for i, r in enumerate(reqs) if not r.sampling_params.is_greedy]
@@ -54,21 +62,29 @@ class Sampler:
         if rand:
             tokens[rand] = self._sample(logits[rand], [reqs[i] for i in rand], failed).cpu()
         token_list = tokens.tolist()
+        if masks is not None:
+            accept_sampled(reqs, masks, token_list, failed)
         lp: list[TokenLogprobs | None] = [None] * len(reqs)
         for w, i in enumerate(want_logprobs):
             lp[i] = _logprobs(raw_logprobs[w], token_list[i], reqs[i].sampling_params.logprobs)
         return token_list, lp
 
     def _apply_constraints(self, logits: torch.Tensor, reqs: list[Request],
-                           failed: dict[str, str] | None) -> torch.Tensor:
-        cloned = False
-        for i, req in enumerate(reqs):
+                           failed: dict[str, str] | None,
+                           masks: GrammarMasks | None) -> torch.Tensor:
+        """A copy of `logits` with every row's constraints applied (`logits` itself when
+        no row has any)."""
+        per_row = [(i, _banned_tokens(r)) for i, r in enumerate(reqs)]
+        per_row = [(i, b) for i, b in per_row if b or reqs[i].sampling_params.needs_penalties]
+        biased = [i for i, r in enumerate(reqs) if r.sampling_params.logit_bias]
+        if not (per_row or biased or masks):
+            return logits
+        logits = logits.clone()
+        if biased:
+            _add_logit_bias(logits, reqs, biased, failed)
+        for i, banned in per_row:
+            req = reqs[i]
             p = req.sampling_params
-            banned = _banned_tokens(req)
-            if not (p.needs_penalties or banned):
-                continue
-            if not cloned:
-                logits, cloned = logits.clone(), True
             saved = logits[i].clone()
             try:
                 if p.needs_penalties:
@@ -80,6 +96,8 @@ class Sampler:
                     raise
                 logits[i] = saved  # the row as the model gave it
                 failed[req.request_id] = f"sampling constraints: {err}"
+        if masks is not None:
+            apply_grammar_masks(logits, masks)
         return logits
 
     def _sample(self, logits: torch.Tensor, reqs: list[Request],
@@ -116,6 +134,32 @@ class Sampler:
                 skip.exponential_(generator=gen)
             self._per_request[req.request_id] = gen
         return gen
+
+
+def _add_logit_bias(logits: torch.Tensor, reqs: list[Request], rows: list[int],
+                    failed: dict[str, str] | None) -> None:
+    """Add each biased row's logit_bias, one scatter for the batch. A row naming an id
+    outside the vocabulary (make_request refuses those) is left unbiased and failed."""
+    vocab = logits.shape[-1]
+    row_ids: list[int] = []
+    cols: list[int] = []
+    vals: list[float] = []
+    for i in rows:
+        bias = reqs[i].sampling_params.logit_bias
+        bad = [t for t in bias if not 0 <= t < vocab]
+        if bad:
+            why = f"logit_bias: token ids {bad[:5]} are outside [0, {vocab})"
+            if failed is None:
+                raise IndexError(why)
+            failed[reqs[i].request_id] = why
+            continue
+        row_ids.extend([i] * len(bias))
+        cols.extend(bias)
+        vals.extend(bias.values())
+    if row_ids:
+        dev = logits.device
+        logits.index_put_((torch.tensor(row_ids, device=dev), torch.tensor(cols, device=dev)),
+                          torch.tensor(vals, dtype=logits.dtype, device=dev), accumulate=True)
 
 
 def _banned_tokens(req: Request) -> list[int]:
@@ -180,3 +224,19 @@ def _logprobs(row: torch.Tensor, token: int, k: int) -> TokenLogprobs:
         vals, ids = row.topk(k)
         top = list(zip(ids.tolist(), vals.tolist()))
     return TokenLogprobs(token, chosen, rank, top)
+
+
+def prompt_logprobs(logits: torch.Tensor, targets: list[int], k: int) -> list[TokenLogprobs]:
+    """logits (P, V) at P consecutive prompt positions, `targets` the prompt token after
+    each -> that token's logprob, rank and the k most likely, from the raw distribution
+    (as the sampled tokens' logprobs)."""
+    lp = torch.log_softmax(logits.float(), dim=-1)  # (P, V)
+    tgt = torch.tensor(targets, device=lp.device)[:, None]  # (P, 1)
+    chosen = lp.gather(1, tgt)  # (P, 1)
+    ranks = ((lp > chosen).sum(dim=-1) + 1).tolist()
+    top: list[list[tuple[int, float]]] = [[] for _ in targets]
+    if k:
+        vals, ids = lp.topk(k, dim=-1)  # (P, k)
+        top = [list(zip(i, v)) for i, v in zip(ids.tolist(), vals.tolist())]
+    return [TokenLogprobs(t, c, r, top[j])
+            for j, (t, c, r) in enumerate(zip(targets, chosen[:, 0].tolist(), ranks))]

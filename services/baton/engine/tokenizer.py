@@ -13,10 +13,14 @@ def load_tokenizer(model_dir: Path):
 
 
 def apply_chat_template(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
-                        **kwargs) -> list[int]:
+                        tools: list[dict] | None = None, **kwargs) -> list[int]:
+    """The conversation's token ids. `messages` as OpenAI's, with each call's `arguments`
+    a dict and the `name` / `tool_calls` / `tool_call_id` fields a template reads;
+    `tools` OpenAI-shaped function tools (None: the template renders none)."""
     if not tokenizer.chat_template:
         raise ValueError("this model's tokenizer has no chat template; use completions")
-    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+    ids = tokenizer.apply_chat_template(messages, tools=tools,
+                                        add_generation_prompt=add_generation_prompt,
                                         tokenize=True, return_dict=False, **kwargs)
     return list(ids)
 

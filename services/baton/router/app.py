@@ -6,7 +6,7 @@ its path: its routing context (`routing_context.py`), the decode pod and remote 
 a disaggregated deployment (`remote_prefill.py`, deciding with `scheduling/disagg.py`), and
 the retry loop (`retry.py`) whose attempts relay the answer (`relay.py`) and resume a
 decode stream that breaks (`resume.py`). `/v1/models` aggregates what the healthy workers
-serve. Settings and the live `Tunables` are in `settings.py`. Never imports torch.
+serve; `/tokenize` and `/detokenize` (vLLM's) go to a worker of the model, with retries. Settings and the live `Tunables` are in `settings.py`. Never imports torch.
 
 Around that path: the caller's tenant (`tenants.py`: API keys, rate limits), the latency
 the client sees (`slo.py`), a `router.request` span continuing the client's `traceparent`
@@ -37,7 +37,8 @@ from baton.common.errors import OpenAIError
 from baton.common.http_limits import aiohttp_protocols
 from baton.common.internal import Api
 from baton.common.metrics import CONTENT_TYPE, RouterMetrics, render
-from baton.common.protocol import ChatCompletionRequest, CompletionRequest, parse_request
+from baton.common.protocol import (ChatCompletionRequest, CompletionRequest,
+                                   DetokenizeRequest, parse_request, parse_tokenize_request)
 from baton.common.tracing import Span, Tracing, setup_tracing
 from baton.common.tuning import ConfigWatcher, Tuning, TuningError
 from baton.router.discovery import Discovery, StaticDiscovery
@@ -48,6 +49,7 @@ from baton.router.relay import Relay
 from baton.router.remote_prefill import RemotePrefill
 from baton.router.retry import Forwarder, Inbound
 from baton.router.routing_context import ContextBuilder
+from baton.router.scheduling.context import RoutingContext
 from baton.router.settings import RouterSettings, Tunables
 from baton.router.slo import ClientClock
 from baton.router.tenants import RateLimited, Tenant, Tenants, TokenCharge
@@ -178,6 +180,32 @@ class Router:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._relay(request, "/v1/completions", CompletionRequest, "completions")
 
+    async def tokenize(self, request: web.Request) -> web.StreamResponse:
+        return await self._tokenizer_call(request, parse_tokenize_request)
+
+    async def detokenize(self, request: web.Request) -> web.StreamResponse:
+        return await self._tokenizer_call(
+            request, lambda body: parse_request(DetokenizeRequest, body))
+
+    async def _tokenizer_call(self, request: web.Request, parse) -> web.StreamResponse:
+        """/tokenize or /detokenize: validated here, answered by a worker of the body's
+        model (any worker without one), retried like any request."""
+        tenant = request[TENANT]
+        try:
+            tenant.admit(time.monotonic())
+            body = await request.read()
+            req = parse(body)
+            if req.model is not None:
+                self._check_model(req.model)
+            rid = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+            inbound = Inbound(request, request.path, body, rid, stream=False)
+            response = await self.forwarder.forward(inbound, RoutingContext(model=req.model),
+                                                    None, self.tunables)
+        except OpenAIError as err:
+            response = _error(err)
+        self.metrics.requests.labels(str(response.status), tenant.name).inc()
+        return response
+
     async def _relay(self, request: web.Request, path: str, model_cls,
                      api: Api) -> web.StreamResponse:
         received = time.monotonic()
@@ -252,13 +280,15 @@ async def _openai_errors(request: web.Request, handler):
 
 
 TENANT = web.RequestKey("tenant", Tenant)  # who is calling, set by `_authenticate`
-PROTECTED = ("/v1/", "/workers")  # with keys configured; probes and scrapers stay open
+# with keys configured; probes and scrapers stay open
+PROTECTED = ("/v1/", "/workers", "/tokenize", "/detokenize")
 
 
 def _authenticate(tenants: Tenants):
-    """With any key configured, the OpenAI paths (/v1/…) and /workers (worker URLs and
-    loads) need `Authorization: Bearer <key>`, as vLLM's --api-key; /health, /ready and
-    /metrics stay open. Without keys every request is tenant `default`."""
+    """With any key configured, the OpenAI paths (/v1/…, /tokenize, /detokenize) and
+    /workers (worker URLs and loads) need `Authorization: Bearer <key>`, as vLLM's
+    --api-key; /health, /ready and /metrics stay open. Without keys every request is
+    tenant `default`."""
 
     @web.middleware
     async def check(request: web.Request, handler):
@@ -288,6 +318,8 @@ def build_app(settings: RouterSettings, tracing: Tracing | None = None) -> web.A
     app.router.add_get("/v1/models", router.models)
     app.router.add_post("/v1/chat/completions", router.chat_completions)
     app.router.add_post("/v1/completions", router.completions)
+    app.router.add_post("/tokenize", router.tokenize)
+    app.router.add_post("/detokenize", router.detokenize)
     return app
 
 

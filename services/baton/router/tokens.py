@@ -5,7 +5,8 @@ does (`common.hashing`), which needs the engine's token ids. A worker hands out 
 tokenizer's JSON and chat template (`GET /internal/tokenizer`, ~1.5 MB, once per model);
 the router tokenizes with the `tokenizers` library and renders chat templates with Jinja
 the way transformers does (sandboxed, `trim_blocks`, `lstrip_blocks`, `raise_exception`,
-`tojson`), then encodes without adding special tokens, as transformers does. Tests check
+`tojson`; the messages and tools as the worker passes them), then encodes without adding
+special tokens, as transformers does. Tests check
 the ids equal the worker's for chat and completion prompts.
 
 `TokenizerCache` fetches in the background when a model's first request arrives; until it
@@ -28,6 +29,12 @@ from baton.common.registry import hash_hex
 log = logging.getLogger("baton.router")
 
 
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+    """transformers' `tojson` filter (tool schemas go through it)."""
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                      sort_keys=sort_keys)
+
+
 def _raise(message: str):
     raise ValueError(message)
 
@@ -46,8 +53,7 @@ class RouterTokenizer:
         if payload.get("chat_template"):
             env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                                 extensions=[loopcontrols])
-            env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(
-                x, ensure_ascii=False, indent=indent)
+            env.filters["tojson"] = _tojson
             env.globals["raise_exception"] = _raise
             env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
             self._template = env.from_string(payload["chat_template"])
@@ -60,7 +66,7 @@ class RouterTokenizer:
                 return None
             try:
                 text = self._template.render(
-                    messages=[m.as_template_dict() for m in req.messages],
+                    messages=req.template_messages(), tools=req.template_tools(),
                     add_generation_prompt=req.add_generation_prompt, **self._special)
             except Exception:  # noqa: BLE001 - the worker answers the error itself
                 return None

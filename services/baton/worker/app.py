@@ -5,7 +5,7 @@ during the load and `/ready` turns 200 when the engine can take requests. A load
 stops the server (and `baton serve` exits non-zero).
 
 Endpoints: the OpenAI surface (`/v1/models`, `/v1/completions`, `/v1/chat/completions`,
-served by `pipeline.py`), `/health` (liveness: the process and its engine loop are alive),
+served by `pipeline.py`; and vLLM's `/tokenize` and `/detokenize`), `/health` (liveness: the process and its engine loop are alive),
 `/ready` (model loaded, engine loop alive), `/metrics` (Prometheus), `/load` (JSON load
 report for routers), `/internal/tokenizer` (for routers that tokenise), and the prefill and
 decode roles' internal endpoints (`internal.py`).
@@ -29,7 +29,8 @@ from starlette.responses import JSONResponse, Response
 from baton.common.auth import TOKEN_HEADER, bearer, token_matches
 from baton.common.errors import OpenAIError, install_error_handlers
 from baton.common.metrics import CONTENT_TYPE, render
-from baton.common.protocol import ChatCompletionRequest, CompletionRequest, parse_request
+from baton.common.protocol import (ChatCompletionRequest, CompletionRequest,
+                                   DetokenizeRequest, parse_request, parse_tokenize_request)
 from baton.common.roles import Role
 from baton.worker.internal import install_internal_routes
 from baton.worker.pipeline import Call
@@ -38,6 +39,7 @@ from baton.worker.state import WorkerSettings, WorkerState
 __all__ = ["WorkerSettings", "WorkerState", "build_app"]
 
 log = logging.getLogger("baton.worker")
+KEYED_PATHS = ("/v1/", "/tokenize", "/detokenize")  # what API keys guard
 
 
 def build_app(settings: WorkerSettings, state: WorkerState | None = None) -> FastAPI:
@@ -58,8 +60,9 @@ def build_app(settings: WorkerSettings, state: WorkerState | None = None) -> Fas
 
 def _install_auth(app: FastAPI, settings: WorkerSettings) -> None:
     """With the internal token set, /internal/* needs it (`X-Baton-Token`); with API keys
-    set, /v1/* needs one of them as a bearer token, or the internal token (a router's
-    call). Probes, metrics and /load stay open. Plain ASGI: streams pass untouched."""
+    set, /v1/*, /tokenize and /detokenize need one of them as a bearer token, or the
+    internal token (a router's call). Probes, metrics and /load stay open. Plain ASGI:
+    streams pass untouched."""
     if settings.internal_token is not None or settings.api_keys:
         app.add_middleware(_Auth, token=settings.internal_token, keys=settings.api_keys)
 
@@ -82,7 +85,7 @@ class _Auth:
         if path.startswith("/internal/") and self.token is not None and not internal:
             return OpenAIError(401, f"internal endpoints need the deployment's internal "
                                     f"token ({TOKEN_HEADER})", code="invalid_internal_token")
-        if path.startswith("/v1/") and self.keys and not internal:
+        if path.startswith(KEYED_PATHS) and self.keys and not internal:
             given = bearer(headers.get("authorization"))
             if not any(token_matches(given, k) for k in self.keys):
                 return OpenAIError(401, "invalid or missing API key (send Authorization: "
@@ -171,6 +174,16 @@ def _install_openai_routes(app: FastAPI, state: WorkerState) -> None:
     async def completions(request: Request):
         req = parse_request(CompletionRequest, await request.body())
         return await state.require_pipeline().serve(request, Call("completions", req))
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        req = parse_tokenize_request(await request.body())
+        return state.require_pipeline().tokenize(req)
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        req = parse_request(DetokenizeRequest, await request.body())
+        return state.require_pipeline().detokenize(req)
 
 
 async def _load(state: WorkerState) -> None:

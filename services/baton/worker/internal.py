@@ -98,9 +98,9 @@ def _prefill_jobs(pipeline: Pipeline, msg: PrefillRequest, request_id: str) -> l
     prompts = pipeline.prompts(msg.api, req)
     if len(prompts) != 1:
         raise OpenAIError(400, "remote prefill takes one prompt per request")
-    return pipeline.serving.make_jobs(request_id, prompts,
-                                      prefill_params(req.to_sampling_params()), "prompt",
-                                      kv=HoldKV())
+    params = prefill_params(pipeline.sampling_params(msg.api, req))
+    return pipeline.serving.make_jobs(request_id, prompts, params, "prompt", kv=HoldKV(),
+                                      priority=req.priority)
 
 
 async def _run_prefill(serving, jobs: list, request_id: str) -> PrefillResponse:

@@ -1,7 +1,10 @@
 """Logprobs in OpenAI's two shapes, from the sampler's `TokenLogprobs`.
 
 Token texts are each token decoded on its own (what OpenAI's `token` fields hold), cached
-per worker: the same few thousand tokens come back in every response.
+per worker: the same few thousand tokens come back in every response. A prompt's logprobs
+(completions' `echo` with `logprobs`) come first in the completion's, as vLLM's: the first
+prompt token has none (`null` logprob and top logprobs), and text offsets count from the
+start of the prompt.
 """
 
 from __future__ import annotations
@@ -43,3 +46,25 @@ class TokenTexts:
             offset += len(s)
         return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops,
                 "text_offset": offsets}
+
+    def prompt_logprobs(self, prompt_ids: list[int], lps: list[TokenLogprobs | None]) -> dict:
+        """Completions' `logprobs` of a prompt: one entry per prompt token (`lps`: the
+        engine's, None where a token has none — the first)."""
+        tokens, values, tops, offsets = [], [], [], []
+        offset = 0
+        lps = list(lps) + [None] * (len(prompt_ids) - len(lps))
+        for tid, lp in zip(prompt_ids, lps):
+            s = self.text(tid)
+            tokens.append(s)
+            values.append(None if lp is None else max(lp.logprob, MIN_LOGPROB))
+            tops.append(None if lp is None else {
+                self.text(t): max(v, MIN_LOGPROB) for t, v in lp.top})
+            offsets.append(offset)
+            offset += len(s)
+        return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops,
+                "text_offset": offsets}
+
+
+def joined(first: dict, then: dict) -> dict:
+    """Two completions' `logprobs` objects as one (the prompt's, then the output's)."""
+    return {key: first[key] + then[key] for key in first}

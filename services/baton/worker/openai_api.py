@@ -8,6 +8,12 @@ Formatting reads the updates only; it never calls the serving side.
 An error after the stream has started cannot change the status code any more: it is sent as
 one `data: {"error": ...}` event followed by `data: [DONE]`, as vLLM does.
 
+A chat choice whose tool calls are read (`tool_calls.py`) shows its calls as `tool_calls`
+deltas and its other text as content; it finishes with `tool_calls` when it made calls.
+Completions with `echo` and `logprobs` show the prompt's logprobs (the first token's None)
+before the output's, with the echoed prompt in the choice's first content event. With
+`stream_options.continuous_usage_stats`, every chunk carries the usage so far.
+
 `Internal` carries what only a router asks of a decode pod's /internal/generate:
 
 - `return_token_ids`: `common.internal.TokenEvent`s beside the content events, so the
@@ -33,8 +39,9 @@ from dataclasses import dataclass, field
 from baton.common.internal import Api, OpenAIBody, ResumeState, StreamHeader, TokenEvent
 from baton.engine.outputs import EngineOutput
 from baton.engine.sampler import TokenLogprobs
-from baton.worker.logprobs import TokenTexts
+from baton.worker.logprobs import TokenTexts, joined
 from baton.worker.serving import FirstToken, Job, Update, engine_error
+from baton.worker.tool_calls import ChoiceTools, ToolFormat
 
 SSE_DONE = b"data: [DONE]\n\n"
 
@@ -56,6 +63,9 @@ class Choice:
     index: int
     echo: str = ""  # completions with `echo`: the prompt's text, before the output
     text_offset: int = 0  # characters before this choice's output (echo, a resumed stream)
+    tools: ChoiceTools | None = None  # chat with tool calls to read
+    echo_pending: bool = False  # the echo goes out with the first update (prompt logprobs)
+    prompt_logprobs: list[TokenLogprobs | None] | None = None
     text: str = ""
     num_tokens: int = 0
     logprobs: list[TokenLogprobs] = field(default_factory=list)
@@ -75,6 +85,9 @@ class Choice:
         self.logprobs += self.new_logprobs
         self.cached = batch[-1].num_cached_tokens or self.cached
         self.finish_reason = batch[-1].finish_reason
+        for out in batch:
+            if out.prompt_logprobs is not None:
+                self.prompt_logprobs = out.prompt_logprobs
 
     @property
     def new_text_offset(self) -> int:
@@ -83,12 +96,14 @@ class Choice:
 
 
 class OpenAIFormat:
-    """One worker's OpenAI formatting: its model name and its tokenizer's token texts."""
+    """One worker's OpenAI formatting: its model name, its tokenizer's token texts and its
+    tool-call format (`tool_parser`: `--tool-call-parser`)."""
 
-    def __init__(self, tokenizer, model_name: str) -> None:
+    def __init__(self, tokenizer, model_name: str, tool_parser: str = "auto") -> None:
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.texts = TokenTexts(tokenizer)
+        self.tools = ToolFormat(tool_parser, tokenizer.chat_template)
 
     def answer(self, api: Api, request: OpenAIBody, response_id: str,
                prompts: list[list[int]], num_choices: int, internal: Internal) -> Answer:
@@ -101,11 +116,26 @@ class OpenAIFormat:
                               model=self.model_name)
         per_prompt = num_choices // len(prompts)
         offset = resume.text_offset if resume is not None else 0
+        prompt_lps = api == "completions" and request.prompt_logprobs is not None
         choices = []
         for i in range(num_choices):
             echo = self._echo(api, request, prompts, i // per_prompt)
-            choices.append(Choice(i, echo, len(echo) + offset))
+            tools = self._choice_tools(request, prompts, resume) if api == "chat" else None
+            choices.append(Choice(i, echo, len(echo) + offset, tools,
+                                  echo_pending=prompt_lps and resume is None))
         return Answer(self, api, request, header, prompts, choices, internal)
+
+    def _choice_tools(self, request: OpenAIBody, prompts: list[list[int]],
+                      resume: ResumeState | None) -> ChoiceTools | None:
+        """A choice's tool-call reader; a resumed stream's first reads (silently) the text
+        the interrupted pod sent, so its calls go on where they were."""
+        tools = self.tools.choice_tools(request)
+        if tools is not None and resume is not None and resume.completion_tokens:
+            skip = request.skip_special_tokens and not self.tools.keeps_special_tokens(
+                request)
+            sent = prompts[0][-resume.completion_tokens:]
+            tools.deltas(self.tokenizer.decode(sent, skip_special_tokens=skip), False)
+        return tools
 
     def _echo(self, api: Api, request: OpenAIBody, prompts: list[list[int]], p: int) -> str:
         if api != "completions" or not request.echo:
@@ -127,6 +157,7 @@ class Answer:
         self.chat = api == "chat"
         self.want_logprobs = bool(request.logprobs) if self.chat \
             else request.logprobs is not None
+        self.continuous_usage = request.continuous_usage
         self.first_token: FirstToken | None = None  # the first choice's to get a token
         self.kv_transfer_s: float | None = None
 
@@ -144,13 +175,11 @@ class Answer:
     def body(self) -> dict:
         """The non-streaming response body, once every choice finished."""
         if self.chat:
-            choices = [{"index": c.index,
-                        "message": {"role": "assistant", "content": c.text},
-                        "logprobs": self._logprobs(c.logprobs, c.text_offset),
-                        "finish_reason": c.finish_reason} for c in self.choices]
+            choices = [self._whole_message(c) for c in self.choices]
         else:
+            echoed = self.internal.resume is None
             choices = [{"index": c.index, "text": c.echo + c.text,
-                        "logprobs": self._logprobs(c.logprobs, c.text_offset),
+                        "logprobs": self._text_logprobs(c, c.logprobs, c.text_offset, echoed),
                         "finish_reason": c.finish_reason} for c in self.choices]
         h = self.header
         kind = "chat.completion" if self.chat else h.object
@@ -168,16 +197,18 @@ class Answer:
                 out += TokenEvent(prompt_token_ids=self.prompts[0], header=self.header).sse()
             return out
         if self.internal.return_token_ids:  # its chars: the echo chunk's, which follows it
-            echoed = 0 if self.chat else len(self.choices[0].echo)
+            first = self.choices[0]
+            echoed = 0 if self.chat or first.echo_pending else len(first.echo)
             out += TokenEvent(prompt_token_ids=self.prompts[0], header=self.header,
                               text_chars=echoed).sse()
         for c in self.choices:
+            echo = "" if c.echo_pending else c.echo  # pending: with the prompt's logprobs
             if self.chat:
                 out += self._sse({"index": c.index, "delta": {"role": "assistant",
                                                               "content": ""},
                                   "logprobs": None, "finish_reason": None})
-            elif c.echo or self.internal.return_token_ids:
-                out += self._sse({"index": c.index, "text": c.echo, "logprobs": None,
+            elif echo or self.internal.return_token_ids:
+                out += self._sse({"index": c.index, "text": echo, "logprobs": None,
                                   "finish_reason": None})
         return out
 
@@ -187,21 +218,47 @@ class Answer:
         reason or logprobs to show."""
         c = self.add(job, batch)
         finished = c.finish_reason is not None
-        shown = bool(c.new_text or finished or (self.want_logprobs and c.new_logprobs))
+        chars = len(c.new_text) + (len(c.echo) if c.echo_pending else 0)
+        choices = self._chat_deltas(c, finished) if self.chat else self._text_delta(c, finished)
         out = b""
-        if self.internal.return_token_ids and (c.new_token_ids or shown):
-            out += TokenEvent(token_ids=c.new_token_ids, text_chars=len(c.new_text),
+        if self.internal.return_token_ids and (c.new_token_ids or choices):
+            out += TokenEvent(token_ids=c.new_token_ids, text_chars=chars,
                               finished=finished).sse()
-        if not shown:
-            return out
-        lps = self._logprobs(c.new_logprobs, c.new_text_offset)
-        if self.chat:
-            choice = {"index": c.index, "delta": {"content": c.new_text}}
+        for i, choice in enumerate(choices):  # the last one has the finish reason
+            event = self._chunk([choice])
+            out += sse(self._timed(event) if finished and i == len(choices) - 1 else event)
+        return out
+
+    def _chat_deltas(self, c: Choice, finished: bool) -> list[dict]:
+        """A chat choice's stream choices for its latest update: its content, or its
+        calls' parts, one delta each; logprobs and the finish reason on the last."""
+        if c.tools is not None:
+            deltas = c.tools.deltas(c.new_text, finished)
+            reason, empty = c.tools.finish_reason(c.finish_reason), {}
         else:
-            choice = {"index": c.index, "text": c.new_text}
-        choice |= {"logprobs": lps, "finish_reason": c.finish_reason}
-        event = self._chunk([choice])
-        return out + sse(self._timed(event) if finished else event)
+            deltas = [{"content": c.new_text}] if c.new_text else []
+            reason, empty = c.finish_reason, {"content": ""}
+        if not (deltas or finished or (self.want_logprobs and c.new_logprobs)):
+            return []
+        choices = [{"index": c.index, "delta": d, "logprobs": None, "finish_reason": None}
+                   for d in deltas or [empty]]
+        choices[-1] |= {"logprobs": self._logprobs(c.new_logprobs, c.new_text_offset),
+                        "finish_reason": reason}
+        return choices
+
+    def _text_delta(self, c: Choice, finished: bool) -> list[dict]:
+        """A completion choice's stream choice for its latest update (none when it has
+        nothing to show); the first one of an echo with logprobs carries the prompt."""
+        text = c.new_text
+        lps = self._logprobs(c.new_logprobs, c.new_text_offset)
+        if c.echo_pending:
+            c.echo_pending = False
+            text = c.echo + text
+            lps = self._text_logprobs(c, c.new_logprobs, c.new_text_offset, True)
+        elif not (text or finished or (self.want_logprobs and c.new_logprobs)):
+            return []
+        return [{"index": c.index, "text": text, "logprobs": lps,
+                 "finish_reason": c.finish_reason}]
 
     def usage_event(self) -> bytes:
         return sse(self._chunk([]) | {"usage": self.usage()})
@@ -227,8 +284,30 @@ class Answer:
             return self.texts.chat_logprobs(lps)
         return self.texts.completion_logprobs(lps, offset)
 
+    def _text_logprobs(self, c: Choice, lps: list[TokenLogprobs], offset: int,
+                       with_prompt: bool) -> dict | None:
+        """A completion's logprobs, after its prompt's when it has them (echo)."""
+        out = self._logprobs(lps, offset)
+        if out is None or not with_prompt or c.prompt_logprobs is None:
+            return out
+        prompt = self.prompts[c.index * len(self.prompts) // len(self.choices)]
+        return joined(self.texts.prompt_logprobs(prompt, c.prompt_logprobs), out)
+
+    def _whole_message(self, c: Choice) -> dict:
+        message = {"role": "assistant", "content": c.text}
+        reason = c.finish_reason
+        if c.tools is not None:
+            message = {"role": "assistant", **c.tools.message(c.text)}
+            reason = c.tools.finish_reason(reason)
+        return {"index": c.index, "message": message,
+                "logprobs": self._logprobs(c.logprobs, c.text_offset),
+                "finish_reason": reason}
+
     def _chunk(self, choices: list[dict]) -> dict:
-        return self._base | {"choices": choices}
+        chunk = self._base | {"choices": choices}
+        if self.continuous_usage:  # vLLM's continuous_usage_stats: the usage so far
+            chunk["usage"] = self.usage()
+        return chunk
 
     def _sse(self, choice: dict) -> bytes:
         return sse(self._chunk([choice]))

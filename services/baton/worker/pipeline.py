@@ -8,7 +8,7 @@ Whatever way the answer ends (done, error, the client leaving), every job still 
 aborted so its KV blocks are freed. A whole (non-streamed) answer watches for the client's
 disconnect and stops early; a stream stops when the server can no longer write to it.
 The public routes (`app.py`) and the decode role's /internal/generate (`internal.py`) both
-end here.
+end here; so do vLLM's /tokenize and /detokenize (`tokenize`, `detokenize`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,9 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from baton.common.errors import OpenAIError
 from baton.common.internal import Api, OpenAIBody
-from baton.common.protocol import ChatCompletionRequest
+from baton.common.sampling_params import SamplingParams
+from baton.common.protocol import (DetokenizeRequest, TokenizeChatRequest,
+                                   TokenizeRequest)
 from baton.engine.kv_connector import PullKV
 from baton.common.tracing import Span, Tracing
 from baton.engine.tokenizer import apply_chat_template
@@ -46,13 +48,17 @@ class Call:
 
 
 class Pipeline:
-    def __init__(self, serving: Serving, fmt: OpenAIFormat,
-                 tracing: Tracing | None = None) -> None:
+    """`priority_scheduling`: the engine runs lower `priority` values first (else a
+    request's non-zero `priority` is a 400)."""
+
+    def __init__(self, serving: Serving, fmt: OpenAIFormat, tracing: Tracing | None = None,
+                 priority_scheduling: bool = False) -> None:
         self.serving = serving
         self.format = fmt
         self.tracing = tracing or Tracing()
         self.model_name = fmt.model_name
         self.tokenizer = fmt.tokenizer
+        self.priority_scheduling = priority_scheduling
 
     def check_model(self, name: str) -> None:
         """A 404 OpenAIError unless `name` is the model this worker serves."""
@@ -68,10 +74,13 @@ class Pipeline:
         return [self.tokenizer.encode(p) if isinstance(p, str) else list(p)
                 for p in request.prompts()]
 
-    def _chat_prompt(self, request: ChatCompletionRequest) -> list[int]:
-        messages = [m.as_template_dict() for m in request.messages]
+    def _chat_prompt(self, request) -> list[int]:
+        """A conversation's (chat or /tokenize) ids through the chat template, its tools
+        included."""
         try:
-            return apply_chat_template(self.tokenizer, messages, request.add_generation_prompt)
+            return apply_chat_template(self.tokenizer, request.template_messages(),
+                                       request.add_generation_prompt,
+                                       tools=request.template_tools())
         except Exception as err:  # noqa: BLE001 - template errors are the caller's input
             raise OpenAIError(400, f"the chat template rejected the messages: {err}",
                               param="messages") from None
@@ -85,7 +94,7 @@ class Pipeline:
         timing = http.headers.get("x-baton-timing")
         if timing is not None:
             internal = replace(internal, timing=parse_timing(timing))
-        params = req.to_sampling_params()
+        params = self.sampling_params(call.api, req)
         prompts = call.prompts if call.prompts is not None else self.prompts(call.api, req)
         prefix = "chatcmpl" if call.api == "chat" else "cmpl"
         rid = response_id(prefix, http.headers.get("x-request-id"))
@@ -93,7 +102,8 @@ class Pipeline:
         jobs = self.serving.make_jobs(  # engine ids are ours, whatever the client sent
             new_id(prefix), prompts, params,
             "messages" if call.api == "chat" else "prompt", kv=call.kv,
-            presampled=resume.completion_tokens if resume is not None else 0)
+            presampled=resume.completion_tokens if resume is not None else 0,
+            priority=req.priority)  # an fcfs worker takes 0 only (sampling_params checks)
         if internal.return_token_ids and len(jobs) != 1:
             raise OpenAIError(400, "return_token_ids needs one prompt and n = 1",
                               param="return_token_ids")
@@ -101,6 +111,44 @@ class Pipeline:
         span = traces.start_request(self.tracing, f"worker.{call.api}", http.headers,
                                     **{"baton.stream": req.stream, "baton.jobs": len(jobs)})
         return await self._respond(http, jobs, answer, req.stream, span)
+
+    def sampling_params(self, api: Api, req: OpenAIBody) -> SamplingParams:
+        """The request's sampling parameters on this worker. Raises a 400 OpenAIError for
+        a `priority` this worker does not schedule by, or tool calls it cannot read."""
+        if req.priority and not self.priority_scheduling:
+            raise OpenAIError(400, f"priority {req.priority} needs a worker started with "
+                                   "--scheduling-policy priority; this one schedules first "
+                                   "come, first served", param="priority")
+        params = req.to_sampling_params()
+        if api == "chat":
+            self.format.tools.check(req)
+            if self.format.tools.keeps_special_tokens(req):
+                params = replace(params, skip_special_tokens=False)
+        return params
+
+    def tokenize(self, req: TokenizeRequest) -> dict:
+        """vLLM's /tokenize: a prompt's or a conversation's token ids."""
+        if req.model is not None:
+            self.check_model(req.model)
+        if isinstance(req, TokenizeChatRequest):
+            ids = self._chat_prompt(req)
+        else:
+            ids = list(self.tokenizer.encode(req.prompt,
+                                             add_special_tokens=req.add_special_tokens))
+        strs = self.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None
+        return {"count": len(ids), "max_model_len": self.serving.max_model_len,
+                "tokens": ids, "token_strs": strs}
+
+    def detokenize(self, req: DetokenizeRequest) -> dict:
+        """vLLM's /detokenize: token ids' text. A 400 for ids outside the vocabulary."""
+        if req.model is not None:
+            self.check_model(req.model)
+        vocab = len(self.tokenizer)
+        outside = [t for t in req.tokens if t >= vocab]
+        if outside:
+            raise OpenAIError(400, f"token ids {outside[:8]} are outside the vocabulary "
+                                   f"({vocab} tokens)", param="tokens")
+        return {"prompt": self.tokenizer.decode(req.tokens)}
 
     async def _respond(self, http: Request, jobs: list[Job], answer: openai_api.Answer,
                        stream: bool, span: Span) -> Response:

@@ -70,11 +70,11 @@ class Serving:
 
     # -- before the engine -----------------------------------------------------------------
     def make_jobs(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
-                  param: str, *, kv: KVHandoff | None = None, presampled: int = 0
-                  ) -> list[Job]:
+                  param: str, *, kv: KVHandoff | None = None, presampled: int = 0,
+                  priority: int = 0) -> list[Job]:
         """Validate every prompt against the context window and build one job per prompt
-        and sample (`kv` / `presampled`: see `AsyncEngine.make_request`). Raises a 400
-        OpenAIError naming `param` for a bad prompt; nothing is queued yet."""
+        and sample (`kv` / `presampled` / `priority`: see `AsyncEngine.make_request`).
+        Raises a 400 OpenAIError naming `param` for a bad prompt; nothing is queued yet."""
         for ids in prompts:
             self._check_context(len(ids), params, param)
         children = child_params(params)
@@ -84,7 +84,7 @@ class Serving:
                 index = p * len(children) + i
                 rid = f"{request_id}-{index}"
                 try:
-                    req = self.engine.make_request(rid, ids, child, kv=kv,
+                    req = self.engine.make_request(rid, ids, child, priority, kv=kv,
                                                    presampled=presampled)
                 except InvalidRequestError as err:
                     raise OpenAIError(400, str(err), param=err.param or param) from None

@@ -15,6 +15,7 @@ from baton.engine.config import EngineConfig
 from baton.worker.openai_api import OpenAIFormat
 from baton.worker.pipeline import Pipeline
 from baton.worker.serving import Serving
+from baton.worker.tool_parsers import PARSER_CHOICES
 
 if TYPE_CHECKING:
     from baton.common.tuning import ConfigWatcher
@@ -42,6 +43,9 @@ class WorkerSettings:
     # /v1 is open (behind a router and a NetworkPolicy).
     api_keys: tuple[str, ...] = field(default=(), repr=False)
     otlp_endpoint: str | None = None  # OTLP/HTTP traces URL (`common.tracing`); None: off
+    # How `tool_choice: auto` answers are read (`worker.tool_parsers`); auto: from the
+    # chat template; none: such requests are refused.
+    tool_call_parser: str = "auto"
 
     def __post_init__(self) -> None:
         if self.registry_url is not None and not self.advertise_url:
@@ -57,6 +61,9 @@ class WorkerSettings:
         if self.drain_timeout_s < 0:
             raise ValueError(f"WorkerSettings.drain_timeout_s={self.drain_timeout_s} must "
                              "be >= 0")
+        if self.tool_call_parser not in PARSER_CHOICES:
+            raise ValueError(f"WorkerSettings.tool_call_parser={self.tool_call_parser!r} "
+                             f"must be one of {PARSER_CHOICES}")
 
     @property
     def model_name(self) -> str:
@@ -101,9 +108,11 @@ class WorkerState:
         engine = AsyncEngine(self.settings.engine)
         engine.start()
         self.engine = engine
-        serving = Serving(engine, self.metrics, self.settings.max_waiting)
-        fmt = OpenAIFormat(engine.tokenizer, self.settings.model_name)
-        self.pipeline = Pipeline(serving, fmt, self.tracing)
+        settings = self.settings
+        serving = Serving(engine, self.metrics, settings.max_waiting)
+        fmt = OpenAIFormat(engine.tokenizer, settings.model_name, settings.tool_call_parser)
+        self.pipeline = Pipeline(serving, fmt, self.tracing, priority_scheduling=(
+            settings.engine.scheduling_policy == "priority"))
 
     def load_report(self) -> dict:
         """Role, model and load: what `/load` answers and the registry's heartbeat says."""

@@ -22,18 +22,35 @@ MODEL = "m"
 
 
 class FakeTokenizer:
-    """Token i is the text `<i>`; a string encodes to its character codes."""
+    """Token i is the text `<i>`; a string encodes to its character codes (after `bos`, if
+    set, with special tokens). A template renders each message's content, and the tools'
+    names."""
 
     chat_template = "fake"
+    vocab_size = 1 << 17
 
-    def decode(self, ids: list[int]) -> str:
+    def __init__(self) -> None:
+        self.bos: int | None = None
+        self.rendered: list[dict] = []  # what each apply_chat_template call was given
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = False) -> str:
         return "".join(f"<{i}>" for i in ids)
 
-    def encode(self, text: str) -> list[int]:
-        return [ord(c) for c in text]
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        special = [self.bos] if add_special_tokens and self.bos is not None else []
+        return special + [ord(c) for c in text]
 
-    def apply_chat_template(self, messages, add_generation_prompt=True, **_) -> list[int]:
-        return [1] + [ord(c) for m in messages for c in m["content"]]
+    def convert_ids_to_tokens(self, ids: list[int]) -> list[str]:
+        return [f"<{i}>" for i in ids]
+
+    def apply_chat_template(self, messages, add_generation_prompt=True, tools=None,
+                            **_) -> list[int]:
+        self.rendered.append({"messages": messages, "tools": tools})
+        names = "".join(t["function"]["name"] for t in tools or ())
+        return [1] + [ord(c) for m in messages for c in m["content"] + names]
 
 
 @dataclass
@@ -43,6 +60,7 @@ class FakeRequest:
     params: SamplingParams
     kv: object = None
     presampled: int = 0
+    priority: int = 0
 
 
 def out(rid: str, tokens: list[int], text: str | None = None, finish: str | None = None,
@@ -82,7 +100,7 @@ class FakeEngine:
                      presampled=0) -> FakeRequest:
         if not prompt_token_ids:
             raise InvalidRequestError("the prompt is empty")
-        req = FakeRequest(request_id, list(prompt_token_ids), params, kv, presampled)
+        req = FakeRequest(request_id, list(prompt_token_ids), params, kv, presampled, priority)
         self.made.append(req)
         return req
 
@@ -110,12 +128,15 @@ class FakeEngine:
         self.aborted.append(request_id)
 
 
-def make_pipeline(engine: FakeEngine | None = None, max_waiting: int = 8
+def make_pipeline(engine: FakeEngine | None = None, max_waiting: int = 8,
+                  tool_parser: str = "auto", priority_scheduling: bool = False
                   ) -> tuple[Pipeline, FakeEngine, WorkerMetrics]:
     engine = engine or FakeEngine()
     metrics = WorkerMetrics()
     serving = Serving(engine, metrics, max_waiting)
-    return Pipeline(serving, OpenAIFormat(engine.tokenizer, MODEL)), engine, metrics
+    fmt = OpenAIFormat(engine.tokenizer, MODEL, tool_parser)
+    return (Pipeline(serving, fmt, priority_scheduling=priority_scheduling), engine,
+            metrics)
 
 
 def kv_params(num_tokens: int, first_token: int = 5) -> KVTransferParams:

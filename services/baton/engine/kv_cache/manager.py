@@ -46,7 +46,7 @@ class KVCacheManager:
     def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
         """Longest cached prefix of the request's known tokens, in whole blocks, leaving at
         least one token to compute (its logits are needed). Mutates nothing in the pool."""
-        if not self.enable_caching:
+        if not self.enable_caching or request.skips_prefix_cache:  # prompt logprobs
             return [], 0
         self._extend_hashes(request, request.num_tokens)
         max_blocks = (request.num_tokens - 1) // self.block_size

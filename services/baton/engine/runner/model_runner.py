@@ -12,22 +12,31 @@ import torch
 from baton.engine.attention import ForwardContext, make_attention_backend
 from baton.engine.config import EngineConfig
 from baton.engine.models.loader import default_cache_dir, load_model
-from baton.engine.runner.batch import build_batch
+from baton.engine.runner.batch import FlatBatch, build_batch
 from baton.engine.runner.cuda_graphs import DecodeGraphs, capture_sizes
 from baton.engine.runner.host_malloc import release_free_heap, tune_malloc_for_cpu_inference
-from baton.engine.sampler import Sampler, TokenLogprobs
+from baton.engine.sampler import Sampler, TokenLogprobs, prompt_logprobs
 from baton.engine.scheduler.output import SchedulerOutput
+from baton.engine.structured.masks import fill_grammar_masks
 
 log = logging.getLogger(__name__)
 
 
 class StepResult(NamedTuple):
     """One step's output: `sampled` and `logprobs` by request id; `failed` maps the
-    requests whose own sampling settings raised (sampled nothing) to the error."""
+    requests whose own sampling settings raised (sampled nothing) to the error;
+    `prompt_logprobs` the next prompt tokens' logprobs of requests asking for them (None
+    for tokens a prefix-cache hit skipped), to append to `Request.prompt_logprobs`."""
 
     sampled: dict[str, int]
     logprobs: dict[str, TokenLogprobs]
     failed: dict[str, str]
+    prompt_logprobs: dict[str, list[TokenLogprobs | None]] = {}
+
+
+# Prompt positions whose logits are computed at once for prompt logprobs: (rows, vocab)
+# float32 logits, ~200 KB a row at a 49k vocabulary.
+PROMPT_LOGPROB_ROWS = 256
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -113,6 +122,23 @@ class ModelRunner:
         """Run one step: the sampled token and logprobs of each request that reached the
         end of its known tokens, and the requests whose own sampling settings failed."""
         batch = build_batch(out.rows, block_ids_of, self.block_size, self.device)
+        reqs = [s.request for s in batch.sampling_entries]
+        hidden = self._forward(batch)  # (T, h)
+        # Host work while a GPU runs the forward (launched, not finished): grammar masks.
+        masks = fill_grammar_masks(reqs)
+        prompt_lps = self._prompt_logprobs(batch, hidden)
+        if not reqs:
+            return StepResult({}, {}, {}, prompt_lps)
+        rows = torch.tensor(batch.logits_indices, device=hidden.device)
+        logits = self.model.compute_logits(hidden.index_select(0, rows))  # (N, V)
+        failed: dict[str, str] = {}
+        tokens, logprobs = self.sampler(logits, reqs, failed, masks)
+        sampled = {r.request_id: t for r, t in zip(reqs, tokens) if r.request_id not in failed}
+        lps = {r.request_id: lp for r, lp in zip(reqs, logprobs) if lp is not None}
+        return StepResult(sampled, lps, failed, prompt_lps)
+
+    def _forward(self, batch: FlatBatch) -> torch.Tensor:
+        """The last hidden states of every row of the batch, (T, h)."""
         if self.graphs is not None and self.graphs.can_run(batch):
             hidden = self.graphs.run(batch)  # (T, h), T = number of decodes
         elif self.native_decode is not None and self.native_decode.can_run(batch):
@@ -121,13 +147,22 @@ class ModelRunner:
             ctx = ForwardContext(self.backend, self.backend.build_metadata(batch.layout),
                                  self.kv_caches)
             hidden = self.model(batch.input_ids, batch.positions, ctx)  # (T, h)
-        if not batch.sampling_entries:
-            return StepResult({}, {}, {})
-        rows = torch.tensor(batch.logits_indices, device=hidden.device)
-        logits = self.model.compute_logits(hidden.index_select(0, rows))  # (N, V)
-        reqs = [s.request for s in batch.sampling_entries]
-        failed: dict[str, str] = {}
-        tokens, logprobs = self.sampler(logits, reqs, failed)
-        sampled = {r.request_id: t for r, t in zip(reqs, tokens) if r.request_id not in failed}
-        lps = {r.request_id: lp for r, lp in zip(reqs, logprobs) if lp is not None}
-        return StepResult(sampled, lps, failed)
+        return hidden
+
+    def _prompt_logprobs(self, batch: FlatBatch, hidden: torch.Tensor
+                         ) -> dict[str, list[TokenLogprobs | None]]:
+        """The prompt logprobs this step's prompt chunks give, by request id; their logits
+        computed PROMPT_LOGPROB_ROWS rows at a time."""
+        out: dict[str, list[TokenLogprobs | None]] = {}
+        for span in batch.prompt_logprob_spans:
+            req = span.request
+            lps: list[TokenLogprobs | None] = [None] * span.gap
+            for first in range(0, span.count, PROMPT_LOGPROB_ROWS):
+                n = min(PROMPT_LOGPROB_ROWS, span.count - first)
+                logits = self.model.compute_logits(
+                    hidden[span.row + first:span.row + first + n])  # (n, V)
+                target = span.first_target + first
+                lps += prompt_logprobs(logits, req.prompt_token_ids[target:target + n],
+                                       req.sampling_params.prompt_logprobs)
+            out[req.request_id] = lps
+        return out
