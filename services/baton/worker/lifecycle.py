@@ -66,7 +66,6 @@ class WorkerServer(uvicorn.Server):
                  drain_timeout_s: float) -> None:
         super().__init__(config)
         self.state, self.inflight, self.drain_timeout_s = state, inflight, drain_timeout_s
-        self._drain: asyncio.Task | None = None
         self._watch: asyncio.Task | None = None
 
     async def startup(self, sockets=None) -> None:
@@ -74,11 +73,11 @@ class WorkerServer(uvicorn.Server):
         self._watch = asyncio.create_task(self._watch_engine())
 
     def handle_exit(self, sig: int, frame) -> None:
-        if sig != signal.SIGTERM or self._drain is not None or self.state.engine is None:
+        if sig != signal.SIGTERM or self.state.draining or self.state.engine is None:
             super().handle_exit(sig, frame)  # Ctrl-C, a second signal, or nothing to drain
             return
+        self.state.draining = True  # at once: /ready turns 503 before the drain task runs
         loop = asyncio.get_running_loop()  # this handler runs on the loop's (main) thread
-        self._drain = loop.create_future()  # marks the drain begun; the task is scheduled
         loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain_then_exit()))
 
     async def _drain_then_exit(self) -> None:
