@@ -131,7 +131,7 @@ def test_rotary_reads_strided_rows_and_checks_positions(ops):
 class CausalAttention:
     """Stands in for ForwardContext: one sequence prefilled from scratch, no KV cache."""
 
-    def attention(self, layer_idx, q, k, v):
+    def attention(self, layer_idx, q, k, v, spec=None):
         G = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)
         out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1),

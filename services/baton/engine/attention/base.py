@@ -40,6 +40,22 @@ class BatchLayout:
         return self.query_start_loc[self.num_decodes]
 
 
+@dataclass(frozen=True)
+class LayerAttention:
+    """How one layer attends: `scale` multiplies q.k; `sliding_window` W (None: every
+    earlier key) lets query position i see keys i - W < j <= i; `softcap` c (None: off)
+    turns scores s into c * tanh(s / c) before the softmax (Gemma 2)."""
+
+    scale: float
+    sliding_window: int | None = None
+    softcap: float | None = None
+
+    @property
+    def plain(self) -> bool:
+        """Full causal attention, no soft-capping: what every kernel implements."""
+        return self.sliding_window is None and self.softcap is None
+
+
 class AttentionBackend(ABC):
     name: str
 
@@ -49,12 +65,14 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: object) -> torch.Tensor:
+                k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: object,
+                spec: LayerAttention | None = None) -> torch.Tensor:
         """q (T, H, D), k/v (T, KVH, D); caches (num_blocks, block_size, KVH, D).
 
         Writes k/v into the caches at the layout's slot mapping (mutates the caches), then
         returns (T, H, D): each query attends causally to its sequence's cached prefix and
-        to the step's tokens up to itself.
+        to the step's tokens up to itself, as `spec` says (scale, window, soft-cap; None:
+        full causal attention scaled by D ** -0.5).
         """
 
 
@@ -66,6 +84,7 @@ class ForwardContext:
     metadata: object
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
 
-    def attention(self, layer_idx: int, q, k, v) -> torch.Tensor:
+    def attention(self, layer_idx: int, q, k, v, spec: LayerAttention | None = None
+                  ) -> torch.Tensor:
         k_cache, v_cache = self.kv_caches[layer_idx]
-        return self.backend.forward(q, k, v, k_cache, v_cache, self.metadata)
+        return self.backend.forward(q, k, v, k_cache, v_cache, self.metadata, spec)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from baton.engine.attention.base import AttentionBackend, BatchLayout
+from baton.engine.attention.base import AttentionBackend, BatchLayout, LayerAttention
 
 
 @dataclass
@@ -76,10 +76,15 @@ class TritonAttentionBackend(AttentionBackend):
         n = seq_lens.shape[0]
         return TritonAttentionMetadata(slot_mapping, n, DecodePart(block_tables, seq_lens), None)
 
-    def forward(self, q, k, v, k_cache, v_cache, meta: TritonAttentionMetadata):
+    def forward(self, q, k, v, k_cache, v_cache, meta: TritonAttentionMetadata,
+                spec: LayerAttention | None = None):
+        if spec is not None and not spec.plain:
+            raise NotImplementedError(
+                "the triton attention kernels implement full causal attention only; this "
+                "model's sliding-window / soft-capped layers need attention_backend='torch'")
         ops = self._ops
         ops.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
-        scale = q.shape[-1] ** -0.5
+        scale = q.shape[-1] ** -0.5 if spec is None else spec.scale
         nd, d, p = meta.num_decode_tokens, meta.decode, meta.prefill
         if p is None:
             return ops.paged_decode_attention(q, k_cache, v_cache, d.block_tables, d.seq_lens,

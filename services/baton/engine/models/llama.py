@@ -1,75 +1,84 @@
-"""Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM) over a flat, unpadded batch.
+"""Llama-family decoder (Llama 1/2/3/3.1, Mistral, Qwen2/2.5, SmolLM) over a flat, unpadded
+batch, and the attention / MLP / layer blocks other architectures reuse.
 
-Shapes: T tokens in the step, h hidden, H query heads, KVH kv heads, D head dim.
-Attention is delegated to the step's backend through the ForwardContext, which also holds
-this layer's KV cache; the module itself is stateless between steps. On CPU the norms,
+Shapes: T tokens in the step, h hidden, H query heads, KVH kv heads (this rank's), D head
+dim. Attention is delegated to the step's backend through the ForwardContext, which also
+holds this layer's KV cache; the module itself is stateless between steps. On CPU the norms,
 SiLU * up and rotary run as fused native kernels when they could be built
 (`use_native_ops`, `cpu_ops.py`); the torch code here is the fallback and their reference.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from baton.engine.attention.base import ForwardContext
+from baton.engine.attention.base import ForwardContext, LayerAttention
+from baton.engine.models.base import CausalLM, WeightPiece
 from baton.engine.models.config import ModelConfig
 from baton.engine.models.cpu_ops import CpuOps
+from baton.engine.models.layers import (RMSNorm, VocabEmbedding, lm_head, local_heads,
+                                        merged_linear, qkv_linear, row_linear)
 from baton.engine.models.rope import RotaryEmbedding, StepRotary
 
-
-class RMSNorm(nn.Module):
-    """RMSNorm computed in float32 (as Hugging Face does), with the residual add fused in:
-    returns (norm(x + residual), x + residual)."""
-
-    def __init__(self, size: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.eps = eps
-        self.native: CpuOps | None = None
-
-    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        if self.native is not None:
-            return self.native.add_rms_norm(x, residual, self.weight, self.eps)
-        if residual is not None:
-            x = x + residual
-        normed = F.rms_norm(x.float(), self.weight.shape, eps=self.eps)
-        return self.weight * normed.to(x.dtype), x
+__all__ = ["RMSNorm", "Attention", "MLP", "DecoderLayer", "LlamaForCausalLM"]
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_idx: int) -> None:
+    """Fused qkv projection, rotary, the backend's paged attention, o projection (whose
+    partial sums the caller's all-reduce completes under tensor parallelism)."""
+
+    def __init__(self, cfg: ModelConfig, layer_idx: int, bias: bool | None = None,
+                 spec: LayerAttention | None = None) -> None:
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.qk_size = q_size + kv_size
-        self.qkv_proj = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=False)
+        D = cfg.head_dim
+        self.num_heads = local_heads(cfg.num_heads)
+        self.num_kv_heads = local_heads(cfg.num_kv_heads)
+        self.head_dim = D
+        self.qk_size = (self.num_heads + self.num_kv_heads) * D
+        bias = cfg.attention_bias if bias is None else bias
+        self.qkv_proj = qkv_linear(cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, D, bias)
+        self.o_proj = row_linear(cfg.num_heads * D, cfg.hidden_size, bias=False)
+        self.spec = spec or LayerAttention(D ** -0.5, cfg.window_of(layer_idx))
+
+    def project(self, qkv: torch.Tensor) -> torch.Tensor:
+        """Hook between the projection and rotary (Qwen3's q/k norms); identity here."""
+        return qkv
 
     def forward(self, x, rope: StepRotary, ctx: ForwardContext) -> torch.Tensor:
         T, H, KVH, D = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = self.qkv_proj(x)  # (T, (H + 2 KVH) D)
+        qkv = self.project(self.qkv_proj(x))  # (T, (H + 2 KVH) D)
         q, k = rope(qkv, H, KVH, D)  # (T, H, D), (T, KVH, D)
         v = qkv[:, self.qk_size:].view(T, KVH, D)  # (T, KVH, D)
-        out = ctx.attention(self.layer_idx, q, k, v)  # (T, H, D)
-        return self.o_proj(out.reshape(T, -1))
+        out = ctx.attention(self.layer_idx, q, k, v, self.spec)  # (T, H, D)
+        return self.o_proj(out.reshape(T, -1))  # partial sums under TP
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    """Gated MLP: down(act(gate) * up), gate and up fused; `act` "silu" (native kernel on
+    CPU) or "gelu_tanh" (Gemma's GeGLU)."""
+
+    uses_cpu_ops = True
+
+    def __init__(self, hidden: int, intermediate: int, act: str = "silu") -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        self.gate_up_proj = merged_linear(hidden, [intermediate, intermediate])
+        self.down_proj = row_linear(intermediate, hidden)
+        self.act = act
         self.native: CpuOps | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # (T, 2 I)
-        if self.native is not None:
+        if self.act == "silu" and self.native is not None:
             return self.down_proj(self.native.silu_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        if self.act == "silu":
+            return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(F.gelu(gate, approximate="tanh") * up)
 
 
 class DecoderLayer(nn.Module):
@@ -78,61 +87,70 @@ class DecoderLayer(nn.Module):
         self.input_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.attn = Attention(cfg, layer_idx)
         self.post_attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, x, residual, rope: StepRotary, ctx):
+    def forward(self, x, residual, rope: StepRotary, ctx, tp):
         h, residual = self.input_norm(x, residual)
-        h = self.attn(h, rope, ctx)
+        h = tp.all_reduce(self.attn(h, rope, ctx))
         h, residual = self.post_attn_norm(h, residual)
-        return self.mlp(h), residual
+        return tp.all_reduce(self.mlp(h)), residual
 
 
-class LlamaForCausalLM(nn.Module):
+# Hugging Face's names inside a Llama-style layer -> (ours, shard).
+LLAMA_LAYER_WEIGHTS = {
+    "self_attn.q_proj": ("attn.qkv_proj", "q"),
+    "self_attn.k_proj": ("attn.qkv_proj", "k"),
+    "self_attn.v_proj": ("attn.qkv_proj", "v"),
+    "self_attn.o_proj": ("attn.o_proj", None),
+    "mlp.gate_proj": ("mlp.gate_up_proj", 0),
+    "mlp.up_proj": ("mlp.gate_up_proj", 1),
+    "mlp.down_proj": ("mlp.down_proj", None),
+    "input_layernorm": ("input_norm", None),
+    "post_attention_layernorm": ("post_attn_norm", None),
+}
+
+
+def map_llama_style(name: str, tensor: torch.Tensor, layer_map: dict[str, tuple[str, object]]
+                    ) -> Iterable[WeightPiece]:
+    """Hugging Face `model.*` / `lm_head.*` names -> ours, via `layer_map` for the names
+    inside `model.layers.N.` (keys without the `.weight` / `.bias` suffix)."""
+    if name.startswith("model.layers."):
+        idx, rest = name[len("model.layers."):].split(".", 1)
+        stem, _, kind = rest.rpartition(".")
+        target = layer_map.get(stem)
+        if target is None:
+            raise KeyError(f"unexpected checkpoint tensor {name!r}")
+        yield f"layers.{idx}.{target[0]}.{kind}", target[1], tensor
+    elif name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
+        yield name.removeprefix("model."), None, tensor
+    elif "rotary_emb" not in name:
+        raise KeyError(f"unexpected checkpoint tensor {name!r}")
+
+
+class LlamaForCausalLM(CausalLM):
+    native_decode = True  # plain layers: native_decode.py computes exactly these
+
     def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
-        super().__init__()
-        self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        super().__init__(cfg)
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(
-            cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = None if cfg.tie_word_embeddings else lm_head(cfg.vocab_size,
+                                                                     cfg.hidden_size)
         self.rotary = RotaryEmbedding(cfg, max_positions)
-        self.native: CpuOps | None = None
+        self.native_decode = (self.tp.size == 1 and cfg.sliding_window is None)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 ctx: ForwardContext) -> torch.Tensor:
-        """(T,) token ids and positions -> (T, h) final hidden states."""
         x = self.embed_tokens(input_ids)  # (T, h)
         rope = self.rotary.for_step(positions, x.dtype, self.native)
         residual = None
         for layer in self.layers:
-            x, residual = layer(x, residual, rope, ctx)
+            x, residual = layer(x, residual, rope, ctx, self.tp)
         x, _ = self.norm(x, residual)
         return x
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """(N, h) -> (N, V) float32 logits."""
-        if self.lm_head is None:
-            return F.linear(hidden, self.embed_tokens.weight).float()
-        return self.lm_head(hidden).float()
-
-    def use_native_ops(self, ops: CpuOps | None) -> None:
-        """Run the norms, SiLU * up and rotary through `ops` (native CPU kernels), or through
-        torch when None. Mutates this model's modules; may be switched between steps."""
-        self.native = ops
-        for module in self.modules():
-            if isinstance(module, (RMSNorm, MLP)):
-                module.native = ops
-
-    def prepack_for_cpu(self, cache_dir) -> None:
-        """Swap linears for packed ones (`cpu_packing`: the native GEMM, else oneDNN's; bf16
-        on CPU; `cache_dir` holds the built kernels); a tied head gets its own packed copy of
-        the embedding."""
-        from baton.engine.models.cpu_packing import load_linear_kernels, pack_linears
-
-        if self.lm_head is None:
-            self.lm_head = nn.Linear(self.cfg.hidden_size, self.cfg.vocab_size, bias=False,
-                                     device=self.embed_tokens.weight.device,
-                                     dtype=self.embed_tokens.weight.dtype)
-            self.lm_head.weight = self.embed_tokens.weight
-        pack_linears(self, load_linear_kernels(cache_dir))
+    def checkpoint_weights(self, name: str, tensor: torch.Tensor) -> Iterable[WeightPiece]:
+        if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
+            return ()
+        return map_llama_style(name, tensor, LLAMA_LAYER_WEIGHTS)

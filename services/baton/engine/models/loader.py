@@ -16,13 +16,15 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
 from baton.engine.models.config import ModelConfig
 from baton.engine.models.hub import resolve_hub_model
-from baton.engine.models.llama import LlamaForCausalLM
+from baton.engine.models.base import CausalLM
+from baton.engine.models.registry import model_class
 from baton.engine.models.rope import RotaryEmbedding
 
 log = logging.getLogger(__name__)
@@ -96,21 +98,21 @@ def convert_gguf(gguf: Path, cache: Path) -> Path:
 
 def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device,
                max_positions: int, load_format: str = "auto", cache_dir: Path | None = None
-               ) -> tuple[LlamaForCausalLM, ModelConfig]:
-    """`load_format="dummy"` reads only config.json and fills the weights with small random
+               ) -> tuple[CausalLM, ModelConfig]:
+    """Build the checkpoint's architecture on `device` and load its weights tensor by
+    tensor, shard by shard (host memory holds one tensor at a time, not the checkpoint).
+    `load_format="dummy"` reads only config.json and fills the weights with small random
     values on the device (benchmarks of large shapes without their weight files)."""
     cfg = ModelConfig.from_dir(model_dir)
     with torch.device("meta"):
-        model = LlamaForCausalLM(cfg, max_positions)
+        model = model_class(cfg.architecture)(cfg, max_positions)
+    model = materialise(model, dtype, device)
     if load_format == "dummy":
-        model = model.to(dtype).to_empty(device=device)
         _fill_dummy(model)
     else:
-        state = map_hf_weights(_read_safetensors(model_dir), cfg)
-        state = {k: v.to(dtype) for k, v in state.items()}
-        model.load_state_dict(state, strict=True, assign=True)
-    model.rotary = RotaryEmbedding(cfg, max_positions)  # buffers were built on meta
-    model = model.to(device).eval()
+        model.load_weights(checkpoint_tensors(model_dir))
+    model.rotary = RotaryEmbedding(cfg, max_positions).to(device)  # buffers were on meta
+    model.eval()
     from baton.engine.models import cpu_ops
     from baton.engine.models.cpu_packing import can_pack
 
@@ -119,6 +121,18 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device,
     if device.type == "cpu" and dtype in cpu_ops.CpuOps.DTYPES:
         model.use_native_ops(cpu_ops.load(cache_dir or default_cache_dir()))
     return model, cfg
+
+
+def materialise(model: CausalLM, dtype: torch.dtype, device: torch.device) -> CausalLM:
+    """A meta-device model's storage on `device` in `dtype`, uninitialised; the parameters'
+    `weight_loader` / `shards` (lost when torch swaps a meta parameter) carried over."""
+    marks = {name: {k: getattr(p, k) for k in ("weight_loader", "shards") if hasattr(p, k)}
+             for name, p in model.named_parameters()}
+    model = model.to(dtype).to_empty(device=device)
+    for name, p in model.named_parameters():
+        for key, value in marks[name].items():
+            setattr(p, key, value)
+    return model
 
 
 @torch.no_grad()
@@ -134,43 +148,33 @@ def _fill_dummy(model: torch.nn.Module, seed: int = 0) -> None:
             p.uniform_(-0.02, 0.02, generator=gen)
 
 
-def _read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
+def checkpoint_files(model_dir: Path) -> list[Path]:
+    """The safetensors files of a checkpoint (the index's shards, or every file); a
+    PyTorch-pickle checkpoint is refused: loading one runs arbitrary code."""
     index = model_dir / "model.safetensors.index.json"
-    files = (sorted(set(json.loads(index.read_text())["weight_map"].values()))
-             if index.exists() else sorted(p.name for p in model_dir.glob("*.safetensors")))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors weights in {model_dir}")
-    weights: dict[str, torch.Tensor] = {}
-    for name in files:
-        weights.update(load_file(str(model_dir / name)))
-    return weights
+    if index.exists():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        missing = [n for n in names if not (model_dir / n).exists()]
+        if missing:
+            raise FileNotFoundError(f"{model_dir} lists shards it does not hold: {missing[:4]}")
+        return [model_dir / n for n in names]
+    files = sorted(model_dir.glob("*.safetensors"))
+    if files:
+        return files
+    if any(model_dir.glob("*.bin")) or any(model_dir.glob("*.pt")):
+        raise ValueError(f"{model_dir} holds PyTorch .bin weights only; Baton loads safetensors "
+                         "(unpickling a .bin can run code). Convert it once, e.g. "
+                         "`AutoModelForCausalLM.from_pretrained(dir).save_pretrained(dir, "
+                         "safe_serialization=True)`")
+    raise FileNotFoundError(f"no *.safetensors weights in {model_dir}")
 
 
-def map_hf_weights(w: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Hugging Face Llama names -> ours (q/k/v fused into qkv_proj, gate/up into gate_up_proj)."""
-    def take(name: str) -> torch.Tensor:
-        if name not in w:
-            raise KeyError(f"checkpoint lacks weight {name!r} needed by {cfg.architecture}")
-        return w[name]
+def checkpoint_tensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) of every checkpoint tensor, file by file, read lazily (memory-mapped):
+    the caller copies each into its parameter before the next is read."""
+    from safetensors import safe_open
 
-    out = {"embed_tokens.weight": take("model.embed_tokens.weight"),
-           "norm.weight": take("model.norm.weight")}
-    if not cfg.tie_word_embeddings:
-        out["lm_head.weight"] = take("lm_head.weight")
-    for i in range(cfg.num_layers):
-        src, dst = f"model.layers.{i}.", f"layers.{i}."
-        attn = src + "self_attn."
-        out[dst + "attn.qkv_proj.weight"] = torch.cat(
-            [take(attn + f"{p}_proj.weight") for p in "qkv"])
-        if cfg.attention_bias:
-            out[dst + "attn.qkv_proj.bias"] = torch.cat(
-                [take(attn + f"{p}_proj.bias") for p in "qkv"])
-        out[dst + "attn.o_proj.weight"] = take(attn + "o_proj.weight")
-        out[dst + "mlp.gate_up_proj.weight"] = torch.cat(
-            [take(src + "mlp.gate_proj.weight"), take(src + "mlp.up_proj.weight")])
-        out[dst + "mlp.down_proj.weight"] = take(src + "mlp.down_proj.weight")
-        out[dst + "input_norm.weight"] = take(src + "input_layernorm.weight")
-        out[dst + "post_attn_norm.weight"] = take(src + "post_attention_layernorm.weight")
-    return out
+    for path in checkpoint_files(model_dir):
+        with safe_open(str(path), framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)

@@ -134,6 +134,7 @@ def load(model, kv_caches, backend, cache_dir: Path) -> NativeDecodeStep | None:
                for m in (layer.attn.qkv_proj, layer.attn.o_proj, layer.mlp.gate_up_proj,
                          layer.mlp.down_proj)]
     if (attention is None or model.native is None or not kv_caches
+            or not getattr(model, "native_decode", False)
             or kv_caches[0][0].dtype != torch.bfloat16 or not kv_caches[0][0].is_cpu
             or not all(isinstance(m, PackedLinear) and m.native is not None for m in linears)):
         return None

@@ -1,0 +1,118 @@
+"""What every architecture's model shares: the contract the runner calls, weight loading
+from checkpoint tensors one at a time, the CPU fast paths' switches, and the logits.
+
+An architecture (`llama.py`, `gemma.py`, ...) subclasses `CausalLM`, builds its layers from
+`layers.py` in `__init__(cfg, max_positions)`, and says how Hugging Face names map onto its
+parameters in `checkpoint_weights`. Models are built on the `meta` device and materialised on
+the target device before loading, so host memory never holds the whole checkpoint.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from baton.engine.attention.base import ForwardContext, LayerAttention
+from baton.engine.distributed import tp_group
+from baton.engine.models.config import ModelConfig
+from baton.engine.models.cpu_ops import CpuOps
+from baton.engine.models.layers import copy_loader, gather_logits
+
+# (parameter name, shard, tensor): one checkpoint tensor's contribution to a parameter.
+WeightPiece = tuple[str, object, torch.Tensor]
+
+
+class CausalLM(nn.Module):
+    """A decoder-only LM over a flat, unpadded batch.
+
+    Subclasses set `embed_tokens` (a `VocabEmbedding`), `norm`, `lm_head` (None when tied),
+    `rotary` (rebuilt by the loader after materialising) and implement `forward`. Class
+    attributes: `native_decode` — True where `native_decode.py`'s one-call bf16 decode step
+    computes exactly this architecture (plain Llama layers)."""
+
+    native_decode = False
+    final_logit_softcap: float | None = None
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.tp = tp_group()
+        self.native: CpuOps | None = None
+
+    # -- the runner's contract -----------------------------------------------------------
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                ctx: ForwardContext) -> torch.Tensor:
+        """(T,) token ids and positions -> (T, h) final hidden states."""
+        raise NotImplementedError
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """(N, h) -> (N, V) float32 logits (gathered over ranks, soft-capped if the
+        architecture caps them)."""
+        if self.lm_head is None:
+            local = nn.functional.linear(hidden, self.embed_tokens.weight)  # (N, rows)
+        else:
+            local = self.lm_head(hidden)
+        logits = gather_logits(local, self.cfg.vocab_size, self.tp)
+        cap = self.final_logit_softcap
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    def attention_specs(self) -> list[LayerAttention]:
+        """How each layer attends (scale, window, soft-cap), by layer index."""
+        return [layer.attn.spec for layer in self.layers]
+
+    # -- loading -------------------------------------------------------------------------
+    def checkpoint_weights(self, name: str, tensor: torch.Tensor) -> Iterable[WeightPiece]:
+        """Where a checkpoint tensor goes: (our parameter, shard, tensor) pieces; nothing
+        for tensors we do not use (rotary caches). Subclasses map Hugging Face names."""
+        raise NotImplementedError
+
+    def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors (name, tensor), one at a time, into the parameters;
+        raises KeyError naming what the checkpoint lacks."""
+        params = dict(self.named_parameters())
+        loaded: set[tuple[str, object]] = set()
+        for name, tensor in tensors:
+            for pname, shard, piece in self.checkpoint_weights(name, tensor):
+                param = params.get(pname)
+                if param is None:
+                    raise KeyError(f"checkpoint tensor {name!r} maps to {pname!r}, which "
+                                   f"{self.cfg.architecture} does not have")
+                loader = getattr(param, "weight_loader", copy_loader)
+                with torch.no_grad():
+                    loader(param, piece.to(device=param.device, dtype=param.dtype), shard)
+                loaded.add((pname, shard))
+        missing = [f"{p}" + ("" if s is None else f"[{s}]")
+                   for p, param in params.items()
+                   for s in sorted(getattr(param, "shards", (None,)), key=str)
+                   if (p, s) not in loaded and not self._tied(p)]
+        if missing:
+            raise KeyError(f"checkpoint lacks weights needed by {self.cfg.architecture}: "
+                           f"{', '.join(missing[:8])}" + (" ..." if len(missing) > 8 else ""))
+
+    def _tied(self, pname: str) -> bool:
+        return pname == "lm_head.weight" and self.cfg.tie_word_embeddings
+
+    # -- CPU fast paths ------------------------------------------------------------------
+    def use_native_ops(self, ops: CpuOps | None) -> None:
+        """Run the norms (and whatever else a subclass's modules take) through `ops` (native
+        CPU kernels), or through torch when None. May be switched between steps."""
+        self.native = ops
+        for module in self.modules():
+            if getattr(module, "uses_cpu_ops", False):
+                module.native = ops
+
+    def prepack_for_cpu(self, cache_dir) -> None:
+        """Swap linears for packed ones (`cpu_packing`: the native GEMM, else oneDNN's;
+        bf16 on CPU); a tied head gets its own packed copy of the embedding."""
+        from baton.engine.models.cpu_packing import load_linear_kernels, pack_linears
+
+        if self.lm_head is None:
+            weight = self.embed_tokens.weight
+            self.lm_head = nn.Linear(weight.shape[1], weight.shape[0], bias=False,
+                                     device=weight.device, dtype=weight.dtype)
+            self.lm_head.weight = weight
+        pack_linears(self, load_linear_kernels(cache_dir))
