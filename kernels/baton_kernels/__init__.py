@@ -28,20 +28,24 @@ def _load(module: str):
     return importlib.import_module(f"baton_kernels.{module}")
 
 
-def reshape_and_cache(k, v, k_cache, v_cache, slot_mapping) -> None:
-    """Scatter ``k/v [T, KVH, D]`` into the paged caches at ``slot_mapping``; see cache_ops."""
-    return _load("cache_ops").reshape_and_cache(k, v, k_cache, v_cache, slot_mapping)
+def reshape_and_cache(k, v, k_cache, v_cache, slot_mapping, k_scale=1.0, v_scale=1.0) -> None:
+    """Scatter ``k/v [T, KVH, D]`` into the paged caches at ``slot_mapping`` (FP8 caches:
+    quantised by the scales); see cache_ops."""
+    return _load("cache_ops").reshape_and_cache(k, v, k_cache, v_cache, slot_mapping,
+                                                k_scale, v_scale)
 
 
 def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, *,
-                           num_splits=None):
+                           num_splits=None, k_scale=1.0, v_scale=1.0):
     """Decode attention (one query token per sequence, split-K); see decode_attention."""
     return _load("decode_attention").paged_decode_attention(
-        q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits=num_splits)
+        q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits=num_splits,
+        k_scale=k_scale, v_scale=v_scale)
 
 
 def paged_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
-                            scale):
+                            scale, *, k_scale=1.0, v_scale=1.0):
     """Causal prefill attention over cached prefixes; see prefill_attention."""
     return _load("prefill_attention").paged_prefill_attention(
-        q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale)
+        q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
+        k_scale=k_scale, v_scale=v_scale)

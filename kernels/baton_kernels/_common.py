@@ -7,6 +7,7 @@ import os
 import torch
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)  # caches only, with per-layer scales
 
 
 def interpreting() -> bool:
@@ -48,8 +49,8 @@ def check_same_device(device: torch.device, **tensors: torch.Tensor) -> None:
 
 def check_kv_cache(k_cache, v_cache) -> tuple[int, int, int, int]:
     """Validate a ``[num_blocks, block_size, num_kv_heads, head_dim]`` cache pair."""
-    check_tensor("k_cache", k_cache, 4)
-    check_tensor("v_cache", v_cache, 4)
+    check_tensor("k_cache", k_cache, 4, SUPPORTED_DTYPES + FP8_DTYPES)
+    check_tensor("v_cache", v_cache, 4, SUPPORTED_DTYPES + FP8_DTYPES)
     if k_cache.shape != v_cache.shape:
         raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} "
                          "must have the same shape")
@@ -71,7 +72,7 @@ def check_attention_common(q, k_cache, v_cache, block_tables, seq_lens, scale):
     """Checks shared by decode and prefill; returns (block_size, num_kv_heads, head_dim)."""
     check_tensor("q", q, 3)
     _, block_size, num_kv_heads, head_dim = check_kv_cache(k_cache, v_cache)
-    if q.dtype != k_cache.dtype:
+    if q.dtype != k_cache.dtype and k_cache.dtype not in FP8_DTYPES:
         raise ValueError(f"q dtype {q.dtype} differs from the cache dtype {k_cache.dtype}")
     check_last_dim_contiguous("q", q)
     num_heads = q.shape[1]

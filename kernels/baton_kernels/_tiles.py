@@ -26,11 +26,13 @@ def load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row, pos, n_mask, offs_d, d_mask, 
 def online_softmax_step(q, kt, v, visible, m_i, l_i, acc, qk_scale,
                         DOT_FP32: tl.constexpr):
     """Fold one K/V tile into (max, sum, acc) for the rows of ``q``; ``visible`` [rows, N]
-    masks keys a row may not see. Returns the new (m_i, l_i, acc)."""
+    masks keys a row may not see. Returns the new (m_i, l_i, acc). An FP8 tile is widened
+    to q's type (exact); its scales are the caller's (k_scale in qk_scale, v_scale on the
+    output)."""
     if DOT_FP32:
         s = tl.dot(q, kt.to(tl.float32), input_precision="ieee")
     else:
-        s = tl.dot(q, kt)
+        s = tl.dot(q, kt.to(q.dtype))
     s = tl.where(visible, s * qk_scale, float("-inf"))                       # log2 units
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp2(m_i - m_new)
@@ -39,5 +41,5 @@ def online_softmax_step(q, kt, v, visible, m_i, l_i, acc, qk_scale,
     if DOT_FP32:
         pv = tl.dot(p, v.to(tl.float32), input_precision="ieee")
     else:
-        pv = tl.dot(p.to(v.dtype), v)
+        pv = tl.dot(p.to(q.dtype), v.to(q.dtype))
     return m_new, l_i, acc * alpha[:, None] + pv

@@ -1,4 +1,9 @@
-"""reshape_and_cache: scatter new keys/values into the paged KV cache (Triton)."""
+"""reshape_and_cache: scatter new keys/values into the paged KV cache (Triton).
+
+An FP8 cache stores x / scale saturated to the format's largest value. The kernel rounds to
+the format's grid itself (nearest, ties to even) before the cast, so the cast is exact:
+Triton's interpreter rounds some values wrongly across a power of two, and the cache is
+written as bytes (its FP8 stores are unreliable too)."""
 
 from __future__ import annotations
 
@@ -6,8 +11,24 @@ import torch
 import triton
 import triton.language as tl
 
-from baton_kernels._common import (check_kv_cache, check_last_dim_contiguous, check_same_device,
-                                   check_tensor, interpreting, next_pow2)
+from baton_kernels._common import (FP8_DTYPES, check_kv_cache, check_last_dim_contiguous,
+                                   check_same_device, check_tensor, interpreting, next_pow2)
+
+# FP8 dtype -> (Triton type, mantissa bits, smallest normal exponent)
+_FP8 = {torch.float8_e4m3fn: (tl.float8e4nv, 3, -6), torch.float8_e5m2: (tl.float8e5, 2, -14)}
+
+
+@triton.jit
+def _to_fp8_bytes(x, scale, fp8_max, FP8_TYPE: tl.constexpr, MANTISSA: tl.constexpr,
+                  MIN_EXP: tl.constexpr):
+    """x / scale, saturated and rounded to the FP8 grid, as the format's bytes."""
+    x = tl.minimum(tl.maximum(x.to(tl.float32) / scale, -fp8_max), fp8_max)
+    exp = ((x.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+    exp = tl.maximum(exp, MIN_EXP)  # subnormals share the smallest normal's quantum
+    quantum = ((exp - MANTISSA + 127) << 23).to(tl.float32, bitcast=True)
+    y = x / quantum  # exact (a power of two), |y| < 2^(MANTISSA + 1)
+    y = (y + 12582912.0) - 12582912.0  # round to nearest even (1.5 * 2^23)
+    return (y * quantum).to(FP8_TYPE).to(tl.uint8, bitcast=True)
 
 
 @triton.jit
@@ -15,9 +36,10 @@ def reshape_and_cache_kernel(
     k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
     num_tokens, block_size,
     stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_cb, stride_cs, stride_ch,
+    stride_cb, stride_cs, stride_ch, k_scale, v_scale, fp8_max,
     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_HD: tl.constexpr,
+    FP8: tl.constexpr, FP8_TYPE: tl.constexpr, MANTISSA: tl.constexpr, MIN_EXP: tl.constexpr,
 ):
     """Each program copies BLOCK_T tokens; a row is all KV heads of one token (flattened)."""
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -38,16 +60,22 @@ def reshape_and_cache_kernel(
     v = tl.load(v_ptr + tok * stride_vt + head[None, :] * stride_vh + dim[None, :], mask=mask)
     dst = (block[:, None] * stride_cb + offset[:, None] * stride_cs
            + head[None, :] * stride_ch + dim[None, :])
+    if FP8:  # caches passed as their bytes
+        k = _to_fp8_bytes(k, k_scale, fp8_max, FP8_TYPE, MANTISSA, MIN_EXP)
+        v = _to_fp8_bytes(v, v_scale, fp8_max, FP8_TYPE, MANTISSA, MIN_EXP)
     tl.store(k_cache_ptr + dst, k, mask=mask)
     tl.store(v_cache_ptr + dst, v, mask=mask)
 
 
 def reshape_and_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                      v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+                      v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                      k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """Write ``k/v [T, KVH, D]`` into the caches at ``slot_mapping [T]`` (negative = skip).
 
     Caches are ``[num_blocks, block_size, num_kv_heads, head_dim]``; slot = block *
-    block_size + offset. Modifies ``k_cache``/``v_cache`` in place.
+    block_size + offset. An FP8 cache stores ``k / k_scale`` and ``v / v_scale``, saturated;
+    other caches take k/v of their own dtype as they are. Modifies ``k_cache``/``v_cache``
+    in place.
     """
     _, block_size, num_kv_heads, head_dim = check_kv_cache(k_cache, v_cache)
     check_tensor("k", k, 3)
@@ -57,9 +85,12 @@ def reshape_and_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
     if tuple(k.shape[1:]) != (num_kv_heads, head_dim):
         raise ValueError(f"k/v are [T, {k.shape[1]}, {k.shape[2]}] but the cache holds "
                          f"{num_kv_heads} KV heads of dim {head_dim}")
-    if k.dtype != k_cache.dtype or v.dtype != v_cache.dtype:
+    fp8 = k_cache.dtype in FP8_DTYPES
+    if k.dtype != v.dtype or (not fp8 and k.dtype != k_cache.dtype):
         raise ValueError(f"k/v dtype {k.dtype}/{v.dtype} differs from cache dtype "
                          f"{k_cache.dtype}")
+    if not (k_scale > 0 and v_scale > 0):
+        raise ValueError(f"k_scale / v_scale must be > 0, got {k_scale} / {v_scale}")
     check_last_dim_contiguous("k", k)
     check_last_dim_contiguous("v", v)
     check_tensor("slot_mapping", slot_mapping, 1, (torch.int32, torch.int64))
@@ -77,11 +108,14 @@ def reshape_and_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
     budget = 1 << 16 if interpreting() else 4096
     block_t = max(1, min(next_pow2(num_tokens), budget // block_hd))
     grid = (triton.cdiv(num_tokens, block_t),)
+    fp8_type, mantissa, min_exp = _FP8.get(k_cache.dtype, (tl.float8e4nv, 0, 0))
     reshape_and_cache_kernel[grid](
-        k, v, k_cache, v_cache, slot_mapping,
+        k, v, k_cache.view(torch.uint8) if fp8 else k_cache,
+        v_cache.view(torch.uint8) if fp8 else v_cache, slot_mapping,
         num_tokens, block_size,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        float(k_scale), float(v_scale), torch.finfo(k_cache.dtype).max if fp8 else 0.0,
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_T=block_t, BLOCK_HD=block_hd,
-        num_warps=4,
+        FP8=fp8, FP8_TYPE=fp8_type, MANTISSA=mantissa, MIN_EXP=min_exp, num_warps=4,
     )

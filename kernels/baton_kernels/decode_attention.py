@@ -24,7 +24,7 @@ MAX_SPLITS = 32
 def paged_decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
     out_ptr, part_out_ptr, part_lse_ptr,
-    qk_scale, block_size, chunk_size,
+    qk_scale, v_scale, block_size, chunk_size,
     stride_qb, stride_qh, stride_ob, stride_oh,
     stride_cb, stride_cs, stride_ch, stride_bt,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
@@ -63,7 +63,7 @@ def paged_decode_split_kernel(
                                             qk_scale, DOT_FP32)
 
     has_keys = l_i > 0
-    result = acc / tl.where(has_keys, l_i, 1.0)[:, None]
+    result = acc * (v_scale / tl.where(has_keys, l_i, 1.0))[:, None]
     if NUM_SPLITS == 1:
         o_ptrs = out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
         tl.store(o_ptrs, result.to(out_ptr.dtype.element_ty), mask=q_mask)
@@ -118,8 +118,11 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, device: t
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                           *, num_splits: int | None = None) -> torch.Tensor:
+                           *, num_splits: int | None = None, k_scale: float = 1.0,
+                           v_scale: float = 1.0) -> torch.Tensor:
     """Attention of ``q [B, H, D]`` (one token per sequence) over its paged context.
+
+    The caches hold q's dtype, or FP8 read as ``stored * k_scale`` / ``stored * v_scale``.
 
     ``block_tables [B, max_blocks]`` int32 maps logical to physical blocks, ``seq_lens [B]``
     int32 counts cached tokens. The context bound used to pick ``num_splits`` is
@@ -154,7 +157,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     block_d = max(16, next_pow2(head_dim))
     paged_decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse,
-        float(scale) * LOG2E, block_size, chunk,
+        float(scale) * float(k_scale) * LOG2E, float(v_scale), block_size, chunk,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,

@@ -21,7 +21,7 @@ from baton_kernels._tiles import LOG2E, load_kv_tile, online_softmax_step
 @triton.jit
 def paged_prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
-    out_ptr, qk_scale, num_seqs, block_size,
+    out_ptr, qk_scale, v_scale, num_seqs, block_size,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_cs, stride_ch, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_Q: tl.constexpr,
@@ -74,15 +74,18 @@ def paged_prefill_kernel(
             m_i, l_i, acc = online_softmax_step(q, kt, v, visible, m_i, l_i, acc, qk_scale,
                                                 DOT_FP32)
 
-        result = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]
+        result = acc * (v_scale / tl.where(l_i > 0, l_i, 1.0))[:, None]
         o_ptrs = out_ptr + tok[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
         tl.store(o_ptrs, result.to(out_ptr.dtype.element_ty), mask=qd_mask)
 
 
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, query_start_loc: torch.Tensor,
-                            seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                            seq_lens: torch.Tensor, scale: float, *, k_scale: float = 1.0,
+                            v_scale: float = 1.0) -> torch.Tensor:
     """Causal attention of ``q [T, H, D]`` (the last query_len tokens of each sequence).
+
+    The caches hold q's dtype, or FP8 read as ``stored * k_scale`` / ``stored * v_scale``.
 
     ``query_start_loc [B+1]`` int32 (starting at 0) delimits each sequence's queries in ``q``;
     ``seq_lens [B]`` int32 counts all cached tokens including the queries' own K/V.
@@ -110,7 +113,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)
     paged_prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out,
-        float(scale) * LOG2E, num_seqs, block_size,
+        float(scale) * float(k_scale) * LOG2E, float(v_scale), num_seqs, block_size,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_Q=block_q, BLOCK_M=block_m,

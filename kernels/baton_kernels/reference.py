@@ -10,8 +10,18 @@ from __future__ import annotations
 import torch
 
 
+def to_cache(x: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """``x`` as a cache of ``dtype`` stores it: FP8 holds ``x / scale`` saturated to the
+    format's largest value; other dtypes hold ``x`` cast."""
+    if dtype not in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return x.to(dtype)
+    limit = torch.finfo(dtype).max
+    return (x.float() / scale).clamp(-limit, limit).to(dtype)
+
+
 def reshape_and_cache_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                          v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+                          v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                          k_scale: float = 1.0, v_scale: float = 1.0) -> None:
     """Write ``k[t]``/``v[t]`` into slot ``slot_mapping[t]`` of the caches; negative slots skip."""
     num_blocks, block_size, num_kv_heads, head_dim = k_cache.shape
     for t in range(k.shape[0]):
@@ -19,18 +29,23 @@ def reshape_and_cache_ref(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tenso
         if slot < 0:
             continue
         block, offset = divmod(slot, block_size)
-        k_cache[block, offset] = k[t]
-        v_cache[block, offset] = v[t]
+        k_cache[block, offset] = to_cache(k[t], k_cache.dtype, k_scale)
+        v_cache[block, offset] = to_cache(v[t], v_cache.dtype, v_scale)
 
 
 def gather_sequence_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-                       seq_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The first ``seq_len`` keys and values of one sequence, each ``[seq_len, KVH, D]``."""
+                       seq_len: int, k_scale: float = 1.0, v_scale: float = 1.0
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The first ``seq_len`` keys and values of one sequence, each ``[seq_len, KVH, D]``
+    (FP8 caches: as float32 times their scales)."""
     block_size = k_cache.shape[1]
     positions = torch.arange(seq_len, device=k_cache.device)
     blocks = block_table.long()[positions // block_size]
     offsets = positions % block_size
-    return k_cache[blocks, offsets], v_cache[blocks, offsets]
+    k, v = k_cache[blocks, offsets], v_cache[blocks, offsets]
+    if k.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        return k.float() * k_scale, v.float() * v_scale
+    return k, v
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
@@ -52,12 +67,14 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
 
 def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                               scale: float) -> torch.Tensor:
+                               scale: float, k_scale: float = 1.0, v_scale: float = 1.0
+                               ) -> torch.Tensor:
     """One query token per sequence attending to all ``seq_lens[b]`` cached tokens."""
     out = torch.empty_like(q)
     for b in range(q.shape[0]):
         seq_len = int(seq_lens[b])
-        k, v = gather_sequence_kv(k_cache, v_cache, block_tables[b], seq_len)
+        k, v = gather_sequence_kv(k_cache, v_cache, block_tables[b], seq_len, k_scale,
+                                  v_scale)
         mask = torch.ones(1, seq_len, dtype=torch.bool, device=q.device)
         out[b] = _attend(q[b:b + 1], k, v, scale, mask)[0].to(q.dtype)
     return out
@@ -65,7 +82,8 @@ def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: 
 
 def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                 block_tables: torch.Tensor, query_start_loc: torch.Tensor,
-                                seq_lens: torch.Tensor, scale: float) -> torch.Tensor:
+                                seq_lens: torch.Tensor, scale: float, k_scale: float = 1.0,
+                                v_scale: float = 1.0) -> torch.Tensor:
     """Causal attention for the last ``query_len`` positions of each sequence.
 
     Queries of sequence ``b`` are ``q[query_start_loc[b]:query_start_loc[b + 1]]``; they sit at
@@ -78,7 +96,8 @@ def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
         query_len = end - start
         if query_len == 0:
             continue
-        k, v = gather_sequence_kv(k_cache, v_cache, block_tables[b], seq_len)
+        k, v = gather_sequence_kv(k_cache, v_cache, block_tables[b], seq_len, k_scale,
+                                  v_scale)
         query_pos = torch.arange(seq_len - query_len, seq_len, device=q.device)
         key_pos = torch.arange(seq_len, device=q.device)
         mask = key_pos[None, :] <= query_pos[:, None]

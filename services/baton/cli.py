@@ -337,6 +337,9 @@ def _up_parser(sub) -> None:
     p.add_argument("--prefill", type=int, default=cluster("num_prefill"),
                    help="prefill workers (with --decode: a disaggregated cluster)")
     p.add_argument("--decode", type=int, default=cluster("num_decode"), help="decode workers")
+    for role in ("prefill", "decode"):
+        p.add_argument(f"--{role}-tp", type=int, default=cluster(f"{role}_tp"),
+                       help=f"tensor-parallel ranks of each {role} worker")
     _disagg_flag(p)
     _policy_flag(p)
     p.add_argument("--ready-timeout", type=float, default=cluster("ready_timeout_s"))

@@ -16,8 +16,8 @@ from typing import Any
 
 from baton.common.auth import internal_token
 from baton.common.roles import Role
-from baton.engine.config import (ATTENTION_BACKENDS, DEVICES, DTYPES, KV_FAILURE_POLICIES,
-                                 SCHEDULING_POLICIES, EngineConfig)
+from baton.engine.config import (ATTENTION_BACKENDS, DEVICES, DTYPES, KV_CACHE_DTYPES,
+                                 KV_FAILURE_POLICIES, SCHEDULING_POLICIES, EngineConfig)
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 # worker.tool_parsers.PARSER_CHOICES, spelled out: importing the parsers costs every
@@ -69,8 +69,9 @@ def add_worker_flags(p: argparse.ArgumentParser) -> None:
     an EngineConfig) and the worker's own."""
     g = p.add_argument_group(WORKER_GROUP)
     add_model_flags(g)
+    _checkpoint_flags(g)
     _batching_flags(g)
-    g.add_argument("--served-model-name", default=None)
+    _parallel_flags(g)
     # None: WorkerSettings' defaults, applied where the settings are built (reading them
     # here would import the worker, and torch, into every `baton` command)
     g.add_argument("--max-waiting", type=int, default=None,
@@ -100,9 +101,25 @@ def worker_flag_args(args: argparse.Namespace) -> list[str]:
         flag = action.option_strings[0]
         if isinstance(action, argparse._StoreTrueAction):  # noqa: SLF001
             out.append(flag)
+        elif isinstance(value, list):  # nargs="+"
+            out += [flag, *map(str, value)]
         else:
             out += [flag, str(value)]
     return out
+
+
+def _checkpoint_flags(g) -> None:
+    """Which checkpoint revision, its tokenizer, and the names it is served under."""
+    g.add_argument("--revision", default=engine_default("revision"),
+                   help="a hub model's branch, tag or commit (--model ORG/NAME or hf://; "
+                        "default: main), read from the local hub cache")
+    g.add_argument("--skip-tokenizer-init", action="store_true",
+                   default=engine_default("skip_tokenizer_init"),
+                   help="load no tokenizer (a checkpoint without one): token-id prompts "
+                        "only, outputs carry token ids and no text")
+    g.add_argument("--served-model-name", nargs="+", default=None,
+                   help="the name(s) requests may use for this model, the first reported "
+                        "in responses (default: the --model argument)")
 
 
 def _batching_flags(g) -> None:
@@ -115,6 +132,11 @@ def _batching_flags(g) -> None:
     g.add_argument("--kv-cache-gib", type=float,
                    default=engine_default("kv_cache_memory_bytes") / _GIB,
                    help="KV cache memory budget when --num-kv-blocks is not given")
+    g.add_argument("--kv-cache-dtype", default=engine_default("kv_cache_dtype"),
+                   choices=KV_CACHE_DTYPES,
+                   help="KV cache storage: auto = the model's dtype; fp8 (= fp8_e4m3) or "
+                        "fp8_e5m2 halve bf16's bytes per block, with the checkpoint's "
+                        "k/v scales (1.0 without)")
     g.add_argument("--no-prefix-caching", action="store_true",
                    default=not engine_default("enable_prefix_caching"))
     g.add_argument("--scheduling-policy", default=engine_default("scheduling_policy"),
@@ -127,6 +149,13 @@ def _batching_flags(g) -> None:
     g.add_argument("--enforce-eager", action="store_true",
                    default=engine_default("enforce_eager"),
                    help="do not capture CUDA graphs for decode steps")
+
+
+def _parallel_flags(g) -> None:
+    g.add_argument("--tensor-parallel-size", "-tp", type=int,
+                   default=engine_default("tensor_parallel_size"),
+                   help="split the model over this many ranks, one process (and GPU) each; "
+                        "--num-threads is then per rank")
 
 
 def _kv_transfer_flags(g) -> None:
@@ -147,9 +176,10 @@ def _kv_transfer_flags(g) -> None:
 
 # flag dest -> the EngineConfig field it sets as given
 _ENGINE_FIELDS = {dest: dest for dest in (
-    "model", "dtype", "block_size", "max_num_seqs", "max_num_batched_tokens", "max_model_len",
-    "num_kv_blocks", "scheduling_policy", "num_threads", "device", "attention_backend",
-    "enforce_eager", "kv_host", "kv_port", "kv_failure_policy")} | {
+    "model", "revision", "skip_tokenizer_init", "dtype", "block_size", "max_num_seqs",
+    "max_num_batched_tokens", "max_model_len",
+    "num_kv_blocks", "kv_cache_dtype", "scheduling_policy", "num_threads", "device",
+    "attention_backend", "enforce_eager", "tensor_parallel_size", "kv_host", "kv_port", "kv_failure_policy")} | {
     "kv_lease_ttl": "kv_lease_ttl_s", "kv_transfer_timeout": "kv_transfer_timeout_s"}
 
 

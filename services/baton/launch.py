@@ -50,12 +50,22 @@ class Cluster:
     log_level: str = "info"
     num_prefill: int = 0  # > 0: disaggregated, num_prefill + num_decode workers
     num_decode: int = 0
+    prefill_tp: int = 1  # tensor-parallel ranks of each prefill / decode worker
+    decode_tp: int = 1
 
     def __post_init__(self) -> None:
         if self.num_prefill or self.num_decode:
             if self.num_prefill < 1 or self.num_decode < 1:
                 raise ValueError("--prefill and --decode must both be >= 1")
             self.num_workers = self.num_prefill + self.num_decode
+        elif (self.prefill_tp, self.decode_tp) != (1, 1):
+            raise ValueError("--prefill-tp / --decode-tp size disaggregated workers (--prefill"
+                             " N --decode M); colocated workers take --tensor-parallel-size")
+        if min(self.prefill_tp, self.decode_tp) < 1:
+            raise ValueError("--prefill-tp and --decode-tp must be >= 1")
+        if max(self.prefill_tp, self.decode_tp) > 1:  # EngineConfig refuses it too
+            raise ValueError("--prefill-tp / --decode-tp > 1: KV transfer between "
+                             "tensor-parallel pods is not implemented yet")
         if self.num_workers < 1:
             raise ValueError(f"--workers={self.num_workers} must be >= 1")
         self.procs: list[_Child] = []
@@ -78,7 +88,8 @@ class Cluster:
         router_args = ["--policy", args.policy, "--disagg-min-prefill-tokens",
                        str(args.disagg_min_prefill_tokens)]
         return cls(args.host, args.port, args.workers, worker_flag_args(args), router_args,
-                   args.ready_timeout, args.log_level, args.prefill, args.decode)
+                   args.ready_timeout, args.log_level, args.prefill, args.decode,
+                   args.prefill_tp, args.decode_tp)
 
     @property
     def router_url(self) -> str:
@@ -123,14 +134,20 @@ class Cluster:
                                                             RESTART_BACKOFF_MAX_S))
             time.sleep(0.5)
 
+    def tp_args(self, role: Role) -> list[str]:
+        """The tensor-parallel flag a worker of `role` gets beyond `worker_args`."""
+        tp = {Role.PREFILL: self.prefill_tp, Role.DECODE: self.decode_tp}.get(role, 1)
+        return ["--tensor-parallel-size", str(tp)] if tp > 1 else []
+
     def start(self, stop: _StopSignal | None = None) -> None:
-        threads = max(1, (os.cpu_count() or 1) // self.num_workers)
+        ranks = sum(_ranks(self.worker_args + self.tp_args(r)) for r in self.roles)
+        threads = max(1, (os.cpu_count() or 1) // ranks)  # per rank: cores split over all
         extra = [] if "--num-threads" in self.worker_args else ["--num-threads", str(threads)]
         for i, (url, role) in enumerate(zip(self.worker_urls, self.roles)):
             name = f"worker-{i + 1}" if role == Role.BOTH else f"{role.value}-{i + 1}"
             self._spawn(name, ["serve", "--host", self.host, "--port", str(self.port + 1 + i),
                                "--role", role.value, *_kv_port_of(self.worker_args, i),
-                               *extra])
+                               *self.tp_args(role), *extra])
         for url, child in zip(self.worker_urls, self.procs):
             self._wait_ready(child.name, child.proc, url, stop)
         self._spawn("router", ["router", "--host", self.host, "--port", str(self.port),
@@ -205,6 +222,12 @@ class _Child:
     started: float
     backoff_s: float
     restart_at: float | None = None
+
+
+def _ranks(worker_args: list[str]) -> int:
+    """The tensor-parallel ranks (processes) of a worker started with `worker_args`."""
+    at = [i for i, arg in enumerate(worker_args) if arg == "--tensor-parallel-size"]
+    return int(worker_args[at[-1] + 1]) if at else 1  # the last one given wins
 
 
 def _kv_port_of(worker_args: list[str], i: int) -> list[str]:

@@ -12,6 +12,7 @@ if os.environ.get("TRITON_INTERPRET"):
 
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource, compile  # noqa: E402
+import triton.language as tl  # noqa: E402
 
 from baton_kernels.cache_ops import reshape_and_cache_kernel  # noqa: E402
 from baton_kernels.decode_attention import (paged_decode_reduce_kernel,  # noqa: E402
@@ -29,20 +30,31 @@ def pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-def cases(dtype: str, head_dim: int, group: int, splits: int, block_size: int):
-    """(kernel, signature, constexprs) for every kernel at one dtype/head-dim combination."""
+# FP8 cache dtype -> (its Triton type, mantissa bits, smallest normal exponent)
+FP8 = {"fp8e4nv": (tl.float8e4nv, 3, -6), "fp8e5": (tl.float8e5, 2, -14)}
+
+
+def cases(dtype: str, head_dim: int, group: int, splits: int, block_size: int,
+          cache: str | None = None):
+    """(kernel, signature, constexprs) for every kernel at one dtype/head-dim combination;
+    `cache` an FP8 cache type (None: the cache holds `dtype`)."""
     ptr = f"*{dtype}"
+    cptr = f"*{cache}" if cache else ptr
     block_d = max(16, pow2(head_dim))
     dot_fp32 = dtype == "fp32"
     kvh = 2
+    fp8_type, mantissa, min_exp = FP8.get(cache, (tl.float8e4nv, 0, 0))
     yield reshape_and_cache_kernel, {
-        "k_ptr": ptr, "v_ptr": ptr, "k_cache_ptr": ptr, "v_cache_ptr": ptr, "slot_ptr": "*i64",
+        "k_ptr": ptr, "v_ptr": ptr, "k_cache_ptr": "*u8" if cache else ptr,
+        "v_cache_ptr": "*u8" if cache else ptr, "slot_ptr": "*i64", "k_scale": "fp32",
+        "v_scale": "fp32", "fp8_max": "fp32",
     }, dict(NUM_KV_HEADS=kvh, HEAD_DIM=head_dim, BLOCK_T=max(1, 4096 // pow2(kvh * head_dim)),
-            BLOCK_HD=pow2(kvh * head_dim))
+            BLOCK_HD=pow2(kvh * head_dim), FP8=cache is not None, FP8_TYPE=fp8_type,
+            MANTISSA=mantissa, MIN_EXP=min_exp)
     yield paged_decode_split_kernel, {
-        "q_ptr": ptr, "k_cache_ptr": ptr, "v_cache_ptr": ptr, "block_tables_ptr": "*i32",
+        "q_ptr": ptr, "k_cache_ptr": cptr, "v_cache_ptr": cptr, "block_tables_ptr": "*i32",
         "seq_lens_ptr": "*i32", "out_ptr": ptr, "part_out_ptr": "*fp32",
-        "part_lse_ptr": "*fp32", "qk_scale": "fp32",
+        "part_lse_ptr": "*fp32", "qk_scale": "fp32", "v_scale": "fp32",
     }, dict(NUM_HEADS=kvh * group, GROUP=group, HEAD_DIM=head_dim, NUM_SPLITS=splits,
             BLOCK_G=max(16, pow2(group)), BLOCK_D=block_d, BLOCK_N=max(64, block_size),
             DOT_FP32=dot_fp32)
@@ -53,9 +65,9 @@ def cases(dtype: str, head_dim: int, group: int, splits: int, block_size: int):
                 BLOCK_S=pow2(splits), BLOCK_D=block_d)
     block_m = max(64, pow2(group))
     yield paged_prefill_kernel, {
-        "q_ptr": ptr, "k_cache_ptr": ptr, "v_cache_ptr": ptr, "block_tables_ptr": "*i32",
+        "q_ptr": ptr, "k_cache_ptr": cptr, "v_cache_ptr": cptr, "block_tables_ptr": "*i32",
         "query_start_loc_ptr": "*i32", "seq_lens_ptr": "*i32", "out_ptr": ptr,
-        "qk_scale": "fp32",
+        "qk_scale": "fp32", "v_scale": "fp32",
     }, dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_Q=block_m // group, BLOCK_M=block_m,
             BLOCK_B=16, BLOCK_D=block_d, BLOCK_N=max(64, block_size), DOT_FP32=dot_fp32)
 
@@ -66,12 +78,14 @@ COMBOS = [  # dtype, head_dim, group, splits, block_size
     ("fp32", 96, 1, 2, 16),
     ("bf16", 64, 8, 8, 16),
 ]
+# FP8 caches: the conversions need sm_89 or later
+FP8_COMBOS = [("bf16", 128, 4, 2, 16, "fp8e4nv"), ("fp16", 64, 3, 1, 16, "fp8e5")]
 
 
 def main(archs: list[int]) -> None:
     for arch in archs:
         target = GPUTarget("cuda", arch, 32)
-        for combo in COMBOS:
+        for combo in COMBOS + (FP8_COMBOS if arch >= 89 else []):
             for fn, types, constexprs in cases(*combo):
                 src = ASTSource(fn, signature(fn, types, constexprs), constexprs)
                 kernel = compile(src, target=target, options={"num_warps": 4})

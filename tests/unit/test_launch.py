@@ -44,7 +44,7 @@ NON_DEFAULTS = ["--dtype", "float32", "--block-size", "32", "--max-num-seqs", "7
                 "--kv-transport", "tcp", "--kv-host", "127.0.0.2", "--kv-port", "0",
                 "--kv-lease-ttl", "11", "--kv-transfer-timeout", "12",
                 "--kv-failure-policy", "fail", "--model", "/some/model",
-                "--tool-call-parser", "mistral"]
+                "--tool-call-parser", "mistral", "--tensor-parallel-size", "2"]
 
 
 def test_up_passes_every_flag_it_was_given_to_its_workers():
@@ -57,6 +57,21 @@ def test_up_passes_every_flag_it_was_given_to_its_workers():
     missing = [f for f in _worker_group(_subparser("serve")) if f not in NON_DEFAULTS
                and f not in ("--transport",)]
     assert not missing, f"add a non-default value for {missing} to NON_DEFAULTS"
+
+
+def test_tensor_parallel_flags():
+    args = build_parser().parse_args(["serve", "-tp", "2"])
+    assert args.tensor_parallel_size == 2
+    assert launch._ranks(["--x", "--tensor-parallel-size", "2", "--tensor-parallel-size", "4"]
+                         ) == 4  # cores are split over every rank of every worker
+    assert launch._ranks(["--x"]) == 1
+    up = build_parser().parse_args(["up", "--prefill", "1", "--decode", "1"])
+    assert (up.prefill_tp, up.decode_tp) == (1, 1)
+    assert Cluster.from_args(up).tp_args(launch.Role.PREFILL) == []
+    with pytest.raises(ValueError, match="colocated workers take --tensor-parallel-size"):
+        Cluster(num_workers=2, decode_tp=2)
+    with pytest.raises(ValueError, match="not implemented yet"):
+        Cluster(num_prefill=1, num_decode=1, prefill_tp=2)
 
 
 def test_a_fixed_kv_port_becomes_one_port_per_worker():

@@ -5,11 +5,26 @@
                      engine reads the hub cache layout (--model hf://ORG/NAME@REVISION with
                      HF_HUB_CACHE=/models/hub, offline)
   pvc://CLAIM/PATH   the claim mounted read-only at /models; --model /models/PATH
-  hostpath:///PATH   the node's directory (or .gguf file) mounted read-only under /models */}}
+  hostpath:///PATH   the node's directory (or .gguf file) mounted read-only under /models
+Or, with uri "", a Hugging Face hub cache that already holds the model (`model.cache.pvc` or
+`model.cache.hostPath`): `model.name` is its repo id (--model ORG/NAME --revision R, read
+offline with HF_HUB_CACHE=/models/hub), the cache mounted read-only at /models/hub; with
+`model.cache.initCopy` an init container first copies that one snapshot out of the cache into
+a volume of the pod's own (an emptyDir or a claim), which the worker then reads. */}}
 
 {{- define "baton.modelKind" -}}
 {{- $uri := .Values.model.uri }}
-{{- if not $uri }}bundled
+{{- $c := .Values.model.cache }}
+{{- if and $c.pvc $c.hostPath }}
+{{- fail "model.cache: set pvc or hostPath, not both" }}
+{{- else if and $uri (or $c.pvc $c.hostPath) }}
+{{- fail (printf "model.cache is for a model named by its repo id (model.uri \"\"), not model.uri %q" $uri) }}
+{{- end }}
+{{- if or $c.pvc $c.hostPath }}
+{{- if not (regexMatch "^[A-Za-z0-9][\\w.-]*/[A-Za-z0-9][\\w.-]*$" .Values.model.name) }}
+{{- fail (printf "model.cache: model.name %q must be the model's repo id, ORG/NAME" .Values.model.name) }}
+{{- end }}cache
+{{- else if not $uri }}bundled
 {{- else if hasPrefix "hf://" $uri }}hf
 {{- else if hasPrefix "pvc://" $uri }}pvc
 {{- else if hasPrefix "hostpath://" $uri }}hostpath
@@ -31,6 +46,8 @@
 {{- $uri := .Values.model.uri }}
 {{- if eq $kind "hf" }}
 {{- printf "%s@%s" $uri .Values.model.revision }}
+{{- else if eq $kind "cache" }}
+{{- .Values.model.name }}
 {{- else if eq $kind "pvc" }}
 {{- $rest := trimPrefix "pvc://" $uri }}
 {{- $path := regexReplaceAll "^[^/]*/?" $rest "" }}
@@ -51,6 +68,8 @@
   {{- else }}
   emptyDir: {sizeLimit: {{ .Values.model.storage.size }}}
   {{- end }}
+{{- else if eq $kind "cache" }}
+{{- include "baton.modelCacheVolumes" . }}
 {{- else if eq $kind "pvc" }}
 {{- $claim := regexFind "^[^/]+" (trimPrefix "pvc://" $uri) }}
 - name: model
@@ -68,6 +87,8 @@
 {{- $kind := include "baton.modelKind" . }}
 {{- if eq $kind "bundled" }}
 []
+{{- else if eq $kind "cache" }}
+- {name: model, mountPath: /models/hub, readOnly: true}
 {{- else if and (eq $kind "hostpath") (hasSuffix ".gguf" .Values.model.uri) }}
 - {name: model, mountPath: {{ include "baton.modelArg" . }}, readOnly: true}
 {{- else }}
@@ -76,7 +97,7 @@
 {{- end }}
 
 {{- define "baton.modelEnv" -}}
-{{- if eq (include "baton.modelKind" .) "hf" }}
+{{- if has (include "baton.modelKind" .) (list "hf" "cache") }}
 - {name: HF_HUB_CACHE, value: /models/hub}
 - {name: HF_HUB_OFFLINE, value: "1"}
 {{- else }}
@@ -110,7 +131,56 @@ call with (dict "root" $ "block" BLOCK). */}}
   volumeMounts:
     - {name: tmp, mountPath: /tmp}
     - {name: model, mountPath: /models}
+{{- else if and (eq (include "baton.modelKind" $root) "cache") $m.cache.initCopy.enabled }}
+- name: model-copy
+  image: {{ include "baton.image" . }}
+  imagePullPolicy: {{ include "baton.pullPolicy" . }}
+  command: [python, -m, baton.engine.models.hub]
+  args: [copy, {{ $m.name }}, --revision, {{ $m.revision | quote }}, --from, /hf-source, --to, /models/hub]
+  resources:
+    {{- toYaml $m.downloadResources | nindent 4 }}
+  securityContext:
+    {{- toYaml (.block.securityContext | default $root.Values.securityContext) | nindent 4 }}
+  volumeMounts:
+    - {name: model-source, mountPath: /hf-source, readOnly: true}
+    - {name: model, mountPath: /models/hub}
 {{- else }}
 []
+{{- end }}
+{{- end }}
+
+{{/* model.cache's volumes: `model` is what the worker reads (the cache itself, read-only;
+or with initCopy the pod's own copy, an emptyDir or a claim) and `model-source` the cache
+the copy reads. */}}
+{{- define "baton.modelCacheVolumes" -}}
+{{- $c := .Values.model.cache }}
+{{- $name := $c.initCopy.enabled | ternary "model-source" "model" }}
+- name: {{ $name }}
+  {{- if $c.pvc }}
+  persistentVolumeClaim: {claimName: {{ $c.pvc }}, readOnly: true}
+  {{- else }}
+  hostPath: {path: {{ $c.hostPath }}, type: Directory}
+  {{- end }}
+{{- if $c.initCopy.enabled }}
+- name: model
+  {{- with $c.initCopy.claim }}
+  persistentVolumeClaim: {claimName: {{ . }}}
+  {{- else }}
+  emptyDir: {sizeLimit: {{ $c.initCopy.size }}}
+  {{- end }}
+{{- end }}
+{{- end }}
+
+{{/* `--revision` for a model named by its repo id; the served names (`model.name`, or
+`model.servedModelNames`, the first reported in responses). */}}
+{{- define "baton.modelArgs" -}}
+{{- $m := .Values.model }}
+{{- if eq (include "baton.modelKind" .) "cache" }}
+- --revision
+- {{ $m.revision | quote }}
+{{- end }}
+- --served-model-name
+{{- range ($m.servedModelNames | default (list $m.name)) }}
+- {{ . | quote }}
 {{- end }}
 {{- end }}

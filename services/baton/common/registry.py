@@ -37,7 +37,9 @@ class WorkerRecord(BaseModel):
     id: str  # this process: a restart under the same address is a new id
     url: str  # where routers reach its HTTP API
     role: Role  # on the wire its name: "both", "prefill" or "decode"
-    model: str
+    model: str  # the primary served name (what responses report)
+    # Every name it serves (`--served-model-name a b`); empty from older workers: `model`.
+    models: list[str] = Field(default_factory=list)
     max_model_len: int | None = None
     block_size: int = 16  # tokens per KV block: the unit of the published hashes
     kv_transport: str | None = None  # how its KV is pulled (prefill pods), or None

@@ -107,6 +107,9 @@ class AsyncEngine:
         structured request pays no set-up)."""
         if self._thread is None:
             self.core.structured.warm_up()
+            leader = self.core.runner.tp_leader
+            if leader is not None:  # a tensor-parallel rank that dies ends an idle loop too
+                leader.on_failure(lambda err: self.call_soon(_raising(err)))
             self._thread = threading.Thread(target=self._run, name="baton-engine", daemon=True)
             self._thread.start()
 
@@ -266,3 +269,10 @@ class AsyncEngine:
                                  stop_reason=str(err))]
         finally:
             self._num_applied += 1
+
+
+def _raising(err: BaseException):
+    def fn() -> None:
+        raise err
+
+    return fn

@@ -12,6 +12,8 @@ DTYPES = ("float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 LOAD_FORMATS = ("auto", "dummy")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+# auto: the model's dtype; fp8 = fp8_e4m3 (as vLLM), stored with per-layer scales
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 
 
 @dataclass(frozen=True)
@@ -23,6 +25,10 @@ class EngineConfig:
     """
 
     model: str | None = None
+    revision: str | None = None  # a hub model's branch, tag or commit (None: main)
+    # True: no tokenizer is loaded (a checkpoint without one): token-id prompts only,
+    # outputs carry token ids and no text (vLLM's skip_tokenizer_init)
+    skip_tokenizer_init: bool = False
     load_format: str = "auto"  # "dummy": config.json only, random weights (benchmarks)
     dtype: str = "bfloat16"
     device: str = "auto"
@@ -33,12 +39,16 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     num_kv_blocks: int | None = None
     kv_cache_memory_bytes: int = 2 << 30
+    kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES; fp8 holds 2x bf16's blocks
     scheduling_policy: str = "fcfs"
     attention_backend: str = "auto"  # auto: triton on CUDA, torch elsewhere
     enforce_eager: bool = False  # True: no CUDA graphs for decode steps (CUDA only)
     num_threads: int | None = None
     cache_dir: str | None = None
     seed: int = 0
+    # Ranks the model is split over, one process each (`runner/tp.py`): this process is
+    # rank 0 and spawns the others; one GPU per rank on CUDA.
+    tensor_parallel_size: int = 1
     # Disaggregation: the KV transport (None: this engine neither holds nor pulls KV),
     # how long a prefill keeps blocks for a puller, how long a pull may take, and what a
     # failed pull does to its request (prefill locally, or end it).
@@ -85,12 +95,20 @@ class EngineConfig:
                self.num_kv_blocks, "must be >= 1")
         _check(self.kv_cache_memory_bytes > 0, "kv_cache_memory_bytes",
                self.kv_cache_memory_bytes, "must be > 0")
+        _check(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype", self.kv_cache_dtype,
+               f"must be one of {KV_CACHE_DTYPES}")
         _check(self.scheduling_policy in SCHEDULING_POLICIES, "scheduling_policy",
                self.scheduling_policy, f"must be one of {SCHEDULING_POLICIES}")
         _check(self.attention_backend in ATTENTION_BACKENDS, "attention_backend",
                self.attention_backend, f"must be one of {ATTENTION_BACKENDS}")
         _check(self.num_threads is None or self.num_threads >= 1, "num_threads",
                self.num_threads, "must be >= 1")
+        _check(1 <= self.tensor_parallel_size <= 64, "tensor_parallel_size",
+               self.tensor_parallel_size, "must be in [1, 64]")
+        _check(self.kv_transport is None or self.tensor_parallel_size == 1,
+               "tensor_parallel_size", self.tensor_parallel_size,
+               "must be 1 with a KV transport: KV transfer between tensor-parallel pods "
+               "(each rank's KV heads) is not implemented yet")
         _check(self.kv_transport in (None, "local", "tcp", "gloo", "nccl", "nixl"),
                "kv_transport", self.kv_transport,
                "must be None, 'local', 'tcp', 'gloo', 'nccl' or 'nixl'")

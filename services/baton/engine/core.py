@@ -14,6 +14,7 @@ import torch
 
 from baton.common.sampling_params import SamplingParams
 from baton.engine.config import EngineConfig, LiveSettings
+from baton.engine.context_window import fit_kv_pool
 from baton.engine.kv_cache import KVCacheManager
 from baton.engine.kv_connector.base import KVConnector
 from baton.engine.kv_connector.handoff import KVHandoff, PullKV
@@ -25,7 +26,8 @@ from baton.engine.sampler import TokenLogprobs
 from baton.engine.scheduler import SchedulerLimits, make_scheduler
 from baton.engine.structured.base import GrammarCompileError
 from baton.engine.structured.manager import StructuredOutputs, grammar_complete, rebuild
-from baton.engine.tokenizer import IncrementalDetokenizer, load_tokenizer
+from baton.engine.tokenizer import (NO_TOKENIZER_STOP, IncrementalDetokenizer, eos_token_id,
+                                    load_tokenizer)
 
 log = logging.getLogger(__name__)
 
@@ -60,19 +62,20 @@ class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
-        self.model_dir = resolve_model_dir(config.model, config.cache_dir)
-        self.tokenizer = load_tokenizer(self.model_dir)
-        max_len = self._max_model_len()
-        self.max_model_len = max_len
-        self.runner = ModelRunner(config, self.model_dir, max_len)
+        self.model_dir = resolve_model_dir(config.model, config.cache_dir, config.revision)
+        self.tokenizer = load_tokenizer(self.model_dir, config.skip_tokenizer_init)
+        self.runner = ModelRunner(config, self.model_dir, self._max_model_len())
+        self.max_model_len = max_len = fit_kv_pool(self.runner.max_model_len, config,
+                                                   self.runner.num_blocks)
         self.model_config = self.runner.model_config
+        window = self.model_config.sliding_window if self.model_config.all_sliding else None
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size,
-                                 config.enable_prefix_caching)
+                                 config.enable_prefix_caching, sliding_window=window)
         self.connector = _make_connector(config, self.runner.kv_cache)
         self.scheduler = make_scheduler(SchedulerLimits(
             config.max_num_batched_tokens, config.max_num_seqs, max_len,
             config.scheduling_policy), self.kv, self.connector)
-        self.eos_token_id = self.tokenizer.eos_token_id
+        self.eos_token_id = eos_token_id(self.tokenizer, self.model_config.eos_token_ids)
         self.structured = StructuredOutputs.for_tokenizer(
             self.tokenizer, self.model_config.vocab_size, self.eos_token_id)
         self._detok: dict[str, IncrementalDetokenizer | None] = {}
@@ -81,13 +84,15 @@ class EngineCore:
 
     def _max_model_len(self) -> int:
         from baton.engine.models.config import ModelConfig
+        from baton.engine.models.rope import context_limit
 
-        limit = ModelConfig.from_dir(self.model_dir).max_position_embeddings
+        limit = context_limit(ModelConfig.from_dir(self.model_dir))  # yarn / dynamic extend it
         if self.config.max_model_len is None:
             return limit
         if self.config.max_model_len > limit:
             raise ValueError(f"EngineConfig.max_model_len={self.config.max_model_len} exceeds "
-                             f"the model's max_position_embeddings={limit}")
+                             f"the model's context length {limit} (max_position_embeddings, "
+                             f"extended by its rope scaling)")
         return self.config.max_model_len
 
     # -- requests --------------------------------------------------------------------------
@@ -145,6 +150,8 @@ class EngineCore:
 
     def _check_params(self, params: SamplingParams) -> None:
         """What SamplingParams cannot check alone: token ids against this vocabulary."""
+        if params.stop and self.tokenizer is None:  # matched in the text, which it has not
+            raise InvalidRequestError(NO_TOKENIZER_STOP, param="stop")
         vocab = self.model_config.vocab_size
         for name, ids in (("stop_token_ids", params.stop_token_ids),
                           ("logit_bias", params.logit_bias or ())):
@@ -174,7 +181,7 @@ class EngineCore:
         p = req.sampling_params
         self._detok[req.request_id] = IncrementalDetokenizer(
             self.tokenizer, req.prompt_token_ids, p.stop, p.include_stop_str_in_output,
-            p.skip_special_tokens) if req.detokenize else None
+            p.skip_special_tokens) if req.detokenize and self.tokenizer is not None else None
         error = rebuild(req)
         if error is not None:
             return self._fail([req], {req.request_id: error})
@@ -255,9 +262,10 @@ class EngineCore:
 
     def _step_failed(self, sched, err: Exception) -> list[EngineOutput]:
         """A step raised before sampling: its requests end with the error, unless steps
-        keep failing (then the engine is at fault: EngineStepError)."""
+        keep failing, or under tensor parallelism (ranks left out of step), then the engine
+        is at fault: EngineStepError."""
         self._failed_steps += 1
-        if self._failed_steps >= MAX_FAILED_STEPS:
+        if self._failed_steps >= MAX_FAILED_STEPS or self.runner.tp.size > 1:
             raise EngineStepError(f"{self._failed_steps} steps in a row failed; the last: "
                                   f"{err!r}") from err
         log.exception("a step of %d requests failed; ending them", len(sched.scheduled))
@@ -362,6 +370,7 @@ class EngineCore:
     def close(self) -> None:
         if self.connector is not None:
             self.connector.close()
+        self.runner.close()
 
 
 def _arrived_logprobs(req: Request) -> TokenLogprobs | None:

@@ -15,7 +15,7 @@ from baton.common.sampling_params import SamplingParams, child_params
 from baton.engine.config import EngineConfig
 from baton.engine.core import EngineCore
 from baton.engine.outputs import CompletionOutput, EngineOutput, RequestOutput
-from baton.engine.tokenizer import apply_chat_template
+from baton.engine.tokenizer import apply_chat_template, require_tokenizer
 
 PromptType = str | list[int] | dict
 
@@ -49,14 +49,15 @@ class LLM:
              use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them."""
         convs = [messages] if messages and isinstance(messages[0], dict) else messages
-        tok = self.engine.tokenizer
+        tok = require_tokenizer(self.engine.tokenizer, "chat (its template)")
         prompts = [{"prompt_token_ids": apply_chat_template(tok, c, add_generation_prompt)}
                    for c in convs]
         return self.generate(prompts, sampling_params, use_tqdm)
 
     def _tokenize(self, prompt: PromptType) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):
-            return prompt, self.engine.tokenizer.encode(prompt)
+            tok = require_tokenizer(self.engine.tokenizer, "a text prompt")
+            return prompt, tok.encode(prompt)
         if isinstance(prompt, dict):
             if "prompt_token_ids" in prompt:
                 return prompt.get("prompt"), list(prompt["prompt_token_ids"])

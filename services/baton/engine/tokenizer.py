@@ -6,10 +6,44 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def load_tokenizer(model_dir: Path):
+# Files one of which a checkpoint's tokenizer is read from (fast JSON, SentencePiece, BPE).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
+
+
+def load_tokenizer(model_dir: Path, skip: bool = False):
+    """The checkpoint's tokenizer; None with `skip` (`skip_tokenizer_init`). A directory
+    holding none of TOKENIZER_FILES raises FileNotFoundError suggesting the flag."""
+    if skip:
+        return None
+    if not any((model_dir / name).exists() for name in TOKENIZER_FILES):
+        raise FileNotFoundError(
+            f"{model_dir} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)}): save "
+            "one beside the weights, or start with skip_tokenizer_init=True "
+            "(--skip-tokenizer-init) to serve token-id prompts only")
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(str(model_dir))
+
+
+NO_TOKENIZER_STOP = ("stop strings are matched in the output text, and this engine has no "
+                     "tokenizer (skip_tokenizer_init): use stop_token_ids")
+
+
+def eos_token_id(tokenizer, config_eos_ids: tuple[int, ...]) -> int | None:
+    """The tokenizer's end-of-sequence id; without a tokenizer, config.json's first."""
+    if tokenizer is not None:
+        return tokenizer.eos_token_id
+    return config_eos_ids[0] if config_eos_ids else None
+
+
+def require_tokenizer(tokenizer, what: str):
+    """`tokenizer`, or a ValueError saying `what` needs the tokenizer this engine was
+    started without (`skip_tokenizer_init`)."""
+    if tokenizer is None:
+        raise ValueError(f"{what} needs a tokenizer, and this engine was started with "
+                         "skip_tokenizer_init=True (--skip-tokenizer-init): send prompts "
+                         "as token ids")
+    return tokenizer
 
 
 def apply_chat_template(tokenizer, messages: list[dict], add_generation_prompt: bool = True,

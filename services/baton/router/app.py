@@ -160,6 +160,7 @@ class Router:
             "exact_prefix_models": self.tokenizers.models() if self.tokenizers else [],
             "workers": [{
                 "url": e.url, "healthy": e.healthy, "role": e.role, "model": e.model,
+                "models": list(e.names),
                 "running": e.running, "waiting": e.waiting, "inflight": e.inflight,
                 "kv_usage": round(e.kv_usage, 4), "circuit_open": e.circuit_open(),
                 **({"worker_id": e.worker_id, "cached_blocks": index.blocks_held(e)}
@@ -169,9 +170,10 @@ class Router:
     async def models(self, _request: web.Request) -> web.Response:
         seen: dict[str, dict] = {}
         for e in self.discovery.all():
-            if e.healthy and e.model and e.model not in seen:
-                seen[e.model] = {"id": e.model, "object": "model", "created": int(time.time()),
-                                 "owned_by": "baton", "max_model_len": e.max_model_len}
+            for name in e.names if e.healthy else ():  # every served name (aliases too)
+                seen.setdefault(name, {"id": name, "object": "model",
+                                       "created": int(time.time()), "owned_by": "baton",
+                                       "max_model_len": e.max_model_len})
         return web.json_response({"object": "list", "data": list(seen.values())})
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
@@ -257,7 +259,7 @@ class Router:
         return response
 
     def _check_model(self, model: str) -> None:
-        known = {e.model for e in self.discovery.all() if e.model}
+        known = {name for e in self.discovery.all() for name in e.names}
         if known and model not in known:
             raise OpenAIError(404, f"the model {model!r} does not exist; served: "
                                    f"{sorted(known)}", param="model", code="model_not_found")

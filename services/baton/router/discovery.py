@@ -30,7 +30,8 @@ log = logging.getLogger("baton.router")
 class Upstream:
     url: str
     role: str = Role.BOTH  # as the worker reports it (a `Role` name)
-    model: str | None = None
+    model: str | None = None  # the primary served name
+    models: tuple[str, ...] = ()  # every name it serves, the primary first
     max_model_len: int | None = None
     healthy: bool = False
     running: int = 0
@@ -46,6 +47,15 @@ class Upstream:
     ttl_s: float = 0.0  # registry: gone when no heartbeat came for this long
     _down_watchers: set[Callable[[], None]] = field(default_factory=set, init=False,
                                                     repr=False, compare=False)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Every model name it serves, the primary first (none before its first report)."""
+        return self.models or ((self.model,) if self.model else ())
+
+    def serves(self, name: str) -> bool:
+        """Whether a request for model `name` may go here (any of its served names)."""
+        return name in self.names
 
     @property
     def kv_usage(self) -> float:
@@ -170,6 +180,7 @@ def update(ep: Upstream, report: dict) -> None:
     ep.set_healthy(bool(report.get("ready", True)))
     ep.last_seen = time.monotonic()
     ep.role, ep.model = report["role"], report["model"]
+    ep.models = tuple(report.get("models") or [ep.model])  # older workers: one name
     ep.max_model_len = report.get("max_model_len")
     ep.running, ep.waiting = int(report["running"]), int(report["waiting"])
     ep.kv_blocks_used = int(report["kv_blocks_used"])

@@ -67,7 +67,7 @@ class ContextBuilder:
     async def _exact(self, api: str, req, body_bytes: int,
                      session: str | None) -> RoutingContext | None:
         tok = self.tokenizers.get(req.model, [e.url for e in self.discovery.all()
-                                              if e.healthy and e.model == req.model])
+                                              if e.healthy and e.serves(req.model)])
         if tok is None:
             return None
         ids = (await asyncio.to_thread(tok.prompt_ids, api, req)

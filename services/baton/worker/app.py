@@ -150,6 +150,9 @@ def _install_service_routes(app: FastAPI, state: WorkerState) -> None:
         its KV block hashes) without loading the model: the tokenizer's JSON, the chat
         template and the special tokens the template may name."""
         tok = state.require_pipeline().tokenizer
+        if tok is None:  # --skip-tokenizer-init: the router hashes prompts approximately
+            raise OpenAIError(404, "this worker runs without a tokenizer "
+                                   "(--skip-tokenizer-init)", code="no_tokenizer")
         return {"model": settings.model_name, "block_size": settings.engine.block_size,
                 "tokenizer_json": tok.backend_tokenizer.to_str(),
                 "chat_template": tok.chat_template,
@@ -161,9 +164,10 @@ def _install_openai_routes(app: FastAPI, state: WorkerState) -> None:
     @app.get("/v1/models")
     async def models():
         pipeline = state.require_pipeline()
-        return {"object": "list", "data": [{
-            "id": pipeline.model_name, "object": "model", "created": int(state.started),
-            "owned_by": "baton", "max_model_len": pipeline.serving.max_model_len}]}
+        return {"object": "list", "data": [{  # every served name, the primary first (vLLM's)
+            "id": name, "object": "model", "created": int(state.started),
+            "owned_by": "baton", "max_model_len": pipeline.serving.max_model_len}
+            for name in pipeline.model_names]}
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):

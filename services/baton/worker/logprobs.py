@@ -21,8 +21,9 @@ class TokenTexts:
 
     def text(self, token_id: int) -> str:
         text = self._text.get(token_id)
-        if text is None:
-            text = self.tokenizer.decode([token_id])
+        if text is None:  # without a tokenizer, vLLM's "token_id:N" form
+            text = (self.tokenizer.decode([token_id]) if self.tokenizer is not None
+                    else f"token_id:{token_id}")
             self._text[token_id] = text
         return text
 

@@ -103,7 +103,8 @@ class OpenAIFormat:
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.texts = TokenTexts(tokenizer)
-        self.tools = ToolFormat(tool_parser, tokenizer.chat_template)
+        # No tokenizer (--skip-tokenizer-init): no template, and chat is refused anyway.
+        self.tools = ToolFormat(tool_parser, getattr(tokenizer, "chat_template", None))
 
     def answer(self, api: Api, request: OpenAIBody, response_id: str,
                prompts: list[list[int]], num_choices: int, internal: Internal) -> Answer:
@@ -141,7 +142,9 @@ class OpenAIFormat:
         if api != "completions" or not request.echo:
             return ""
         original = request.prompts()[p]
-        return original if isinstance(original, str) else self.tokenizer.decode(prompts[p])
+        if isinstance(original, str):
+            return original
+        return self.tokenizer.decode(prompts[p]) if self.tokenizer is not None else ""
 
 
 class Answer:

@@ -28,7 +28,7 @@ from baton.common.protocol import (DetokenizeRequest, TokenizeChatRequest,
                                    TokenizeRequest)
 from baton.engine.kv_connector import PullKV
 from baton.common.tracing import Span, Tracing
-from baton.engine.tokenizer import apply_chat_template
+from baton.engine.tokenizer import apply_chat_template, require_tokenizer
 from baton.worker import openai_api, traces
 from baton.worker.openai_api import PUBLIC, Internal, OpenAIFormat
 from baton.worker.serving import Job, Serving, engine_error, new_id
@@ -52,33 +52,45 @@ class Pipeline:
     request's non-zero `priority` is a 400)."""
 
     def __init__(self, serving: Serving, fmt: OpenAIFormat, tracing: Tracing | None = None,
-                 priority_scheduling: bool = False) -> None:
+                 priority_scheduling: bool = False, model_names: tuple[str, ...] = ()) -> None:
+        """`model_names`: every name requests may use (`--served-model-name`); responses
+        report `fmt.model_name`, the primary."""
         self.serving = serving
         self.format = fmt
         self.tracing = tracing or Tracing()
         self.model_name = fmt.model_name
+        self.model_names = model_names or (fmt.model_name,)
         self.tokenizer = fmt.tokenizer
         self.priority_scheduling = priority_scheduling
 
     def check_model(self, name: str) -> None:
-        """A 404 OpenAIError unless `name` is the model this worker serves."""
-        if name != self.model_name:
+        """A 404 OpenAIError unless `name` is one of the names this worker serves."""
+        if name not in self.model_names:
+            served = ", ".join(repr(n) for n in self.model_names)
             raise OpenAIError(404, f"the model {name!r} does not exist; this server serves "
-                                   f"{self.model_name!r}", param="model", code="model_not_found")
+                                   f"{served}", param="model", code="model_not_found")
+
+    def require_tokenizer(self, what: str, param: str = "prompt"):
+        """The tokenizer, or a 400 OpenAIError when the worker runs without one."""
+        try:
+            return require_tokenizer(self.tokenizer, what)
+        except ValueError as err:
+            raise OpenAIError(400, str(err), param=param) from None
 
     def prompts(self, api: Api, request: OpenAIBody) -> list[list[int]]:
         """The request's prompts as token ids: chat's one (through the chat template, a 400
         when it rejects the messages) or completions' one or more."""
         if api == "chat":
             return [self._chat_prompt(request)]
-        return [self.tokenizer.encode(p) if isinstance(p, str) else list(p)
-                for p in request.prompts()]
+        return [self.require_tokenizer("a text prompt").encode(p) if isinstance(p, str)
+                else list(p) for p in request.prompts()]
 
     def _chat_prompt(self, request) -> list[int]:
         """A conversation's (chat or /tokenize) ids through the chat template, its tools
         included."""
+        tokenizer = self.require_tokenizer("chat (the model's chat template)", "messages")
         try:
-            return apply_chat_template(self.tokenizer, request.template_messages(),
+            return apply_chat_template(tokenizer, request.template_messages(),
                                        request.add_generation_prompt,
                                        tools=request.template_tools())
         except Exception as err:  # noqa: BLE001 - template errors are the caller's input
@@ -130,6 +142,7 @@ class Pipeline:
         """vLLM's /tokenize: a prompt's or a conversation's token ids."""
         if req.model is not None:
             self.check_model(req.model)
+        self.require_tokenizer("/tokenize")
         if isinstance(req, TokenizeChatRequest):
             ids = self._chat_prompt(req)
         else:
@@ -143,7 +156,7 @@ class Pipeline:
         """vLLM's /detokenize: token ids' text. A 400 for ids outside the vocabulary."""
         if req.model is not None:
             self.check_model(req.model)
-        vocab = len(self.tokenizer)
+        vocab = len(self.require_tokenizer("/detokenize", "tokens"))
         outside = [t for t in req.tokens if t >= vocab]
         if outside:
             raise OpenAIError(400, f"token ids {outside[:8]} are outside the vocabulary "

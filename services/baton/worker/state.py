@@ -12,6 +12,7 @@ from baton.common.metrics import WorkerMetrics
 from baton.common.roles import ROLE_NAMES, Role
 from baton.common.tracing import setup_tracing
 from baton.engine.config import EngineConfig
+from baton.engine.models.hub import SCHEME, HubRef, is_repo_id
 from baton.worker.openai_api import OpenAIFormat
 from baton.worker.pipeline import Pipeline
 from baton.worker.serving import Serving
@@ -30,7 +31,9 @@ class WorkerSettings:
 
     engine: EngineConfig = field(default_factory=EngineConfig)
     role: Role = Role.BOTH
-    served_model_name: str | None = None
+    # The name(s) requests may use (`--served-model-name a b`), the first the one reported
+    # in responses (vLLM's); None: the --model argument's name.
+    served_model_name: str | tuple[str, ...] | None = None
     max_waiting: int = 256
     pinned: frozenset[str] = frozenset()  # tuning fields set by flags: the file keeps off
     registry_url: str | None = None  # redis://…: register there (common.registry)
@@ -56,6 +59,7 @@ class WorkerSettings:
         except ValueError:
             raise ValueError(f"WorkerSettings.role={self.role!r} must be one of "
                              f"{ROLE_NAMES}") from None
+        object.__setattr__(self, "served_model_name", _served_names(self.served_model_name))
         if self.max_waiting < 1:
             raise ValueError(f"WorkerSettings.max_waiting={self.max_waiting} must be >= 1")
         if self.drain_timeout_s < 0:
@@ -67,11 +71,22 @@ class WorkerSettings:
 
     @property
     def model_name(self) -> str:
+        """The primary name: the one responses report."""
+        return self.model_names[0]
+
+    @property
+    def model_names(self) -> tuple[str, ...]:
+        """Every name a request may use for this model, the primary first."""
         if self.served_model_name:
             return self.served_model_name
-        if self.engine.model is None:
-            return "SmolLM2-135M-Instruct"
-        return os.path.basename(self.engine.model.rstrip("/")).removesuffix(".gguf")
+        model = self.engine.model
+        if model is None:
+            return ("SmolLM2-135M-Instruct",)
+        if model.startswith(SCHEME):  # hf://ORG/NAME@REV: the repo id, as vLLM names it
+            return (HubRef.parse(model).repo_id,)
+        if is_repo_id(model) and not os.path.exists(model):
+            return (model,)
+        return (os.path.basename(model.rstrip("/")).removesuffix(".gguf"),)
 
 
 class WorkerState:
@@ -112,12 +127,13 @@ class WorkerState:
         serving = Serving(engine, self.metrics, settings.max_waiting)
         fmt = OpenAIFormat(engine.tokenizer, settings.model_name, settings.tool_call_parser)
         self.pipeline = Pipeline(serving, fmt, self.tracing, priority_scheduling=(
-            settings.engine.scheduling_policy == "priority"))
+            settings.engine.scheduling_policy == "priority"), model_names=settings.model_names)
 
     def load_report(self) -> dict:
         """Role, model and load: what `/load` answers and the registry's heartbeat says."""
         stats, engine = self._stats(), self.engine
         return {"role": self.settings.role.value, "model": self.settings.model_name,
+                "models": list(self.settings.model_names),
                 "ready": self.ready, "running": int(stats.get("baton:num_requests_running", 0)),
                 "waiting": engine.num_waiting if engine is not None else 0,
                 "kv_blocks_used": int(stats.get("baton:kv_blocks_used", 0)),
@@ -150,3 +166,17 @@ class WorkerState:
         if self.pipeline is None:
             raise OpenAIError(503, "the model is still loading", code="not_ready")
         return self.pipeline
+
+
+def _served_names(names: str | tuple[str, ...] | list[str] | None) -> tuple[str, ...] | None:
+    """`served_model_name` as a tuple (a single name, as older settings gave it, too);
+    ValueError for an empty or repeated name."""
+    if names is None or names == "":  # "": unset, as the single-name setting took it
+        return None
+    names = (names,) if isinstance(names, str) else tuple(names)
+    if not names or not all(isinstance(n, str) and n.strip() for n in names):
+        raise ValueError(f"WorkerSettings.served_model_name={names!r} must be one or more "
+                         "non-empty names")
+    if len(set(names)) != len(names):
+        raise ValueError(f"WorkerSettings.served_model_name={names!r} repeats a name")
+    return names

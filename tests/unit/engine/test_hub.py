@@ -67,7 +67,8 @@ def test_a_cached_repo_directory_resolves_to_main(tmp_path):
 def test_missing_snapshot_says_what_to_download(tmp_path):
     make_cache(tmp_path)
     with pytest.raises(FileNotFoundError, match=r"revision 'v9'.*refs: \['main', 'v1'\].*"
-                                                r"hub download ORG/NAME --revision v9"):
+                                                r"never downloads.*hub download "
+                                                r"org/tiny-llama --revision v9"):
         resolve_hub_model("hf://org/tiny-llama@v9", cache=tmp_path)
     with pytest.raises(FileNotFoundError, match="no snapshot of revision 'main'"):
         resolve_hub_model("hf://org/absent", cache=tmp_path)
@@ -84,3 +85,55 @@ def test_download_reads_back_a_complete_snapshot_offline(tmp_path, monkeypatch, 
     assert main(["download", "org/tiny-llama", "--cache-dir", str(tmp_path)]) == 0
     printed = capsys.readouterr().out.strip()
     assert printed == resolve_hub_model("hf://org/tiny-llama", cache=tmp_path)
+
+
+def test_a_bare_repo_id_resolves_like_its_hf_uri(tmp_path, monkeypatch):
+    make_cache(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    snapshots = tmp_path / "models--org--tiny-llama" / "snapshots"
+    assert resolve_hub_model("org/tiny-llama", cache=tmp_path) == str(snapshots / COMMIT)
+    assert resolve_hub_model("org/tiny-llama", cache=tmp_path, revision="v1") == \
+        str(snapshots / COMMIT)
+    assert resolve_hub_model("org/tiny-llama", cache=tmp_path, revision=OLD) == \
+        str(snapshots / OLD)
+    for other in ("plain-name", "./org/tiny-llama", "/abs/path", "a/b/c", "model.gguf"):
+        assert resolve_hub_model(other, cache=tmp_path) == other  # not a repo id: unchanged
+
+
+def test_without_variables_the_cache_is_under_home(tmp_path, monkeypatch):
+    for var in ("HF_HUB_CACHE", "HF_HOME"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))
+    make_cache(tmp_path / ".cache" / "huggingface" / "hub")
+    monkeypatch.chdir(tmp_path)
+    assert resolve_model_dir("org/tiny-llama").name == COMMIT
+    with pytest.raises(FileNotFoundError, match=r"neither \$HF_HUB_CACHE nor \$HF_HOME"):
+        resolve_model_dir("org/absent")
+
+
+def test_copy_takes_one_snapshot_and_keeps_the_layout(tmp_path, capsys):
+    """The chart's init copy: one revision's files, the blobs they link to and its ref,
+    into another cache that then resolves to the same files."""
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    repo = make_cache(src)
+    snap = repo / "snapshots" / COMMIT
+    (repo / "blobs").mkdir()
+    (repo / "blobs" / "abc").write_bytes(b"weights")
+    (snap / "sub").mkdir()
+    (snap / "sub" / "model.safetensors").symlink_to("../../../blobs/abc")
+    assert main(["copy", "org/tiny-llama", "--revision", "v1", "--from", str(src),
+                 "--to", str(dst)]) == 0
+    copied = dst / "models--org--tiny-llama"
+    assert capsys.readouterr().out.strip() == str(copied / "snapshots" / COMMIT)
+    assert resolve_hub_model("hf://org/tiny-llama@v1", cache=dst) == \
+        str(copied / "snapshots" / COMMIT)
+    link = copied / "snapshots" / COMMIT / "sub" / "model.safetensors"
+    assert link.is_symlink() and link.read_bytes() == b"weights"
+    assert (copied / "blobs" / "abc").read_bytes() == b"weights"
+    assert not (copied / "snapshots" / OLD).exists()  # only the revision asked for
+    assert not (copied / "refs" / "main").exists()
+    assert main(["copy", "org/tiny-llama", "--revision", "v1", "--from", str(src),
+                 "--to", str(dst)]) == 0  # again: nothing to do, same result
+    with pytest.raises(FileNotFoundError, match="no snapshot of revision 'v9'"):
+        main(["copy", "org/tiny-llama", "--revision", "v9", "--from", str(src),
+              "--to", str(dst)])

@@ -44,11 +44,15 @@ class BatchLayout:
 class LayerAttention:
     """How one layer attends: `scale` multiplies q.k; `sliding_window` W (None: every
     earlier key) lets query position i see keys i - W < j <= i; `softcap` c (None: off)
-    turns scores s into c * tanh(s / c) before the softmax (Gemma 2)."""
+    turns scores s into c * tanh(s / c) before the softmax (Gemma 2). `k_scale` /
+    `v_scale`: the layer's FP8 KV cache scales (stored = x / scale; `kv_quant`), 1.0 for
+    any other cache dtype."""
 
     scale: float
     sliding_window: int | None = None
     softcap: float | None = None
+    k_scale: float = 1.0
+    v_scale: float = 1.0
 
     @property
     def plain(self) -> bool:

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from baton.engine.attention.base import AttentionBackend, BatchLayout, LayerAttention
+from baton.engine.attention.kv_quant import dequantize, is_fp8, quantize
 
 
 @dataclass
@@ -99,40 +100,44 @@ class TorchAttentionBackend(AttentionBackend):
                 spec: LayerAttention | None = None):
         T, H, D = q.shape
         KVH = k.shape[1]
-        _write(k, v, k_cache, v_cache, meta)
+        spec = spec or LayerAttention(D ** -0.5)
+        ks, vs = spec.k_scale, spec.v_scale
+        _write(k, v, k_cache, v_cache, meta, spec)
         layout = meta.layout
         out = torch.empty(T, H, D, dtype=q.dtype, device=q.device)
-        scale = D ** -0.5 if spec is None else spec.scale
-        if spec is not None and not spec.plain:
+        scale = spec.scale
+        if not spec.plain:
             for i in range(layout.num_seqs):
                 start, end = layout.query_start_loc[i], layout.query_start_loc[i + 1]
-                kp, vp = _gather_seq(k_cache, v_cache, layout, i)
+                kp, vp = _gather_seq(k_cache, v_cache, layout, i, spec, q.dtype)
                 out[start:end] = windowed_attention(q[start:end], kp, vp, spec)
             return out
         nd = layout.num_decodes
         bs = k_cache.shape[1]
         if nd and meta.decode_seq_lens is not None:
             self.native(q[:nd].contiguous(), k_cache, v_cache, layout.block_tables[:nd],
-                        meta.decode_seq_lens, scale, out[:nd])
+                        meta.decode_seq_lens, scale, out[:nd], ks, vs)
         for g in meta.decode_groups:
             n, L = g.end - g.start, g.num_blocks * bs
             # index_select copies whole blocks: ~10x faster than advanced indexing.
-            kd = k_cache.index_select(0, g.blocks).view(n, L, KVH, D).transpose(1, 2)
-            vd = v_cache.index_select(0, g.blocks).view(n, L, KVH, D).transpose(1, 2)
+            kd = _stored(k_cache.index_select(0, g.blocks), ks, q.dtype)
+            vd = _stored(v_cache.index_select(0, g.blocks), vs, q.dtype)
+            kd = kd.view(n, L, KVH, D).transpose(1, 2)  # (n, KVH, L, D)
+            vd = vd.view(n, L, KVH, D).transpose(1, 2)
             qd = q[g.start:g.end].reshape(n, KVH, H // KVH, D)  # (n, KVH, G, D)
             od = F.scaled_dot_product_attention(qd, kd, vd, attn_mask=g.mask,
                                                 scale=scale)  # (n, KVH, G, D)
             out[g.start:g.end] = od.reshape(n, H, D)
         if meta.prefill_seqs is not None:  # every chunk's own K/V are in the cache by now
             self.native_prefill(q, k_cache, v_cache, layout.block_tables[nd:],
-                                meta.prefill_seqs, scale, out)
+                                meta.prefill_seqs, scale, out, ks, vs)
             return out
         for j, i in enumerate(range(nd, layout.num_seqs)):
             start, end = layout.query_start_loc[i], layout.query_start_loc[i + 1]
-            if layout.context_lens[i] == 0:  # the chunk's own K/V are the whole sequence
-                kp, vp = k[start:end], v[start:end]
-            else:
-                kp, vp = _gather_seq(k_cache, v_cache, layout, i)
+            if layout.context_lens[i] == 0 and k_cache.dtype == k.dtype:
+                kp, vp = k[start:end], v[start:end]  # the chunk's own K/V: the whole sequence
+            else:  # FP8 reads back what it stored, as every kernel does
+                kp, vp = _gather_seq(k_cache, v_cache, layout, i, spec, q.dtype)
             out[start:end] = _prefill_attention(q[start:end], kp, vp, meta.prefill_masks[j],
                                                 scale)
         return out
@@ -153,12 +158,22 @@ def _split_by_length(lens: list[int], max_groups: int = 4) -> list[tuple[int, in
     return runs
 
 
-def _write(k, v, k_cache, v_cache, meta: TorchAttentionMetadata) -> None:
+def _write(k, v, k_cache, v_cache, meta: TorchAttentionMetadata, spec: LayerAttention
+           ) -> None:
     if meta.write_rows is not None:
         k, v = k[meta.write_rows], v[meta.write_rows]
     KVH, D = k.shape[1], k.shape[2]
+    if is_fp8(k_cache.dtype):  # quantised, written as bytes (no index_copy_ for FP8)
+        k = quantize(k, spec.k_scale, k_cache.dtype).view(torch.uint8)
+        v = quantize(v, spec.v_scale, v_cache.dtype).view(torch.uint8)
+        k_cache, v_cache = k_cache.view(torch.uint8), v_cache.view(torch.uint8)
     k_cache.view(-1, KVH, D).index_copy_(0, meta.write_slots, k)
     v_cache.view(-1, KVH, D).index_copy_(0, meta.write_slots, v)
+
+
+def _stored(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """Cache contents as attention reads them: FP8 dequantised to `dtype`, else as is."""
+    return dequantize(x, scale, dtype) if is_fp8(x.dtype) else x
 
 
 _PREFILL_ROWS = 256  # query rows per score matrix: bounds memory, skips masked key tails
@@ -209,11 +224,12 @@ def windowed_attention(q, k, v, spec: LayerAttention):
     return out.permute(2, 0, 1, 3).reshape(Q, H, D).to(q.dtype)
 
 
-def _gather_seq(k_cache, v_cache, layout: BatchLayout, i: int):
-    """Sequence i's cached K/V, (L, KVH, D) each."""
+def _gather_seq(k_cache, v_cache, layout: BatchLayout, i: int, spec: LayerAttention,
+                dtype: torch.dtype):
+    """Sequence i's cached K/V, (L, KVH, D) each (FP8 dequantised to `dtype`)."""
     seq_len, bs = layout.seq_lens[i], layout.block_size
     blocks = layout.block_tables[i, : -(-seq_len // bs)]
     KVH, D = k_cache.shape[2], k_cache.shape[3]
     k = k_cache.index_select(0, blocks).view(-1, KVH, D)[:seq_len]
     v = v_cache.index_select(0, blocks).view(-1, KVH, D)[:seq_len]
-    return k, v
+    return _stored(k, spec.k_scale, dtype), _stored(v, spec.v_scale, dtype)

@@ -4,7 +4,8 @@ Per layer: one `reshape_and_cache` launch writes the step's K/V, then one
 `paged_decode_attention` (split-K) covers the decode rows and one `paged_prefill_attention`
 the prefill chunks. Metadata is device tensors only, built once per step, so a decode step's
 metadata can also live in the static buffers of a captured CUDA graph (`decode_metadata`).
-On CPU the kernels run only in Triton's interpreter (tests).
+On CPU the kernels run only in Triton's interpreter (tests). An FP8 cache is written and read
+with each layer's scales (`LayerAttention.k_scale` / `v_scale`).
 """
 
 from __future__ import annotations
@@ -83,16 +84,18 @@ class TritonAttentionBackend(AttentionBackend):
                 "the triton attention kernels implement full causal attention only; this "
                 "model's sliding-window / soft-capped layers need attention_backend='torch'")
         ops = self._ops
-        ops.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping)
-        scale = q.shape[-1] ** -0.5 if spec is None else spec.scale
+        spec = spec or LayerAttention(q.shape[-1] ** -0.5)
+        kv = dict(k_scale=spec.k_scale, v_scale=spec.v_scale)  # FP8 caches' scales
+        ops.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping, **kv)
+        scale = spec.scale
         nd, d, p = meta.num_decode_tokens, meta.decode, meta.prefill
         if p is None:
             return ops.paged_decode_attention(q, k_cache, v_cache, d.block_tables, d.seq_lens,
-                                              scale)
+                                              scale, **kv)
         out_p = ops.paged_prefill_attention(q[nd:], k_cache, v_cache, p.block_tables,
-                                            p.query_start_loc, p.seq_lens, scale)
+                                            p.query_start_loc, p.seq_lens, scale, **kv)
         if d is None:
             return out_p
         out_d = ops.paged_decode_attention(q[:nd], k_cache, v_cache, d.block_tables,
-                                           d.seq_lens, scale)
+                                           d.seq_lens, scale, **kv)
         return torch.cat((out_d, out_p))

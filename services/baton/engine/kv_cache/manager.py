@@ -3,6 +3,19 @@
 The scheduler calls `get_computed_blocks` (prefix-cache lookup), `allocate_slots` (returns the
 new blocks, or None meaning "not enough room: preempt or wait") and `free`. It never touches
 the pool. Single-threaded: only the engine loop calls these.
+
+Sliding windows: when every layer of the model attends through the same window W
+(`ModelConfig.all_sliding`, Mistral v0.1 style), a query at position p reads only keys
+p - W < j <= p, so a running request's blocks wholly before its next token's window are
+released as it advances (vLLM's sliding-window manager does the same). The request keeps
+their places in its block table: `get_block_ids` fills them with one of its live blocks,
+which the window mask hides from every query. A released block goes back to the pool as any
+freed block does, still findable by its hash until evicted, so prefix hits still see it.
+Not released: blocks of a request whose KV is held for a puller or pulled from elsewhere
+(`request.kv_handoff` set: the transfer reads or writes the whole prompt). Models that mix
+sliding and global layers (Gemma 2 / 3) share one block table across layers and the global
+layers read every block, so nothing is released for them: that would take a block table per
+layer group (vLLM's hybrid KV manager).
 """
 
 from __future__ import annotations
@@ -13,11 +26,20 @@ from baton.engine.request import Request
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 sliding_window: int | None = None) -> None:
+        """`sliding_window`: the window W every layer attends through, whose out-of-window
+        blocks are released (None: the model has full-attention layers; keep everything)."""
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"KVCacheManager sliding_window={sliding_window} must be >= 1 "
+                             f"(or None)")
         self.block_size = block_size
         self.enable_caching = enable_caching
+        self.sliding_window = sliding_window
         self.pool = BlockPool(num_blocks, enable_caching)
-        self._blocks: dict[str, list[KVBlock]] = {}
+        # Each request's blocks by position; None where a block fell out of the window and
+        # was released (always a leading run).
+        self._blocks: dict[str, list[KVBlock | None]] = {}
         self._num_hashed: dict[str, int] = {}  # blocks of the request already cached by hash
 
     # -- queries ---------------------------------------------------------------------------
@@ -41,7 +63,15 @@ class KVCacheManager:
         return -(-num_tokens // self.block_size)
 
     def get_block_ids(self, request_id: str) -> list[int]:
-        return [b.block_id for b in self._blocks.get(request_id, ())]
+        """The request's block table row; released positions hold one of its live blocks
+        (finite data the window hides), block 0 if it has none."""
+        blocks = self._blocks.get(request_id, ())
+        live = next((b.block_id for b in reversed(blocks) if b is not None), 0)
+        return [live if b is None else b.block_id for b in blocks]
+
+    def num_held_blocks(self, request_id: str) -> int:
+        """Blocks the request holds now (released ones not counted)."""
+        return sum(1 for b in self._blocks.get(request_id, ()) if b is not None)
 
     def get_computed_blocks(self, request: Request) -> tuple[list[KVBlock], int]:
         """Longest cached prefix of the request's known tokens, in whole blocks, leaving at
@@ -65,7 +95,8 @@ class KVCacheManager:
         """Make room for `num_new_tokens` more tokens after the computed ones.
 
         `new_computed_blocks` are prefix-cache hits taken at admission. Returns the newly
-        allocated blocks, or None (nothing changed) when the pool cannot hold them.
+        allocated blocks, or None when the pool cannot hold them (nothing changed, except
+        that blocks already out of a sliding window may have been released).
         `publish=False` keeps the new blocks out of the prefix cache (their KV arrives
         later, from another engine); `publish()` adds them once it has.
         """
@@ -74,13 +105,18 @@ class KVCacheManager:
         num_computed = request.num_computed_tokens + len(computed) * self.block_size
         total_tokens = num_computed + num_new_tokens
         num_new_blocks = self.blocks_for(total_tokens) - len(held) - len(computed)
-        reclaimed = sum(1 for b in computed if b.ref_cnt == 0)
+        out_of_window = self._num_out_of_window(request, num_computed)
+        self._release_before(held, out_of_window)
+        skipped = min(len(computed), max(0, out_of_window - len(held)))  # hits never taken
+        taken = computed[skipped:]
+        reclaimed = sum(1 for b in taken if b.ref_cnt == 0)
         if num_new_blocks > self.pool.num_free_blocks - reclaimed:
             return None
-        self.pool.touch(computed)
+        self.pool.touch(taken)
         new_blocks = self.pool.allocate(max(num_new_blocks, 0))
         blocks = self._blocks.setdefault(request.request_id, held)
-        blocks.extend(computed)
+        blocks.extend([None] * skipped)
+        blocks.extend(taken)
         blocks.extend(new_blocks)
         if publish:
             self._cache_full_blocks(request, blocks, total_tokens)
@@ -95,12 +131,32 @@ class KVCacheManager:
         blocks = self._blocks.pop(request.request_id, None)
         self._num_hashed.pop(request.request_id, None)
         if blocks:
-            self.pool.free(list(reversed(blocks)))
+            self.pool.free([b for b in reversed(blocks) if b is not None])
 
     def reset_prefix_cache(self) -> None:
         self.pool.reset_prefix_cache()
 
     # -- internals -------------------------------------------------------------------------
+    def _num_out_of_window(self, request: Request, num_computed: int) -> int:
+        """Leading blocks no query from position `num_computed` on can see: those wholly
+        before num_computed - W + 1. Zero without a window or while a transfer owns the
+        request's KV."""
+        if self.sliding_window is None or request.kv_handoff is not None:
+            return 0
+        return max(0, (num_computed - self.sliding_window + 1) // self.block_size)
+
+    def _release_before(self, blocks: list[KVBlock | None], n: int) -> None:
+        """Release blocks[:n] still held (released ones form a leading run, so walk back
+        from n - 1 to it), later ones first: the least shareable are evicted first."""
+        freed = []
+        for i in range(min(n, len(blocks)) - 1, -1, -1):
+            if blocks[i] is None:
+                break
+            freed.append(blocks[i])
+            blocks[i] = None
+        if freed:
+            self.pool.free(freed)
+
     def _extend_hashes(self, request: Request, num_tokens: int) -> None:
         hashes = request.block_hashes
         bs = self.block_size
@@ -121,7 +177,8 @@ class KVCacheManager:
             return
         self._extend_hashes(request, num_full * self.block_size)
         for i in range(start, num_full):
-            self.pool.cache_block(blocks[i], request.block_hashes[i])
+            if blocks[i] is not None:  # released ones were cached before (or were hits)
+                self.pool.cache_block(blocks[i], request.block_hashes[i])
         self._num_hashed[request.request_id] = num_full
 
     def check_integrity(self) -> None:
@@ -133,7 +190,7 @@ class KVCacheManager:
             raise RuntimeError(f"KV pool counts {empty}+{cached}+{used} != {self.pool.num_blocks}")
         refs: dict[int, int] = {}
         for blocks in self._blocks.values():
-            for b in blocks:
+            for b in (b for b in blocks if b is not None):
                 refs[b.block_id] = refs.get(b.block_id, 0) + 1
         for b in self.pool.blocks:
             if b.ref_cnt != refs.get(b.block_id, 0):

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from baton.engine.attention.base import ForwardContext, LayerAttention
+from baton.engine.attention.kv_quant import record_kv_scale
 from baton.engine.distributed import tp_group
 from baton.engine.models.config import ModelConfig
 from baton.engine.models.cpu_ops import CpuOps
@@ -40,6 +41,8 @@ class CausalLM(nn.Module):
         self.cfg = cfg
         self.tp = tp_group()
         self.native: CpuOps | None = None
+        # FP8 KV cache scales the checkpoint carries, by (layer, "k" | "v") (`kv_quant`).
+        self.kv_scales: dict[tuple[int, str], float] = {}
 
     # -- the runner's contract -----------------------------------------------------------
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -72,10 +75,13 @@ class CausalLM(nn.Module):
 
     def load_weights(self, tensors: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Copy checkpoint tensors (name, tensor), one at a time, into the parameters;
-        raises KeyError naming what the checkpoint lacks."""
+        raises KeyError naming what the checkpoint lacks. KV cache scales go to
+        `kv_scales` (`kv_quant.record_kv_scale`), not to parameters."""
         params = dict(self.named_parameters())
         loaded: set[tuple[str, object]] = set()
         for name, tensor in tensors:
+            if record_kv_scale(self.kv_scales, name, tensor):
+                continue
             for pname, shard, piece in self.checkpoint_weights(name, tensor):
                 param = params.get(pname)
                 if param is None:

@@ -128,6 +128,10 @@ def _text_config(cfg: dict) -> dict:
     return cfg
 
 
+# Configs without `layer_types` (older Gemma 2 / 3 on the Hub): every k-th layer global.
+_GLOBAL_EVERY = {"Gemma2ForCausalLM": 2, "Gemma3ForCausalLM": 6}
+
+
 def _attention_windows(cfg: dict) -> tuple[int | None, tuple[str, ...]]:
     """(window, per-layer types) from `layer_types` where the config lists them, else from
     `sliding_window` (and Qwen2's `use_sliding_window` / `max_window_layers`)."""
@@ -143,6 +147,9 @@ def _attention_windows(cfg: dict) -> tuple[int | None, tuple[str, ...]]:
     elif "max_window_layers" in cfg:  # Qwen2: layers from max_window_layers on slide
         first = cfg["max_window_layers"]
         types = tuple(SLIDING if i >= first else FULL for i in range(n))
+    elif architecture_of(cfg) in _GLOBAL_EVERY:  # older Gemma configs: every k-th is global
+        k = cfg.get("sliding_window_pattern") or _GLOBAL_EVERY[architecture_of(cfg)]
+        types = tuple(FULL if (i + 1) % k == 0 else SLIDING for i in range(n))
     else:
         types = (SLIDING,) * n
     if SLIDING not in types:

@@ -1,8 +1,8 @@
 """Find a model's files and load its weights into our modules.
 
 `model` may be None (the bundled SmolLM2 GGUF), a Hugging Face directory with safetensors, a
-`.gguf` file, or a snapshot in a Hugging Face hub cache (`hf://ORG/NAME[@REVISION]` or a
-`models--ORG--NAME` directory: `hub.py`). A GGUF file is converted once through transformers'
+`.gguf` file, or a snapshot in a Hugging Face hub cache (`hf://ORG/NAME[@REVISION]`, a bare
+repo id `ORG/NAME` that is not a local path, or a `models--ORG--NAME` directory: `hub.py`). A GGUF file is converted once through transformers'
 GGUF loader into a safetensors directory under the cache dir (dequantised to float32), so later
 starts take a second instead of ~20. Weight names are mapped here, outside the model code.
 """
@@ -48,12 +48,15 @@ def bundled_gguf_path() -> Path:
     return Path(spec.submodule_search_locations[0]) / BUNDLED_FILE
 
 
-def resolve_model_dir(model: str | None, cache_dir: str | Path | None = None) -> Path:
-    """Return a local Hugging Face directory (config.json + safetensors + tokenizer)."""
+def resolve_model_dir(model: str | None, cache_dir: str | Path | None = None,
+                      revision: str | None = None) -> Path:
+    """Return a local Hugging Face directory (config.json + safetensors + tokenizer).
+    `revision`: the branch, tag or commit of a hub model (`hf://`, a bare `ORG/NAME`)."""
     cache = Path(cache_dir) if cache_dir else default_cache_dir()
     if model is None:
         return convert_gguf(bundled_gguf_path(), cache)
-    model = resolve_hub_model(model)  # hf://ORG/NAME or a hub cache's repo dir: its snapshot
+    # hf://ORG/NAME, a bare ORG/NAME or a hub cache's repo dir: its snapshot (offline)
+    model = resolve_hub_model(model, revision=revision)
     path = Path(model).expanduser()
     if path.is_dir() and (path / "config.json").exists():
         return path

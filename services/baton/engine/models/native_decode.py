@@ -129,12 +129,13 @@ class NativeDecodeStep:
 def load(model, kv_caches, backend, cache_dir: Path) -> NativeDecodeStep | None:
     """The native decode step for this model, caches and attention backend, or None where the
     Python path must run: not bfloat16 on CPU, a kernel missing, or the build failing."""
+    if not getattr(model, "native_decode", False):
+        return None  # checked first: other architectures' layers lack these linears
     attention = getattr(backend, "native", None)
     linears = [m for layer in model.layers
                for m in (layer.attn.qkv_proj, layer.attn.o_proj, layer.mlp.gate_up_proj,
                          layer.mlp.down_proj)]
     if (attention is None or model.native is None or not kv_caches
-            or not getattr(model, "native_decode", False)
             or kv_caches[0][0].dtype != torch.bfloat16 or not kv_caches[0][0].is_cpu
             or not all(isinstance(m, PackedLinear) and m.native is not None for m in linears)):
         return None

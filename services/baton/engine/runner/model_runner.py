@@ -10,11 +10,16 @@ from typing import NamedTuple
 import torch
 
 from baton.engine.attention import ForwardContext, make_attention_backend
+from baton.engine.attention.kv_quant import apply_kv_scales, kv_cache_dtype
 from baton.engine.config import EngineConfig
+from baton.engine.distributed import TPGroup
+from baton.engine.models.layers import local_heads
 from baton.engine.models.loader import default_cache_dir, load_model
 from baton.engine.runner.batch import FlatBatch, build_batch
 from baton.engine.runner.cuda_graphs import DecodeGraphs, capture_sizes
 from baton.engine.runner.host_malloc import release_free_heap, tune_malloc_for_cpu_inference
+from baton.engine.runner.tp import building_in, start_tensor_parallel
+from baton.engine.runner.tp_wire import logits_calls
 from baton.engine.sampler import Sampler, TokenLogprobs, prompt_logprobs
 from baton.engine.scheduler.output import SchedulerOutput
 from baton.engine.structured.masks import fill_grammar_masks
@@ -51,28 +56,38 @@ def resolve_device(name: str) -> torch.device:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_dir: Path, max_model_len: int) -> None:
+    def __init__(self, config: EngineConfig, model_dir: Path, max_model_len: int,
+                 tp: TPGroup | None = None) -> None:
+        """`tp`: a tensor-parallel follower's group (`tp_worker.py`); None on rank 0, which
+        spawns the followers itself when `config.tensor_parallel_size` > 1 (`runner/tp.py`)."""
         self.config = config
         self.device = resolve_device(config.device)
+        self.tp_leader, self.tp = start_tensor_parallel(config, model_dir, max_model_len,
+                                                        self.device, tp)
         if self.device.type == "cpu":
             tune_malloc_for_cpu_inference()
         self.dtype = DTYPES[config.dtype]
+        self.kv_dtype = kv_cache_dtype(config.kv_cache_dtype, self.dtype)  # FP8 or the model's
         cache_dir = Path(config.cache_dir) if config.cache_dir else default_cache_dir()
-        self.model, self.model_config = load_model(model_dir, self.dtype, self.device,
-                                                   max_model_len, config.load_format, cache_dir)
+        with building_in(self.tp):  # this rank's slice of every weight
+            self.model, self.model_config = load_model(model_dir, self.dtype, self.device,
+                                                       max_model_len, config.load_format,
+                                                       cache_dir)
+        self.kv_scales = apply_kv_scales(self.model, self.kv_dtype)  # (k, v) by layer
         self.block_size = config.block_size
         self.num_blocks = self._num_blocks()
         cfg = self.model_config
         # One tensor for all layers (a transport can register it as a single region):
-        # (layers, K/V, blocks, block_size, KVH, D). Zeroed: masked padding must be finite.
+        # (layers, K/V, blocks, block_size, KVH, D), KVH this rank's kv heads. Zeroed:
+        # masked padding must be finite.
         self.kv_cache = torch.zeros(cfg.num_layers, 2, self.num_blocks, self.block_size,
-                                    cfg.num_kv_heads, cfg.head_dim, dtype=self.dtype,
+                                    self.num_kv_heads, cfg.head_dim, dtype=self.kv_dtype,
                                     device=self.device)
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1])
                           for i in range(cfg.num_layers)]
         self.backend = make_attention_backend(
             config.attention_backend, self.device, self.dtype,
-            (cfg.num_heads, cfg.num_kv_heads, cfg.head_dim), cache_dir)
+            (local_heads(cfg.num_heads, self.tp), self.num_kv_heads, cfg.head_dim), cache_dir)
         # On CPU in bfloat16, decode-only steps run as one native call (`native_decode`).
         self.native_decode = None
         if self.device.type == "cpu" and self.dtype == torch.bfloat16:
@@ -85,13 +100,16 @@ class ModelRunner:
         self.sampler = Sampler(config.seed)
         self.max_model_len = max_model_len
         self.graphs: DecodeGraphs | None = None
-        if (self.device.type == "cuda" and not config.enforce_eager
+        if (self.device.type == "cuda" and not config.enforce_eager and self.tp.size == 1
                 and getattr(self.backend, "supports_cuda_graphs", False)):
             self.graphs = self.make_decode_graphs(use_graphs=True)
             self.graphs.capture()
-        log.info("model %s (%s), %d KV blocks of %d tokens, attention=%s, cuda graphs=%s",
-                 cfg.architecture, config.dtype, self.num_blocks, self.block_size,
+        log.info("model %s (%s), %d KV blocks of %d tokens (%s), attention=%s, cuda "
+                 "graphs=%s", cfg.architecture, config.dtype, self.num_blocks, self.block_size,
+                 str(self.kv_dtype).removeprefix("torch."),
                  self.backend.name, self.graphs.sizes if self.graphs else "off")
+        if self.tp_leader is not None:
+            self.tp_leader.wait_ready(self.num_blocks)
 
     def make_decode_graphs(self, use_graphs: bool) -> DecodeGraphs:
         """Static-buffer decode replays for batch sizes up to max_num_seqs (not captured
@@ -101,10 +119,15 @@ class ModelRunner:
                             -(-self.max_model_len // self.block_size), self.device, use_graphs)
 
     @property
+    def num_kv_heads(self) -> int:
+        """The KV heads this rank's cache holds (all of them without tensor parallelism)."""
+        return local_heads(self.model_config.num_kv_heads, self.tp)
+
+    @property
     def bytes_per_block(self) -> int:
         cfg = self.model_config
-        return (2 * cfg.num_layers * self.block_size * cfg.num_kv_heads * cfg.head_dim
-                * torch.finfo(self.dtype).bits // 8)
+        return (2 * cfg.num_layers * self.block_size * self.num_kv_heads * cfg.head_dim
+                * torch.finfo(self.kv_dtype).bits // 8)
 
     def _num_blocks(self) -> int:
         if self.config.num_kv_blocks is not None:
@@ -122,6 +145,8 @@ class ModelRunner:
         """Run one step: the sampled token and logprobs of each request that reached the
         end of its known tokens, and the requests whose own sampling settings failed."""
         batch = build_batch(out.rows, block_ids_of, self.block_size, self.device)
+        if self.tp_leader is not None:  # the followers run the same forward and logits calls
+            self.tp_leader.send_step(batch, logits_calls(batch, PROMPT_LOGPROB_ROWS))
         reqs = [s.request for s in batch.sampling_entries]
         hidden = self._forward(batch)  # (T, h)
         # Host work while a GPU runs the forward (launched, not finished): grammar masks.
@@ -166,3 +191,8 @@ class ModelRunner:
                                        req.sampling_params.prompt_logprobs)
             out[req.request_id] = lps
         return out
+
+    def close(self) -> None:
+        """Stop the tensor-parallel followers, if any."""
+        if self.tp_leader is not None:
+            self.tp_leader.close()

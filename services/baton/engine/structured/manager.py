@@ -24,8 +24,10 @@ class StructuredOutputs:
     `matcher_for` and `warm_up` may be called from any thread (the caller of
     `make_request`); matchers are then used on the engine thread only."""
 
-    def __init__(self, make_backend: Callable[[], GrammarBackend],
+    def __init__(self, make_backend: Callable[[], GrammarBackend] | None,
                  cache_size: int = DEFAULT_CACHE_SIZE) -> None:
+        """`make_backend` None: no grammar engine (an engine without a tokenizer), every
+        structured request is refused."""
         self._make_backend = make_backend
         self._backend: GrammarBackend | None = None
         self._cache: OrderedDict[tuple[str, str], CompiledGrammar] = OrderedDict()
@@ -35,6 +37,10 @@ class StructuredOutputs:
     @classmethod
     def for_tokenizer(cls, tokenizer, vocab_size: int, eos_token_id: int | None
                       ) -> StructuredOutputs:
+        """The grammar engine over `tokenizer` (None: skip_tokenizer_init, none)."""
+        if tokenizer is None:
+            return cls(None)
+
         def make_backend() -> GrammarBackend:
             from baton.engine.structured.llguidance_backend import LLGuidanceBackend
 
@@ -44,10 +50,15 @@ class StructuredOutputs:
 
     def warm_up(self) -> None:
         """Build the backend now rather than on the first structured request."""
+        if self._make_backend is None:
+            return
         with self._lock:
             self._backend_locked()
 
     def _backend_locked(self) -> GrammarBackend:
+        if self._make_backend is None:
+            raise GrammarCompileError("structured outputs need the tokenizer's vocabulary, "
+                                      "and this engine has no tokenizer (skip_tokenizer_init)")
         if self._backend is None:
             self._backend = self._make_backend()
         return self._backend

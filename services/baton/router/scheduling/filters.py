@@ -34,7 +34,7 @@ def circuit(endpoints: list[Upstream], ctx: RoutingContext) -> list[Upstream]:
 
 @register("model")
 def model(endpoints: list[Upstream], ctx: RoutingContext) -> list[Upstream]:
-    return [e for e in endpoints if ctx.model is None or e.model == ctx.model]
+    return [e for e in endpoints if ctx.model is None or e.serves(ctx.model)]
 
 
 @register("role")

@@ -20,8 +20,11 @@
  *   both register-blocked (4 keys or 4 vectors x 4 registers of 16 floats).
  * fp32 accumulation. bf16 on CPUs with AVX512-BF16 multiplies bf16 pairs directly
  * (vdpbf16ps, twice the FMA rate), with the probabilities rounded to bf16 for P.V as the
- * torch path does; `dot` = 0 keeps the fp32 path. The summation order is fixed at compile
- * time, so results are deterministic whatever the thread count.
+ * torch path does; `dot` = 0 keeps the fp32 path (`paged_prefill_dot.h`). The summation
+ * order is fixed at compile time, so results are deterministic whatever the thread count.
+ * FP8 caches (`paged_prefill_fp8_*`) are bytes read through a table of the format's values
+ * (`lut`, exact in fp32 and in bf16); the layer's k_scale comes folded into `scale` and
+ * `v_scale` multiplies the output (1 for the other caches).
  */
 #include <float.h>
 #include <math.h>
@@ -48,6 +51,19 @@
 typedef float v16 __attribute__((vector_size(64), aligned(4), may_alias));
 
 struct task { int64_t seq, head, r0, r1, cost; };
+
+/* One call's arguments, as the tasks read them. The cache holds the queries' type, or FP8
+ * bytes read through lut (floats) / lut16 (their bf16 bits): the values of the format. */
+struct call {
+    const void *q, *kc, *vc;
+    void *out;
+    const int64_t *bt, *seqs;
+    int64_t q_stride, bt_stride, out_stride, H, KVH, bs;
+    int shift;
+    float scale, v_scale; /* scale: q.k's, k_scale folded in; v_scale multiplies the output */
+    const float *lut;
+    const uint16_t *lut16;
+};
 
 /* 2^x for x <= 0 (scores are kept in log2 units: log2(e) is folded into q's scale),
  * vectorisable: x = n + r with |r| <= 1/2, 2^r = e^(r ln2) by a degree-6 Taylor polynomial
@@ -81,6 +97,11 @@ static inline float exp2_nonpos(float x) {
 /* Element i of a bf16 (BF16 = 1) or f32 array, as f32. */
 static inline float load(const void *p, int64_t i, const int BF16) {
     return BF16 ? bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+/* Element i of a cache of kind CK: 0 f32, 1 bf16, 2 FP8 (through lut). */
+static inline float load_kv(const void *p, int64_t i, const int CK, const float *lut) {
+    return CK == 2 ? lut[((const uint8_t *)p)[i]] : load(p, i, CK);
 }
 
 static inline void store(void *p, int64_t i, float x, const int BF16) {
@@ -123,16 +144,16 @@ static struct task *plan_tasks(const int64_t *seqs, int64_t n, int64_t KVH, int6
 
 /* Keys t0..t0 + nk of kv head h into kf[KT][D] and vf[KT][D] as fp32; zeros past nk. */
 static inline __attribute__((always_inline)) void load_tile(
-        const void *kc, const void *vc, const int64_t *bt, int64_t KVH, int64_t h,
-        int64_t bs, int shift, int64_t t0, int64_t nk, float *kf, float *vf,
-        const int BF16, const int64_t D) {
+        const struct call *c, const int64_t *bt, int64_t h, int64_t t0, int64_t nk,
+        float *kf, float *vf, const int CK, const int64_t D) {
+    const int64_t bs = c->bs;
     for (int64_t j = 0; j < KT; j++) {
         float *kr = kf + j * D, *vr = vf + j * D;
         if (j < nk) {
             const int64_t pos = t0 + j;
-            const int64_t at = ((bt[pos >> shift] * bs + (pos & (bs - 1))) * KVH + h) * D;
-            for (int64_t d = 0; d < D; d++) kr[d] = load(kc, at + d, BF16);
-            for (int64_t d = 0; d < D; d++) vr[d] = load(vc, at + d, BF16);
+            const int64_t at = ((bt[pos >> c->shift] * bs + (pos & (bs - 1))) * c->KVH + h) * D;
+            for (int64_t d = 0; d < D; d++) kr[d] = load_kv(c->kc, at + d, CK, c->lut);
+            for (int64_t d = 0; d < D; d++) vr[d] = load_kv(c->vc, at + d, CK, c->lut);
         } else {
             for (int64_t d = 0; d < D; d++) kr[d] = vr[d] = 0.f;
         }
@@ -226,108 +247,22 @@ static inline __attribute__((always_inline)) void accumulate(
 }
 
 #if defined(__AVX512BF16__)
-#include <immintrin.h>
-#define HAVE_BF16_DOT 1
-/* bf16 x bf16 -> fp32 dot products (vdpbf16ps: 2 products per lane and instruction, twice
- * the FMA rate), for bf16 models on CPUs that have them. Operands pair two consecutive
- * elements of the reduced dimension in each 32-bit lane: d for scores, keys for P.V. */
-
-/* kb[KT][D/2]: the tile's keys as stored (pairs of d); vp[KT/2][D]: pairs of keys'
- * values, (v[2i][d], v[2i+1][d]); zeros past nk. */
-static inline __attribute__((always_inline)) void load_tile_dot(
-        const uint16_t *kc, const uint16_t *vc, const int64_t *bt, int64_t KVH, int64_t h,
-        int64_t bs, int shift, int64_t t0, int64_t nk, uint32_t *kb, uint32_t *vp,
-        const int64_t D) {
-    static const uint16_t zeros[MAX_D];
-    for (int64_t j = 0; j < KT; j += 2) {
-        const uint16_t *vr[2];
-        for (int i = 0; i < 2; i++) {
-            const int64_t pos = t0 + j + i;
-            const int64_t at = j + i < nk
-                ? ((bt[pos >> shift] * bs + (pos & (bs - 1))) * KVH + h) * D : -1;
-            __builtin_memcpy(kb + (j + i) * D / 2, at < 0 ? zeros : kc + at, 2 * (size_t)D);
-            vr[i] = at < 0 ? zeros : vc + at;
-        }
-        for (int64_t d = 0; d < D; d++)
-            vp[j / 2 * D + d] = (uint32_t)vr[0][d] | (uint32_t)vr[1][d] << 16;
-    }
-}
-
-/* As `scores`, from qp[D/2][16 NC] (pairs of q's d, unscaled) and kb; times qscale. */
-static inline __attribute__((always_inline)) void scores_dot(
-        const uint32_t *qp, const uint32_t *kb, float *s, float qscale, const int NC,
-        const int64_t D) {
-    for (int64_t j = 0; j < KT; j += 4) {
-        __m512 a[4][4];
-        for (int i = 0; i < 4; i++)
-            for (int c = 0; c < NC; c++) a[i][c] = _mm512_setzero_ps();
-        for (int64_t e = 0; e < D / 2; e++) {
-            __m512bh x[4];
-            for (int c = 0; c < NC; c++) {
-                x[c] = (__m512bh)_mm512_loadu_si512(qp + e * 16 * NC + 16 * c);
-                IN_REGISTER(x[c]);
-            }
-            for (int i = 0; i < 4; i++) {
-                const __m512bh kd = (__m512bh)_mm512_set1_epi32((int)kb[(j + i) * D / 2 + e]);
-                for (int c = 0; c < NC; c++) a[i][c] = _mm512_dpbf16_ps(a[i][c], x[c], kd);
-            }
-        }
-        for (int i = 0; i < 4; i++)
-            for (int c = 0; c < NC; c++)
-                _mm512_storeu_ps(s + (j + i) * 16 * NC + 16 * c,
-                                 _mm512_mul_ps(a[i][c], _mm512_set1_ps(qscale)));
-    }
-}
-
-/* As `accumulate`, with the probabilities rounded to bf16 and paired by key:
- * pp[KT/2][16 NC] = (p[2i][v], p[2i+1][v]). */
-static inline __attribute__((always_inline)) void accumulate_dot(
-        const float *s, uint32_t *pp, const uint32_t *vp, float *acc, int64_t nv,
-        const int NC, const int64_t D) {
-    const int V = 16 * NC;
-    for (int j = 0; j < KT; j += 2)
-        for (int v = 0; v < V; v++)
-            pp[j / 2 * V + v] = (uint32_t)bf16_round(s[j * V + v])
-                                | (uint32_t)bf16_round(s[(j + 1) * V + v]) << 16;
-    for (int64_t v = 0; v < nv; v += 4) {
-        for (int64_t c = 0; c < D; c += 64) {
-            const int64_t nc = D - c >= 64 ? 4 : (D - c) / 16;
-            __m512 a[4][4];
-            float *at = acc + v * D + c;
-            for (int i = 0; i < 4; i++)
-                for (int64_t k = 0; k < nc; k++) a[i][k] = _mm512_loadu_ps(at + i * D + 16 * k);
-            for (int j = 0; j < KT / 2; j++) {
-                __m512bh x[4];
-                for (int64_t k = 0; k < nc; k++) {
-                    x[k] = (__m512bh)_mm512_loadu_si512(vp + j * D + c + 16 * k);
-                    IN_REGISTER(x[k]);
-                }
-                for (int i = 0; i < 4; i++) {
-                    const __m512bh p = (__m512bh)_mm512_set1_epi32((int)pp[j * V + v + i]);
-                    for (int64_t k = 0; k < nc; k++) a[i][k] = _mm512_dpbf16_ps(a[i][k], x[k], p);
-                }
-            }
-            for (int i = 0; i < 4; i++)
-                for (int64_t k = 0; k < nc; k++) _mm512_storeu_ps(at + i * D + 16 * k, a[i][k]);
-        }
-    }
-}
+#include "paged_prefill_dot.h"
 #else
 #define HAVE_BF16_DOT 0
 #endif
 
-/* One task with at most 16 NC query vectors; w is the thread's workspace (WORKSPACE_FLOATS). */
+/* One task with at most 16 NC query vectors; w is the thread's workspace (WORKSPACE_FLOATS).
+ * BF16: the queries' type (0 f32); CK: the cache's kind (load_kv). */
 static inline __attribute__((always_inline)) void run_task(
-        const void *q, int64_t q_stride, const void *kc, const void *vc, const int64_t *bt,
-        int64_t bt_stride, const int64_t *seqs, void *out, int64_t out_stride, int64_t H,
-        int64_t KVH, int64_t bs, int shift, float scale, const struct task *t, float *w,
-        const int BF16, const int DOT, const int NC, const int64_t D) {
+        const struct call *c, const struct task *t, float *w, const int BF16, const int CK,
+        const int DOT, const int NC, const int64_t D) {
     const int64_t V = 16 * NC;
-    const int64_t G = H / KVH, h = t->head, r0 = t->r0;
-    const int64_t first = seqs[3 * t->seq], ctx = seqs[3 * t->seq + 2];
+    const int64_t G = c->H / c->KVH, h = t->head, r0 = t->r0;
+    const int64_t first = c->seqs[3 * t->seq], ctx = c->seqs[3 * t->seq + 2];
     const int64_t nvec = (t->r1 - r0) * G;
-    const float qscale = scale * 1.44269504088896341f; /* scores in log2 units for exp2 */
-    const int64_t *table = bt + t->seq * bt_stride;
+    const float qscale = c->scale * 1.44269504088896341f; /* scores in log2 units for exp2 */
+    const int64_t *table = c->bt + t->seq * c->bt_stride;
     float *qt = w, *acc = qt + NV * D, *kf = acc + NV * D, *vf = kf + KT * D;
     float *s = vf + KT * D, *m = s + NV * KT, *l = m + NV, *lim = l + NV;
     uint32_t *qp = (uint32_t *)qt, *kb = (uint32_t *)kf, *vp = (uint32_t *)vf;
@@ -336,16 +271,16 @@ static inline __attribute__((always_inline)) void run_task(
     /* q transposed: qt[d][v] scaled fp32, or qp[d / 2][v] pairs of raw bf16 for DOT */
     for (int64_t v = 0; v < V; v++) {
         const int64_t row = first + r0 + v / G, head = h * G + v % G;
-        const int64_t at = row * q_stride + head * D;
+        const int64_t at = row * c->q_stride + head * D;
         if (DOT)
             for (int64_t e = 0; e < D / 2; e++) {
                 uint32_t pair = 0;
-                if (v < nvec) __builtin_memcpy(&pair, (const uint16_t *)q + at + 2 * e, 4);
+                if (v < nvec) __builtin_memcpy(&pair, (const uint16_t *)c->q + at + 2 * e, 4);
                 qp[e * V + v] = pair;
             }
         else
             for (int64_t d = 0; d < D; d++)
-                qt[d * V + v] = v < nvec ? load(q, at + d, BF16) * qscale : 0.f;
+                qt[d * V + v] = v < nvec ? load(c->q, at + d, BF16) * qscale : 0.f;
         /* positions stay exact in float up to 2^24 tokens; padding vectors see nothing */
         lim[v] = v < nvec ? (float)(ctx + r0 + v / G + 1) : 0.f;
         m[v] = -FLT_MAX; /* not -inf: a fully masked tile must give exp(0), not exp(nan) */
@@ -357,12 +292,12 @@ static inline __attribute__((always_inline)) void run_task(
         const int64_t nk = kend - t0 < KT ? kend - t0 : KT;
 #if HAVE_BF16_DOT
         if (DOT) {
-            load_tile_dot(kc, vc, table, KVH, h, bs, shift, t0, nk, kb, vp, D);
+            load_tile_dot(c, table, h, t0, nk, kb, vp, CK == 2, D);
             scores_dot(qp, kb, s, qscale, NC, D);
         }
 #endif
         if (!DOT) {
-            load_tile(kc, vc, table, KVH, h, bs, shift, t0, nk, kf, vf, BF16, D);
+            load_tile(c, table, h, t0, nk, kf, vf, CK, D);
             scores(qt, kf, s, NC, D);
         }
         if (t0 + KT <= ctx + r0 + 1) /* below the first row's diagonal */
@@ -376,41 +311,48 @@ static inline __attribute__((always_inline)) void run_task(
     }
     for (int64_t v = 0; v < nvec; v++) {
         const int64_t row = first + r0 + v / G, head = h * G + v % G;
-        const float inv = 1.f / l[v];
+        const float inv = c->v_scale / l[v];
         for (int64_t d = 0; d < D; d++)
-            store(out, row * out_stride + head * D + d, acc[v * D + d] * inv, BF16);
+            store(c->out, row * c->out_stride + head * D + d, acc[v * D + d] * inv, BF16);
     }
 }
 
 /* The task with as few 16-vector register columns as it needs. */
 static inline __attribute__((always_inline)) void dispatch(
-        const void *q, int64_t q_stride, const void *kc, const void *vc, const int64_t *bt,
-        int64_t bt_stride, const int64_t *seqs, void *out, int64_t out_stride, int64_t H,
-        int64_t KVH, int64_t bs, int shift, float scale, const struct task *t, float *w,
-        const int BF16, const int DOT, const int64_t D) {
-    const int64_t nvec = (t->r1 - t->r0) * (H / KVH);
-#define RUN(NC) run_task(q, q_stride, kc, vc, bt, bt_stride, seqs, out, out_stride, H, KVH, bs, \
-                         shift, scale, t, w, BF16, DOT, NC, D)
-    if (nvec > 32) RUN(4);
-    else if (nvec > 16) RUN(2);
-    else RUN(1);
-#undef RUN
+        const struct call *c, const struct task *t, float *w, const int BF16, const int CK,
+        const int DOT, const int64_t D) {
+    const int64_t nvec = (t->r1 - t->r0) * (c->H / c->KVH);
+    if (nvec > 32) run_task(c, t, w, BF16, CK, DOT, 4, D);
+    else if (nvec > 16) run_task(c, t, w, BF16, CK, DOT, 2, D);
+    else run_task(c, t, w, BF16, CK, DOT, 1, D);
 }
 
 #define WORKSPACE_FLOATS(D) (2 * NV * (D) + 2 * KT * (D) + NV * KT * 3 / 2 + 3 * NV)
 
-/* DC > 0 fixes the head dim at compile time (loops unroll, accumulators stay in registers);
- * 0 = any multiple of 16 up to MAX_D. Returns 0, or -1 bad shape, -2 out of memory, -3 a
- * specialisation called with another head dim. */
-#define DEFINE_KERNEL(NAME, T, BF16, DC)                                                       \
-int NAME(const T *q, int64_t q_stride, const T *kc, const T *vc, const int64_t *bt,           \
+/* 0, or -1 for a shape the kernels do not take. */
+static int check_shape(int64_t H, int64_t KVH, int64_t D, int64_t bs) {
+    if (KVH <= 0 || H % KVH || H / KVH > MAX_G || D > MAX_D || D % 16) return -1;
+    if (bs <= 0 || (bs & (bs - 1))) return -1; /* a power of two: shifts, not divisions */
+    return 0;
+}
+
+/* T: the queries' type (BF16 = 1 for bf16); FP8 = 1: a cache of FP8 bytes (lut: the value
+ * of each byte, k_scale folded into scale), else of T. DC > 0 fixes the head dim at compile
+ * time (loops unroll, accumulators stay in registers); 0 = any multiple of 16 up to MAX_D.
+ * Returns 0, or -1 bad shape, -2 out of memory, -3 a specialisation called with another
+ * head dim. */
+#define DEFINE_KERNEL(NAME, T, BF16, FP8, DC)                                                  \
+int NAME(const T *q, int64_t q_stride, const void *kc, const void *vc, const int64_t *bt,     \
          int64_t bt_stride, const int64_t *seqs, T *out, int64_t out_stride, int64_t n,       \
-         int64_t H, int64_t KVH, int64_t d_arg, int64_t bs, float scale, int64_t dot) {       \
+         int64_t H, int64_t KVH, int64_t d_arg, int64_t bs, float scale, int64_t dot,        \
+         float v_scale, const float *lut) {                                                   \
     if (DC && d_arg != DC) return -3;                                                         \
-    if (KVH <= 0 || H % KVH || H / KVH > MAX_G || d_arg > MAX_D || d_arg % 16) return -1;     \
-    if (bs <= 0 || (bs & (bs - 1))) return -1; /* a power of two: shifts, not divisions */   \
-    int shift = 0;                                                                            \
-    while ((1 << shift) < bs) shift++;                                                        \
+    if (check_shape(H, KVH, d_arg, bs)) return -1;                                            \
+    uint16_t lut16[256];                                                                      \
+    for (int i = 0; FP8 && i < 256; i++) lut16[i] = bf16_round(lut[i]);                      \
+    struct call c = {q, kc, vc, out, bt, seqs, q_stride, bt_stride, out_stride, H, KVH, bs,  \
+                     0, scale, v_scale, lut, FP8 ? lut16 : NULL};                             \
+    while ((INT64_C(1) << c.shift) < bs) c.shift++;                                           \
     int64_t num_tasks = 0;                                                                    \
     struct task *tasks = plan_tasks(seqs, n, KVH, H / KVH, &num_tasks);                       \
     if (!tasks) return -2;                                                                    \
@@ -423,11 +365,9 @@ int NAME(const T *q, int64_t q_stride, const T *kc, const T *vc, const int64_t *
         for (int64_t i = 0; i < num_tasks; i++) {                                             \
             if (!w) { failed = 1; continue; }                                                 \
             if (BF16 && HAVE_BF16_DOT && dot)                                                 \
-                dispatch(q, q_stride, kc, vc, bt, bt_stride, seqs, out, out_stride, H, KVH,   \
-                         bs, shift, scale, &tasks[i], w, BF16, 1, DC ? DC : d_arg);           \
+                dispatch(&c, &tasks[i], w, BF16, FP8 ? 2 : BF16, 1, DC ? DC : d_arg);         \
             else                                                                              \
-                dispatch(q, q_stride, kc, vc, bt, bt_stride, seqs, out, out_stride, H, KVH,   \
-                         bs, shift, scale, &tasks[i], w, BF16, 0, DC ? DC : d_arg);           \
+                dispatch(&c, &tasks[i], w, BF16, FP8 ? 2 : BF16, 0, DC ? DC : d_arg);         \
         }                                                                                     \
         free(w);                                                                              \
     }                                                                                         \
@@ -435,14 +375,16 @@ int NAME(const T *q, int64_t q_stride, const T *kc, const T *vc, const int64_t *
     return failed ? -2 : 0;                                                                   \
 }
 
-#define DEFINE_BOTH(SUFFIX, DC)                                                                \
-    DEFINE_KERNEL(paged_prefill_f32##SUFFIX, float, 0, DC)                                     \
-    DEFINE_KERNEL(paged_prefill_bf16##SUFFIX, uint16_t, 1, DC)
+#define DEFINE_ALL(SUFFIX, DC)                                                                 \
+    DEFINE_KERNEL(paged_prefill_f32##SUFFIX, float, 0, 0, DC)                                  \
+    DEFINE_KERNEL(paged_prefill_bf16##SUFFIX, uint16_t, 1, 0, DC)                              \
+    DEFINE_KERNEL(paged_prefill_fp8_f32##SUFFIX, float, 0, 1, DC)                              \
+    DEFINE_KERNEL(paged_prefill_fp8_bf16##SUFFIX, uint16_t, 1, 1, DC)
 
-DEFINE_BOTH(, 0)
+DEFINE_ALL(, 0)
 /* Specialisations by head dim: those of common models. */
-DEFINE_BOTH(_d64, 64)
-DEFINE_BOTH(_d128, 128)
+DEFINE_ALL(_d64, 64)
+DEFINE_ALL(_d128, 128)
 
 /* 1 when the bf16 kernels can take the dot-product path (their `dot` argument). */
 int paged_prefill_has_bf16_dot(void) { return HAVE_BF16_DOT; }

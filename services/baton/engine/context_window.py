@@ -1,0 +1,39 @@
+"""An engine's context window (`max_model_len`): prompt + output tokens of one sequence.
+
+Two limits bound it: the model's own (`max_position_embeddings`, extended by its rope
+scaling: `EngineCore._max_model_len`, checked before the weights load) and the KV pool's (one
+sequence can use at most every block): `fit_kv_pool`, once the pool is sized.
+A length the user asked for that does not fit is a ValueError naming both numbers; the
+model's default is lowered to what fits, with a warning (vLLM raises there; a pool sized
+for a long context is often not what a small deployment wants).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from baton.engine.config import EngineConfig
+
+log = logging.getLogger(__name__)
+
+
+def fit_kv_pool(max_model_len: int, config: EngineConfig, num_blocks: int) -> int:
+    """`max_model_len` capped by a pool of `num_blocks` blocks of `config.block_size`
+    tokens: when `config.max_model_len` asked for it, a ValueError if it does not fit; when
+    it is the model's default, lowered to what fits, with a warning."""
+    block_size, requested = config.block_size, config.max_model_len is not None
+    capacity = num_blocks * block_size
+    if max_model_len <= capacity:
+        return max_model_len
+    if requested:
+        raise ValueError(
+            f"EngineConfig.max_model_len={max_model_len} does not fit the KV pool: one "
+            f"sequence of that length needs {-(-max_model_len // block_size)} blocks of "
+            f"{block_size} tokens, the pool holds {num_blocks} ({capacity} tokens). Lower "
+            f"max_model_len to at most {capacity}, or give the pool more memory "
+            "(kv_cache_memory_bytes / --kv-cache-gib, or num_kv_blocks)")
+    log.warning("the model's context length %d does not fit the KV pool (%d blocks of %d "
+                "tokens = %d tokens): max_model_len lowered to %d; give the pool more "
+                "memory (--kv-cache-gib / --num-kv-blocks) to serve the full length",
+                max_model_len, num_blocks, block_size, capacity, capacity)
+    return capacity

@@ -1,0 +1,188 @@
+"""What rank 0 tells its tensor-parallel followers, over each follower's stdin pipe.
+
+Two messages, both typed and framed (never pickle): `FollowerSpec`, one JSON line at start
+(which rank, where the store is, the engine config and model), then binary frames: one
+`StepMessage` per model step (the flat batch the forward needs and the rows whose logits
+rank 0 computes, since `compute_logits` is a collective) or the stop frame. A frame is a
+fixed header (magic, version, kind, counts) and int64 arrays; its size is checked against
+`MAX_FRAME_INT64S` before anything is allocated.
+
+Why a pipe and not a broadcast in the process group: a follower waits between steps for as
+long as the engine idles (hours), which a collective's timeout would not allow, and the
+pipe's end-of-file tells it at once that rank 0 is gone.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import struct
+from dataclasses import dataclass
+from typing import BinaryIO
+
+import numpy as np
+import torch
+
+from baton.engine.attention.base import BatchLayout
+from baton.engine.config import EngineConfig
+from baton.engine.runner.batch import FlatBatch
+
+SPEC_VERSION = 1
+MAGIC = b"BTPS"
+VERSION = 1
+KIND_STEP, KIND_STOP = 1, 2
+# magic, version, kind, tokens T, sequences B, table width M, num_decodes, block_size,
+# logits calls C, payload length (int64s)
+_HEADER = struct.Struct("<4sHHqqqqqqq")
+MAX_FRAME_INT64S = 1 << 27  # 1 GiB: far above any step's batch
+
+
+class TPProtocolError(RuntimeError):
+    """A frame from rank 0 that is not what this version speaks."""
+
+
+@dataclass(frozen=True)
+class FollowerSpec:
+    """Everything a follower needs to join: its rank of `size`, the TCPStore's port on
+    loopback, the model and the engine config (as JSON fields)."""
+
+    rank: int
+    size: int
+    store_port: int
+    model_dir: str
+    max_model_len: int
+    config: dict
+    version: int = SPEC_VERSION
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(**self.config)
+
+    def to_line(self) -> bytes:
+        return (json.dumps(dataclasses.asdict(self)) + "\n").encode()
+
+    @classmethod
+    def from_line(cls, line: bytes) -> FollowerSpec:
+        fields = json.loads(line)
+        if fields.get("version") != SPEC_VERSION:
+            raise TPProtocolError(f"follower spec version {fields.get('version')!r}; this "
+                                  f"build speaks {SPEC_VERSION}")
+        return cls(**fields)
+
+    @classmethod
+    def make(cls, rank: int, size: int, store_port: int, model_dir, max_model_len: int,
+             config: EngineConfig) -> FollowerSpec:
+        return cls(rank, size, store_port, str(model_dir), max_model_len,
+                   dataclasses.asdict(config))
+
+
+@dataclass
+class StepMessage:
+    """One step as the followers run it: the flat batch's host arrays and, in call order,
+    the batch rows of each `compute_logits` call rank 0 makes."""
+
+    input_ids: np.ndarray  # (T,)
+    positions: np.ndarray  # (T,)
+    slot_mapping: np.ndarray  # (T,)
+    query_start_loc: np.ndarray  # (B + 1,)
+    context_lens: np.ndarray  # (B,)
+    seq_lens: np.ndarray  # (B,)
+    block_tables: np.ndarray  # (B, M)
+    num_decodes: int
+    block_size: int
+    logits_calls: list[np.ndarray]  # each (rows,)
+
+    @classmethod
+    def from_batch(cls, batch: FlatBatch, logits_calls: list[np.ndarray]) -> StepMessage:
+        layout = batch.layout
+        return cls(_host(batch.input_ids), _host(batch.positions), _host(layout.slot_mapping),
+                   np.asarray(layout.query_start_loc, np.int64),
+                   np.asarray(layout.context_lens, np.int64),
+                   np.asarray(layout.seq_lens, np.int64), _host(layout.block_tables),
+                   layout.num_decodes, layout.block_size, logits_calls)
+
+    def encode(self) -> bytes:
+        T, B = len(self.input_ids), len(self.seq_lens)
+        M = self.block_tables.shape[1] if B else 0
+        sizes = np.asarray([len(c) for c in self.logits_calls], np.int64)
+        parts = [self.input_ids, self.positions, self.slot_mapping, self.query_start_loc,
+                 self.context_lens, self.seq_lens, self.block_tables.reshape(-1), sizes,
+                 *self.logits_calls]
+        payload = np.concatenate([np.asarray(p, np.int64).reshape(-1) for p in parts])
+        header = _HEADER.pack(MAGIC, VERSION, KIND_STEP, T, B, M, self.num_decodes,
+                              self.block_size, len(sizes), payload.size)
+        return header + payload.tobytes()
+
+    def to_batch(self, device: torch.device) -> FlatBatch:
+        """The FlatBatch the forward runs on (no requests: followers never sample)."""
+        layout = BatchLayout(
+            query_start_loc=self.query_start_loc.tolist(),
+            context_lens=self.context_lens.tolist(), seq_lens=self.seq_lens.tolist(),
+            num_decodes=self.num_decodes,
+            block_tables=torch.from_numpy(self.block_tables).to(device),
+            slot_mapping=torch.from_numpy(self.slot_mapping).to(device),
+            block_size=self.block_size)
+        return FlatBatch(torch.from_numpy(self.input_ids).to(device),
+                         torch.from_numpy(self.positions).to(device), layout, [], [], [])
+
+
+def stop_frame() -> bytes:
+    return _HEADER.pack(MAGIC, VERSION, KIND_STOP, 0, 0, 0, 0, 0, 0, 0)
+
+
+def read_message(stream: BinaryIO) -> StepMessage | None:
+    """The next step, or None at the stop frame or end of file (rank 0 gone). Raises
+    TPProtocolError on a frame this version cannot read."""
+    head = _read_exactly(stream, _HEADER.size)
+    if head is None:
+        return None
+    magic, version, kind, T, B, M, num_decodes, block_size, C, n = _HEADER.unpack(head)
+    if magic != MAGIC or version != VERSION:
+        raise TPProtocolError(f"frame magic {magic!r} version {version}; expected {MAGIC!r} "
+                              f"version {VERSION}")
+    if kind == KIND_STOP:
+        return None
+    if kind != KIND_STEP or not 0 <= n <= MAX_FRAME_INT64S or min(T, B, M, C) < 0:
+        raise TPProtocolError(f"bad frame: kind {kind}, {n} int64s")
+    body = _read_exactly(stream, 8 * n)
+    if body is None:
+        return None
+    data = np.frombuffer(body, dtype=np.int64)
+    cuts = np.cumsum([T, T, T, B + 1, B, B, B * M, C])
+    if cuts[-1] > n:
+        raise TPProtocolError(f"frame of {n} int64s is shorter than its counts say")
+    ids, pos, slots, qsl, ctx, seq, tables, sizes, rest = np.split(data, cuts)
+    if sizes.sum() != len(rest) or (sizes < 0).any():
+        raise TPProtocolError("frame's logits calls do not add up")
+    calls = np.split(rest, np.cumsum(sizes)[:-1]) if C else []
+    return StepMessage(ids.copy(), pos.copy(), slots.copy(), qsl, ctx, seq,
+                       tables.reshape(B, M).copy(), num_decodes, block_size,
+                       [c.copy() for c in calls])
+
+
+def logits_calls(batch: FlatBatch, rows_per_call: int) -> list[np.ndarray]:
+    """The batch rows of each `compute_logits` call `ModelRunner.execute` makes, in order:
+    the prompt-logprob spans in chunks of `rows_per_call`, then the sampling rows."""
+    calls = []
+    for span in batch.prompt_logprob_spans:
+        for first in range(0, span.count, rows_per_call):
+            n = min(rows_per_call, span.count - first)
+            calls.append(np.arange(span.row + first, span.row + first + n, dtype=np.int64))
+    if batch.sampling_entries:
+        calls.append(np.asarray(batch.logits_indices, np.int64))
+    return calls
+
+
+def _host(t: torch.Tensor) -> np.ndarray:
+    return t.detach().to("cpu", torch.int64).numpy()
+
+
+def _read_exactly(stream: BinaryIO, n: int) -> bytes | None:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = stream.read(n - len(buf))
+        if not chunk:
+            if buf:
+                raise TPProtocolError(f"pipe closed mid-frame ({len(buf)}/{n} bytes)")
+            return None
+        buf += chunk
+    return bytes(buf)

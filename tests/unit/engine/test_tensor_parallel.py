@@ -1,0 +1,58 @@
+"""Tensor parallelism over processes on CPU (gloo): rank 0 in this process, rank 1 a child.
+
+Tiny random Llamas against transformers and against TP=1: 4 heads / 2 kv heads (split) and
+4 heads / 1 kv head (replicated on both ranks), through chunked prefill, prefix-cache hits,
+logprobs and prompt logprobs."""
+
+from __future__ import annotations
+
+import pytest
+import transformers
+
+from baton import LLM, SamplingParams
+from tests.unit.engine.models.parity import check_parity, prompts_for, save_tiny
+
+pytestmark = pytest.mark.slow
+
+COMMON = dict(vocab_size=1001, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+              max_position_embeddings=512, bos_token_id=1, eos_token_id=2,
+              num_attention_heads=4, tie_word_embeddings=False)
+
+
+def tiny_llama(tmp_path, model_dir, kv_heads: int, **extra):
+    config = transformers.LlamaConfig(**(COMMON | dict(num_key_value_heads=kv_heads) | extra))
+    return save_tiny(config, transformers.LlamaForCausalLM, tmp_path, model_dir)
+
+
+@pytest.mark.parametrize("kv_heads", [2, 1], ids=["kv-split", "kv-replicated"])
+def test_tp2_matches_transformers(kv_heads, tmp_path, model_dir):
+    hf = tiny_llama(tmp_path, model_dir, kv_heads)
+    llm = check_parity(tmp_path, hf, tensor_parallel_size=2, num_threads=1, num_kv_blocks=256)
+    try:
+        runner = llm.engine.runner
+        assert runner.tp.size == 2 and runner.num_kv_heads == 1
+        assert runner.kv_cache.shape[-2] == 1  # this rank's kv heads only
+    finally:
+        llm.engine.close()
+    assert runner.tp_leader.procs[0].returncode == 0  # stopped cleanly, not killed
+
+
+def test_tp2_equals_tp1_with_prompt_logprobs(tmp_path, model_dir):
+    tiny_llama(tmp_path, model_dir, 2, tie_word_embeddings=True)
+    prompts = prompts_for(1001, (5, 40, 300))
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3,
+                            prompt_logprobs=2)
+    kwargs = dict(dtype="float32", block_size=16, max_num_batched_tokens=64, num_threads=1,
+                  num_kv_blocks=256)
+    outs = {}
+    for tp in (1, 2):
+        llm = LLM(str(tmp_path), tensor_parallel_size=tp, **kwargs)
+        try:
+            outs[tp] = llm.generate(prompts, params, use_tqdm=False)
+        finally:
+            llm.engine.close()
+    for one, two in zip(outs[1], outs[2]):
+        assert one.outputs[0].token_ids == two.outputs[0].token_ids
+        assert len(two.prompt_logprobs) == len(one.prompt_logprobs)
+        for a, b in zip(one.prompt_logprobs[1:], two.prompt_logprobs[1:]):
+            assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < 1e-4

@@ -1,0 +1,83 @@
+"""The frames rank 0 sends its tensor-parallel followers: a step survives the trip exactly,
+and a frame this version cannot read is refused before anything is allocated."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+import torch
+
+from baton.engine.config import EngineConfig
+from baton.engine.runner.tp_wire import (MAX_FRAME_INT64S, FollowerSpec, StepMessage,
+                                         TPProtocolError, _HEADER, logits_calls, read_message,
+                                         stop_frame)
+
+
+def step(num_calls: int = 2) -> StepMessage:
+    rng = np.random.default_rng(0)
+    T, B, M = 7, 3, 4
+    return StepMessage(
+        input_ids=rng.integers(0, 1000, T), positions=np.arange(T),
+        slot_mapping=np.array([5, 6, -1, 8, 9, 10, 11]), query_start_loc=np.array([0, 1, 2, 7]),
+        context_lens=np.array([4, 9, 0]), seq_lens=np.array([5, 10, 5]),
+        block_tables=rng.integers(0, 50, (B, M)), num_decodes=2, block_size=16,
+        logits_calls=[np.arange(2, 2 + i + 1) for i in range(num_calls)])
+
+
+def test_step_round_trip_and_stop():
+    msg = step()
+    stream = io.BytesIO(msg.encode() + step(0).encode() + stop_frame())
+    got = read_message(stream)
+    for name in ("input_ids", "positions", "slot_mapping", "query_start_loc", "context_lens",
+                 "seq_lens", "block_tables"):
+        np.testing.assert_array_equal(getattr(got, name), getattr(msg, name), err_msg=name)
+    assert (got.num_decodes, got.block_size) == (2, 16)
+    assert [c.tolist() for c in got.logits_calls] == [[2], [2, 3]]
+    batch = got.to_batch(torch.device("cpu"))
+    assert batch.layout.num_decodes == 2 and batch.layout.seq_lens == [5, 10, 5]
+    assert batch.input_ids.tolist() == msg.input_ids.tolist()
+    assert read_message(stream).logits_calls == []
+    assert read_message(stream) is None  # the stop frame
+    assert read_message(stream) is None  # end of file: rank 0 gone
+
+
+@pytest.mark.parametrize("damage", ["magic", "version", "oversize", "short", "truncated"])
+def test_bad_frames_are_refused(damage):
+    frame = bytearray(step().encode())
+    head = list(_HEADER.unpack(bytes(frame[:_HEADER.size])))
+    if damage == "magic":
+        head[0] = b"XXXX"
+    elif damage == "version":
+        head[1] = 99
+    elif damage == "oversize":
+        head[-1] = MAX_FRAME_INT64S + 1
+    elif damage == "short":  # counts need more than the payload holds
+        head[3] += 100
+    frame[:_HEADER.size] = _HEADER.pack(*head)
+    if damage == "truncated":
+        frame = frame[:-8]
+    with pytest.raises(TPProtocolError):
+        read_message(io.BytesIO(bytes(frame)))
+
+
+def test_spec_round_trip_and_version():
+    config = EngineConfig(tensor_parallel_size=2, num_threads=1, kv_secret="s" * 32)
+    spec = FollowerSpec.make(1, 2, 1234, "/models/x", 512, config)
+    again = FollowerSpec.from_line(spec.to_line())
+    assert again == spec and again.engine_config() == config
+    bad = spec.to_line().replace(b'"version": 1', b'"version": 7')
+    with pytest.raises(TPProtocolError, match="version 7"):
+        FollowerSpec.from_line(bad)
+
+
+def test_logits_calls_follow_the_runner():
+    from baton.engine.runner.batch import FlatBatch, PromptLogprobSpan
+
+    spans = [PromptLogprobSpan(None, row=3, first_target=1, count=5)]
+    batch = FlatBatch(torch.zeros(9), torch.zeros(9), None, [], logits_indices=[0, 8],
+                      sampling_entries=[object(), object()], prompt_logprob_spans=spans)
+    assert [c.tolist() for c in logits_calls(batch, 2)] == [[3, 4], [5, 6], [7], [0, 8]]
+    batch.sampling_entries = []
+    assert len(logits_calls(batch, 256)) == 1
