@@ -149,15 +149,22 @@ class Transfer:
         self._done.set()
 
 
+def wire_view(t: torch.Tensor) -> torch.Tensor:
+    """FP8 tensors as their bytes: torch has no index_copy_ for them and gloo cannot send
+    them; every other dtype as it is."""
+    return t.view(torch.uint8) if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else t
+
+
 def gather_blocks(kv_cache: torch.Tensor, block_ids: list[int]) -> torch.Tensor:
-    """The blocks' bytes in wire order: `[layers, 2, n, block_size, kv_heads, head_dim]`."""
+    """The blocks' bytes in wire order: `[layers, 2, n, block_size, kv_heads, head_dim]`
+    (of the cache's dtype, or uint8 for FP8)."""
     index = torch.tensor(block_ids, dtype=torch.long, device=kv_cache.device)
-    return kv_cache.index_select(2, index)
+    return wire_view(kv_cache).index_select(2, index)
 
 
 def scatter_blocks(kv_cache: torch.Tensor, block_ids: list[int], data: torch.Tensor) -> None:
     index = torch.tensor(block_ids, dtype=torch.long, device=kv_cache.device)
-    kv_cache.index_copy_(2, index, data)
+    wire_view(kv_cache).index_copy_(2, index, wire_view(data))
 
 
 def check_pull(layout: KVLayout, src: list[int], dst: list[int], num_blocks: int) -> None:

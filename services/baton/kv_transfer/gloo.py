@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from baton.kv_transfer.base import (Endpoint, PeerUnreachableError, TransferTimeoutError,
-                                    gather_blocks, scatter_blocks)
+                                    gather_blocks, scatter_blocks, wire_view)
 from baton.kv_transfer.tcp import TcpTransport
 from baton.kv_transfer.wire import send_msg
 
@@ -64,9 +64,9 @@ class GlooTransport(TcpTransport):
         if n == 0:
             return 0
         lay = self.layout
-        staging = torch.empty((lay.num_layers, 2, n, lay.block_size, lay.num_kv_heads,
-                               lay.head_dim), dtype=self.kv_cache.dtype,
-                              device=self.kv_cache.device)
+        staging = wire_view(torch.empty((lay.num_layers, 2, n, lay.block_size,
+                                         lay.num_kv_heads, lay.head_dim),
+                                        dtype=self.kv_cache.dtype, device=self.kv_cache.device))
         host = peer.address.rsplit(":", 1)[0]
         try:
             left = timedelta(seconds=remaining())

@@ -81,3 +81,11 @@ def test_logits_calls_follow_the_runner():
     assert [c.tolist() for c in logits_calls(batch, 2)] == [[3, 4], [5, 6], [7], [0, 8]]
     batch.sampling_entries = []
     assert len(logits_calls(batch, 256)) == 1
+
+
+def test_config_checks_the_tensor_parallel_size():
+    with pytest.raises(ValueError, match="tensor_parallel_size=0"):
+        EngineConfig(tensor_parallel_size=0)
+    with pytest.raises(ValueError, match="KV transfer between tensor-parallel pods"):
+        EngineConfig(tensor_parallel_size=2, kv_transport="tcp")
+    assert EngineConfig(tensor_parallel_size=2).tensor_parallel_size == 2

@@ -6,7 +6,9 @@ one SDPA call with q grouped as (n, KVH, G, D), so GQA needs no K/V repetition, 
 additive mask hides the padding. Prefill chunks: when the native kernel (`cpu_prefill`) could
 be built, one call per layer runs them all, reading the pages in place; otherwise each chunk
 runs `_prefill_attention` (causal with an offset for its cached context), also the kernel's
-reference in the tests.
+reference in the tests. An FP8 cache (`kv_quant`) is written quantised with the layer's
+scales; the C kernels read its bytes, the torch paths dequantise what they gather (a fresh
+prompt too reads its K/V back from the cache, as the kernels do).
 """
 
 from __future__ import annotations

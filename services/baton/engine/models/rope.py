@@ -186,20 +186,20 @@ def _yarn(cfg: ModelConfig, s: dict, exponents: torch.Tensor, dim: int) -> torch
 def position_angles(cfg: ModelConfig, max_positions: int) -> torch.Tensor:
     """(P, rotary_dim / 2) float32 angles of positions 0..P-1, fixed per position as the
     module docstring says for the length-dependent scalings."""
-    kind = rope_parameters(cfg)["rope_type"]
-    pos = torch.arange(max_positions, dtype=torch.float32)
-    if kind == "longrope":
-        orig = rope_parameters(cfg)["original_max_position_embeddings"]
+    params = rope_parameters(cfg)
+    pos = torch.arange(max_positions, dtype=torch.float32)  # (P,)
+    if params["rope_type"] == "longrope":  # short factors below orig, long from there on
+        orig = params["original_max_position_embeddings"]
         short = torch.outer(pos[:orig], inverse_frequencies(cfg))
         long = torch.outer(pos[orig:], inverse_frequencies(cfg, seq_len=orig + 1))
         return torch.cat((short, long))
-    if kind == "dynamic":  # row p: the frequencies of a sequence of p + 1 tokens
+    if params["rope_type"] == "dynamic":  # row p: the frequencies of p + 1 tokens
         mpe, dim = cfg.max_position_embeddings, rotary_dim(cfg)
         exponents = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
-        lengths = torch.arange(mpe + 1, max_positions + 1, dtype=torch.int64)
-        factor = float(rope_parameters(cfg)["factor"])
-        beyond = pos[mpe:, None] * _dynamic(cfg, factor, exponents, dim, lengths)
-        return torch.cat((torch.outer(pos[:mpe], inverse_frequencies(cfg)), beyond))
+        lengths = torch.arange(mpe + 1, max_positions + 1, dtype=torch.int64)  # (P - mpe,)
+        scaled = _dynamic(cfg, float(params["factor"]), exponents, dim, lengths)
+        return torch.cat((torch.outer(pos[:mpe], inverse_frequencies(cfg)),
+                          pos[mpe:, None] * scaled))
     return torch.outer(pos, inverse_frequencies(cfg))
 
 
