@@ -47,6 +47,11 @@ class KVLayoutInfo(BaseModel):
     num_kv_heads: Annotated[int, Field(ge=1)]
     head_dim: Annotated[int, Field(ge=1)]
     dtype: str
+    # tensor parallelism: this rank's heads [head_start, head_start + num_kv_heads) of
+    # total_kv_heads, one of tp_size ranks (absent for a whole cache: TP=1 as before)
+    total_kv_heads: Annotated[int, Field(ge=0)] = 0
+    head_start: Annotated[int, Field(ge=0)] = 0
+    tp_size: Annotated[int, Field(ge=1)] = 1
 
 
 class KVEndpointInfo(BaseModel):
@@ -83,6 +88,10 @@ class KVTransferParams(BaseModel):
     first_token: TokenId
     lease_ttl_s: Annotated[float, Field(gt=0)]
     first_token_logprobs: FirstTokenLogprobs | None = None
+    # a tensor-parallel holder: every rank's endpoint (rank 0's is `endpoint`), each with
+    # its KV heads; None for one rank (TP=1, the wire as before)
+    rank_endpoints: Annotated[list[KVEndpointInfo], Field(min_length=2, max_length=64)] | \
+        None = None
 
 
 # -- router <-> workers --------------------------------------------------------------------

@@ -57,30 +57,124 @@ class KVAuthError(TransferError):
 
 @dataclass(frozen=True)
 class KVLayout:
+    """One rank's KV cache shape. With tensor parallelism a rank holds `num_kv_heads` of the
+    model's `total_kv_heads` (0: all of them), the global heads [head_start, head_start +
+    num_kv_heads), one of `tp_size` ranks. The fingerprint covers only what every rank of
+    every TP degree shares (layers, block size, total heads, head dim, dtype): peers of
+    different TP degrees handshake, and each pull names the heads it moves."""
+
     num_layers: int
     block_size: int
     num_kv_heads: int
     head_dim: int
     dtype: str  # torch dtype name, e.g. "bfloat16"
+    total_kv_heads: int = 0
+    head_start: int = 0
+    tp_size: int = 1
+
+    def __post_init__(self) -> None:
+        if self.total_kv_heads == 0:
+            object.__setattr__(self, "total_kv_heads", self.num_kv_heads)
+        if not (0 <= self.head_start and self.head_start + self.num_kv_heads
+                <= self.total_kv_heads and self.tp_size >= 1):
+            raise ValueError(f"heads [{self.head_start}, {self.head_start + self.num_kv_heads})"
+                             f" outside the model's {self.total_kv_heads} KV heads "
+                             f"(tp_size {self.tp_size})")
 
     @classmethod
-    def of(cls, kv_cache: torch.Tensor) -> KVLayout:
+    def of(cls, kv_cache: torch.Tensor, head_start: int = 0, total_kv_heads: int = 0,
+           tp_size: int = 1) -> KVLayout:
         if kv_cache.dim() != 6 or kv_cache.shape[1] != 2:
             raise ValueError("the KV cache must be [layers, 2, blocks, block_size, kv_heads, "
                              f"head_dim], got {tuple(kv_cache.shape)}")
         layers, _, _, bs, kvh, d = kv_cache.shape
-        return cls(layers, bs, kvh, d, str(kv_cache.dtype).removeprefix("torch."))
+        return cls(layers, bs, kvh, d, str(kv_cache.dtype).removeprefix("torch."),
+                   total_kv_heads, head_start, tp_size)
+
+    @property
+    def heads(self) -> tuple[int, int]:
+        """This rank's global KV heads, [start, end)."""
+        return self.head_start, self.head_start + self.num_kv_heads
+
+    @property
+    def is_whole(self) -> bool:
+        return self.num_kv_heads == self.total_kv_heads
 
     @property
     def fingerprint(self) -> str:
-        raw = f"{self.num_layers}/{self.block_size}/{self.num_kv_heads}/{self.head_dim}/" \
+        raw = f"{self.num_layers}/{self.block_size}/{self.total_kv_heads}/{self.head_dim}/" \
               f"{self.dtype}"
         return hashlib.blake2b(raw.encode(), digest_size=8).hexdigest()
+
+    def to_dict(self) -> dict:
+        """On the wire; a whole cache (TP=1) as before tensor parallelism."""
+        d = asdict(self)
+        if self.is_whole and self.tp_size == 1:
+            for k in ("total_kv_heads", "head_start", "tp_size"):
+                del d[k]
+        return d
+
+    def mismatch(self, other: KVLayout) -> str:
+        """What makes two layouts' blocks incompatible whatever their TP degrees ('' when
+        nothing does)."""
+        diffs = [f"{k} {getattr(self, k)} vs {getattr(other, k)}"
+                 for k in ("num_layers", "block_size", "total_kv_heads", "head_dim", "dtype")
+                 if getattr(self, k) != getattr(other, k)]
+        return ", ".join(diffs)
 
     @property
     def bytes_per_block(self) -> int:
         elt = torch.empty(0, dtype=getattr(torch, self.dtype)).element_size()
         return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elt
+
+
+def rank_heads(rank: int, size: int, total: int) -> tuple[int, int]:
+    """The global KV heads rank `rank` of `size` holds (`models/layers.py`'s
+    `column_linear`): an equal slice, or the one head `rank * total // size` replicated
+    when there are fewer heads than ranks."""
+    if total >= size:
+        per = total // size
+        return rank * per, (rank + 1) * per
+    h = rank * total // size
+    return h, h + 1
+
+
+def _plan(lo: int, hi: int, peers: list) -> tuple[list, int]:
+    plan = []
+    for peer in sorted(peers, key=lambda p: p.layout.head_start):
+        a, b = peer.layout.heads
+        a, b = max(a, lo), min(b, hi)
+        if a < b and a == lo:  # contiguous from where we are
+            plan.append((peer, (a, b)))
+            lo = b
+    return plan, lo
+
+
+def head_plan(mine: KVLayout, peers: list, rank: int | None = None
+              ) -> list[tuple[object, tuple[int, int], tuple[int, int]]]:
+    """Which global heads to pull from which peer (`peers`: objects with a `.layout`, e.g.
+    the holder's rank `Endpoint`s) so that every head of `mine` arrives exactly once, and
+    the part (i, n) of that peer's lease this pull is (n: how many of our `tp_size` ranks
+    read from that peer; `rank`: ours, found from our heads when not given). Raises
+    LayoutMismatchError when the shapes differ or some head is held by no peer."""
+    for peer in peers:
+        why = mine.mismatch(peer.layout)
+        if why:
+            raise LayoutMismatchError(f"the holder's KV layout is incompatible with ours: "
+                                      f"{why} (holder {peer.layout}, ours {mine})")
+    plan, lo = _plan(*mine.heads, peers)
+    if lo < mine.heads[1]:
+        raise LayoutMismatchError(f"KV heads [{lo}, {mine.heads[1]}) of ours are held by no "
+                                  f"rank of the holder (ranks hold "
+                                  f"{[p.layout.heads for p in peers]})")
+    size, total = mine.tp_size, mine.total_kv_heads
+    if rank is None:
+        rank = next((q for q in range(size) if rank_heads(q, size, total) == mine.heads), 0)
+    readers = {id(p): [q for q in range(size) for pp, _ in
+                       _plan(*rank_heads(q, size, total), peers)[0] if pp is p]
+               for p, _ in plan}
+    return [(p, heads, (readers[id(p)].index(rank), len(readers[id(p)])))
+            for p, heads in plan]
 
 
 @dataclass(frozen=True)
@@ -93,7 +187,9 @@ class Endpoint:
     layout: KVLayout
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        d["layout"] = self.layout.to_dict()
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> Endpoint:

@@ -35,6 +35,7 @@ def _group(store, rank: int, timeout: timedelta, backend: str):
 
 class GlooTransport(TcpTransport):
     name = "gloo"
+    head_subsets = False
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, max_pulls: int = 8,
                  backend: str = "gloo", **control) -> None:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import secrets
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from baton.kv_transfer.base import LeaseExpiredError
 
@@ -27,8 +27,10 @@ class Lease:
     request_id: str
     block_ids: list[int]
     expires: float
-    reading: bool = False
+    reading: set[int] = field(default_factory=set)  # the parts being read now
     peer: str | None = None  # the puller that claimed it first; only it may read it
+    shares: int = 1  # the puller's ranks that each read a part (their heads): TP N -> M
+    done: set[int] = field(default_factory=set)  # the parts read and acknowledged
 
 
 def short(lease_id: str) -> str:
@@ -44,30 +46,39 @@ class LeaseTable:
         self._held: set[str] = set()  # request ids under a lease
         self._events: list[tuple[str, str]] = []
 
-    def hold(self, request_id: str, block_ids: list[int], ttl_s: float) -> str:
-        """Pin `block_ids` for `ttl_s` seconds; returns the new lease's id."""
+    def hold(self, request_id: str, block_ids: list[int], ttl_s: float,
+             lease_id: str | None = None) -> str:
+        """Pin `block_ids` for `ttl_s` seconds; returns the new lease's id (`lease_id`: a
+        tensor-parallel follower rank's copy of the lease rank 0 made)."""
         if ttl_s <= 0:
             raise ValueError(f"lease ttl_s={ttl_s} must be > 0")
         if self.num_blocks is not None and any(not 0 <= b < self.num_blocks
                                                for b in block_ids):
             raise ValueError(f"blocks of {request_id!r} outside [0, {self.num_blocks})")
-        lease_id = secrets.token_urlsafe(LEASE_ID_BYTES)
+        lease_id = lease_id or secrets.token_urlsafe(LEASE_ID_BYTES)
         with self._lock:
-            if request_id in self._held:
+            if request_id in self._held or lease_id in self._leases:
                 raise ValueError(f"a lease for {request_id!r} is already held")
             self._held.add(request_id)
             self._leases[lease_id] = Lease(request_id, list(block_ids),
                                            time.monotonic() + ttl_s)
         return lease_id
 
-    def take(self, lease_id: str, block_ids: list[int], peer: str) -> list[int]:
+    def take(self, lease_id: str, block_ids: list[int], peer: str, part: int = 0,
+             shares: int = 1) -> list[int]:
         """Start reading `block_ids` of a lease on behalf of `peer`, which claims the lease
-        if nobody has. Raises LeaseExpiredError when the lease is gone, being read, owned
-        by another peer, or does not cover the blocks (each at most once)."""
+        if nobody has. A puller of another TP degree reads it in `shares` parts (one per
+        rank, the same peer id), the lease ending when every part is acknowledged. Raises
+        LeaseExpiredError when the lease (part) is gone, being read, owned by another peer,
+        or does not cover the blocks (each at most once)."""
         with self._lock:
             self._expire_locked()
             lease = self._leases.get(lease_id)
-            if lease is None or lease.reading:
+            if lease is not None and (lease.peer is not None and shares != lease.shares
+                                      or not 0 <= part < shares):
+                raise LeaseExpiredError(f"lease {short(lease_id)}: part {part} of {shares} "
+                                        f"does not match its {lease.shares} parts")
+            if lease is None or part in lease.reading or part in lease.done:
                 raise LeaseExpiredError(f"no lease {short(lease_id)} held (expired, already "
                                         "pulled, being pulled, or never offered)")
             if lease.peer is not None and lease.peer != peer:
@@ -77,22 +88,27 @@ class LeaseTable:
             if len(set(block_ids)) != len(block_ids) or not set(block_ids) <= covered:
                 raise LeaseExpiredError(f"blocks {sorted(set(block_ids) - covered)[:5]} are "
                                         f"not under lease {short(lease_id)}, or repeated")
-            lease.peer, lease.reading = peer, True
+            lease.peer, lease.shares = peer, shares
+            lease.reading.add(part)
             return list(block_ids)
 
-    def complete(self, lease_id: str) -> None:
-        """The puller has the bytes: the lease ends ("pulled")."""
+    def complete(self, lease_id: str, part: int = 0) -> None:
+        """The puller has the bytes (of every part): the lease ends ("pulled")."""
         with self._lock:
-            lease = self._leases.pop(lease_id, None)
-            if lease is not None:
-                self._end_locked(lease, "pulled")
+            lease = self._leases.get(lease_id)
+            if lease is None:
+                return
+            lease.reading.discard(part)
+            lease.done.add(part)
+            if len(lease.done) >= lease.shares:
+                self._end_locked(self._leases.pop(lease_id), "pulled")
 
-    def abandon(self, lease_id: str) -> None:
+    def abandon(self, lease_id: str, part: int = 0) -> None:
         """A read failed: the lease stays held (its owner may retry) until it expires."""
         with self._lock:
             lease = self._leases.get(lease_id)
             if lease is not None:
-                lease.reading = False
+                lease.reading.discard(part)
 
     def release(self, lease_id: str) -> bool:
         """The holder's own call (nobody will pull it): end the lease now ("released").

@@ -58,6 +58,7 @@ def paired_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
 
 class NixlTransport(TcpTransport):
     name = "nixl"
+    head_subsets = False
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, max_pulls: int = 8,
                  **control) -> None:

@@ -49,11 +49,15 @@ def _byte_view(t: torch.Tensor) -> memoryview:
 _IOV_MAX = 1024
 
 
-def block_views(kv_cache: torch.Tensor, cache_bytes: memoryview, block_ids: list[int]
-                ) -> list[memoryview]:
+def block_views(kv_cache: torch.Tensor, cache_bytes: memoryview, block_ids: list[int],
+                heads: tuple[int, int] | None = None) -> list[memoryview]:
     """The blocks' memory in wire order (layer, K/V, then the blocks in the given order), as
-    views into the cache itself: runs of consecutive ids become one view each."""
+    views into the cache itself: runs of consecutive ids become one view each. `heads`:
+    only these local KV heads [lo, hi) (tensor parallelism across TP degrees), one view
+    per (layer, K/V, block, token) — still no copy."""
     layers2, nb = kv_cache.shape[0] * 2, kv_cache.shape[2]
+    if heads is not None and tuple(heads) != (0, kv_cache.shape[4]):
+        return _head_views(kv_cache, cache_bytes, block_ids, heads)
     seg = kv_cache[0, 0, 0].numel() * kv_cache.element_size()
     runs: list[list[int]] = []
     for b in block_ids:
@@ -67,6 +71,23 @@ def block_views(kv_cache: torch.Tensor, cache_bytes: memoryview, block_ids: list
         for start, length in runs:
             off = (base + start) * seg
             views.append(cache_bytes[off:off + length * seg])
+    return views
+
+
+def _head_views(kv_cache: torch.Tensor, cache_bytes: memoryview, block_ids: list[int],
+                heads: tuple[int, int]) -> list[memoryview]:
+    """Wire order (layer, K/V, block, token, then the heads [lo, hi) of that token)."""
+    layers2, nb, bs, kvh, d = (kv_cache.shape[0] * 2, kv_cache.shape[2], kv_cache.shape[3],
+                               kv_cache.shape[4], kv_cache.shape[5])
+    elt = kv_cache.element_size()
+    tok, lo, hi = kvh * d * elt, heads[0] * d * elt, heads[1] * d * elt
+    views = []
+    for lk in range(layers2):
+        for b in block_ids:
+            base = (lk * nb + b) * bs * tok
+            for t in range(bs):
+                off = base + t * tok
+                views.append(cache_bytes[off + lo:off + hi])
     return views
 
 
@@ -110,11 +131,13 @@ def _recv_views(sock: socket.socket, views: list[memoryview], remaining, peer_ad
 
 class TcpTransport(KVTransport):
     name = "tcp"
+    head_subsets = True  # pulls may name a subset of the holder's KV heads (TP N -> M)
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, max_pulls: int = 8,
                  secret: str | None = None,
                  handshake_timeout_s: float = handshake.HANDSHAKE_TIMEOUT_S,
-                 max_frame_bytes: int = MAX_FRAME_BYTES, max_handshakes: int = 64) -> None:
+                 max_frame_bytes: int = MAX_FRAME_BYTES, max_handshakes: int = 64,
+                 heads: tuple[int, int, int] = (0, 0, 1)) -> None:
         if secret is not None and not secret:
             raise ValueError("the KV secret must be None (no authentication) or non-empty")
         if handshake_timeout_s <= 0 or max_frame_bytes < 4096 or max_handshakes < 1:
@@ -122,6 +145,7 @@ class TcpTransport(KVTransport):
                              f"max_frame_bytes={max_frame_bytes} >= 4096, "
                              f"max_handshakes={max_handshakes} >= 1")
         self.host, self.port = host, port
+        self.heads = tuple(heads)  # this rank's (head_start, total_kv_heads, tp_size)
         self.secret = secret
         self.handshake_timeout_s = handshake_timeout_s
         self.max_frame_bytes = max_frame_bytes
@@ -145,7 +169,7 @@ class TcpTransport(KVTransport):
     def _start(self, kv_cache: torch.Tensor, engine_id: str) -> Endpoint:
         if not kv_cache.is_contiguous():
             raise ValueError("the tcp transport needs a contiguous KV cache tensor")
-        self.kv_cache, self.layout = kv_cache, KVLayout.of(kv_cache)
+        self.kv_cache, self.layout = kv_cache, KVLayout.of(kv_cache, *self.heads)
         self.leases.num_blocks = kv_cache.shape[2]
         self._cache_bytes = _byte_view(kv_cache.view(-1))
         srv = socket.create_server((self.host, self.port), backlog=128)
@@ -185,7 +209,8 @@ class TcpTransport(KVTransport):
                 if req["op"] == "info":
                     send_msg(conn, self._hello())
                 else:
-                    self._serve_pull(conn, req["lease"], req["src"], peer)
+                    self._serve_pull(conn, req["lease"], req["src"], peer, req.get("heads"),
+                                     req.get("part", [0, 1]))
             except (OSError, ValueError):
                 return  # the puller sees the connection drop
 
@@ -205,22 +230,47 @@ class TcpTransport(KVTransport):
         """The holder's answer to an authenticated `info` request."""
         return {"ok": True}
 
-    def _serve_pull(self, conn: socket.socket, lease_id: str, src: list[int], peer: str
-                    ) -> None:
+    def _local_heads(self, heads) -> tuple[int, int] | None:
+        """A pull's global heads as our local [lo, hi), None for all; ValueError if we do
+        not hold them all."""
+        lo, hi = self.layout.heads
+        if heads is None or list(heads) == [lo, hi]:
+            return None
+        if not (isinstance(heads, list) and len(heads) == 2
+                and all(type(h) is int for h in heads) and lo <= heads[0] < heads[1] <= hi
+                and self.head_subsets):
+            raise ValueError(f"this holder serves KV heads [{lo}, {hi}) whole, not {heads}")
+        return heads[0] - lo, heads[1] - lo
+
+    def _serve_pull(self, conn: socket.socket, lease_id: str, src: list[int], peer: str,
+                    heads=None, part=(0, 1)) -> None:
         try:
-            blocks = self.leases.take(lease_id, src, peer)
+            local = self._local_heads(heads)
+            if not (isinstance(part, list | tuple) and len(part) == 2
+                    and all(type(p) is int for p in part) and 0 <= part[0] < part[1] <= 64):
+                raise ValueError(f"a malformed part {part!r}")
+        except ValueError as err:
+            send_msg(conn, {"ok": False, "kind": "layout", "error": str(err)})
+            return
+        try:
+            blocks = self.leases.take(lease_id, src, peer, *part)
         except LeaseExpiredError as err:
             send_msg(conn, {"ok": False, "kind": "lease", "error": str(err)})
             return
         acked = False
         try:
-            self._send_blocks(conn, blocks)
+            if local is None:
+                self._send_blocks(conn, blocks)
+            else:
+                views = block_views(self.kv_cache, self._cache_bytes, blocks, local)
+                send_msg(conn, {"ok": True, "nbytes": sum(len(v) for v in views)})
+                _send_views(conn, views)
             acked = recv_msg(conn, self.max_frame_bytes).get("op") == "ack"
         finally:
             if acked:
-                self.leases.complete(lease_id)
+                self.leases.complete(lease_id, part[0])
             else:
-                self.leases.abandon(lease_id)
+                self.leases.abandon(lease_id, part[0])
         send_msg(conn, {"ok": True, "released": True})
 
     def _send_blocks(self, conn: socket.socket, blocks: list[int]) -> None:
@@ -264,9 +314,16 @@ class TcpTransport(KVTransport):
         self._connected.add(peer.address)
 
     def _check_layout(self, peer: Endpoint) -> None:
-        if peer.layout.fingerprint != self.layout.fingerprint:
-            raise LayoutMismatchError(f"peer {peer.engine_id} has layout {peer.layout}, "
-                                      f"ours is {self.layout}")
+        """Blocks of the same shape (whatever the TP degrees), and some of our heads."""
+        why = self.layout.mismatch(peer.layout)
+        (a, b), (lo, hi) = peer.layout.heads, self.layout.heads
+        if not why and not self.head_subsets and (a, b) != (lo, hi):
+            why = f"KV heads [{a}, {b}) vs ours [{lo}, {hi}) ({self.name} moves whole caches)"
+        elif not why and not (a < hi and lo < b):
+            why = f"it holds KV heads [{a}, {b}), none of ours [{lo}, {hi})"
+        if why:
+            raise LayoutMismatchError(f"peer {peer.engine_id} has an incompatible KV layout: "
+                                      f"{why} (theirs {peer.layout}, ours {self.layout})")
 
     def _say_hello(self, peer: Endpoint, timeout_s: float) -> dict:
         """The handshake and an `info` request: the holder's `_hello()`."""
@@ -281,19 +338,32 @@ class TcpTransport(KVTransport):
                                            f"{err}") from None
 
     def pull(self, peer: Endpoint, lease_id: str, src_block_ids: list[int],
-             dst_block_ids: list[int], timeout_s: float) -> Transfer:
+             dst_block_ids: list[int], timeout_s: float,
+             heads: tuple[int, int] | None = None, part: tuple[int, int] = (0, 1)
+             ) -> Transfer:
+        """`heads`: the global KV heads to move (default: all of ours), held by `peer` and
+        by us; `part`: (i, n), the i-th of the n pulls of our engine's ranks that read this
+        lease (`head_plan` computes both over a holder's ranks)."""
         check_pull(self.layout, src_block_ids, dst_block_ids, self.kv_cache.shape[2])
         transfer = Transfer(lease_id, len(dst_block_ids))
-        if peer.layout.fingerprint != self.layout.fingerprint:
-            transfer._fail(LayoutMismatchError(f"peer {peer.engine_id} has layout "
-                                               f"{peer.layout}, ours is {self.layout}"))
+        heads = tuple(heads) if heads is not None else self.layout.heads
+        try:
+            self._check_layout(peer)
+            (a, b), (lo, hi), (pa, pb) = heads, self.layout.heads, peer.layout.heads
+            if not (lo <= a < b <= hi and pa <= a and b <= pb):
+                raise LayoutMismatchError(f"KV heads [{a}, {b}) are not held by both peer "
+                                          f"{peer.engine_id} [{pa}, {pb}) and us [{lo}, {hi})")
+        except LayoutMismatchError as err:
+            transfer._fail(err)
             return transfer
         self._pool.submit(self._pull, transfer, peer, lease_id, list(src_block_ids),
-                          list(dst_block_ids), time.monotonic() + timeout_s)
+                          list(dst_block_ids), time.monotonic() + timeout_s, heads,
+                          tuple(part))
         return transfer
 
     def _pull(self, transfer: Transfer, peer: Endpoint, lease_id: str, src: list[int],
-              dst: list[int], deadline: float) -> None:
+              dst: list[int], deadline: float, heads: tuple[int, int] | None = None,
+              part: tuple[int, int] = (0, 1)) -> None:
         what = f"lease {short(lease_id)} ({len(src)} blocks) from {peer.address}"
 
         def remaining() -> float:
@@ -305,9 +375,16 @@ class TcpTransport(KVTransport):
         try:
             with self._open(peer, remaining()) as sock:
                 transfer._transferring()
-                reply = self._request(sock, peer, {"op": "pull", "lease": lease_id,
-                                                   "src": src}, deadline)
-                got = self._receive(sock, reply, src, dst, remaining, peer)
+                req = {"op": "pull", "lease": lease_id, "src": src}
+                if heads is not None and heads != peer.layout.heads:
+                    req["heads"] = list(heads)
+                if part != (0, 1):
+                    req["part"] = list(part)
+                reply = self._request(sock, peer, req, deadline)
+                if heads is None or heads == self.layout.heads == peer.layout.heads:
+                    got = self._receive(sock, reply, src, dst, remaining, peer)
+                else:
+                    got = self._receive_heads(sock, reply, dst, heads, remaining, peer)
                 send_msg(sock, {"op": "ack"})
                 try:  # the holder has ended the lease once this arrives
                     recv_msg(sock, self.max_frame_bytes)
@@ -333,6 +410,17 @@ class TcpTransport(KVTransport):
         want = sum(len(v) for v in views)
         if nbytes != want:
             raise TransferError(f"holder sent {nbytes} bytes, expected {want}")
+        return _recv_views(sock, views, remaining, peer.address) if want else 0
+
+    def _receive_heads(self, sock: socket.socket, reply: dict, dst: list[int],
+                       heads: tuple[int, int], remaining, peer: Endpoint) -> int:
+        """The data phase for a subset of the heads: straight into those heads of `dst`."""
+        lo = self.layout.head_start
+        views = block_views(self.kv_cache, self._cache_bytes, dst,
+                            (heads[0] - lo, heads[1] - lo))
+        want = sum(len(v) for v in views)
+        if reply.get("nbytes") != want:
+            raise TransferError(f"holder sent {reply.get('nbytes')} bytes, expected {want}")
         return _recv_views(sock, views, remaining, peer.address) if want else 0
 
     def close(self) -> None:

@@ -63,10 +63,10 @@ class KVCacheManager:
         return -(-num_tokens // self.block_size)
 
     def get_block_ids(self, request_id: str) -> list[int]:
-        """The request's block table row; released positions hold one of its live blocks
-        (finite data the window hides), block 0 if it has none."""
+        """The request's block table row; released positions hold its first live block
+        (its own finite KV, which the window hides), block 0 if it has none."""
         blocks = self._blocks.get(request_id, ())
-        live = next((b.block_id for b in reversed(blocks) if b is not None), 0)
+        live = next((b.block_id for b in blocks if b is not None), 0)
         return [live if b is None else b.block_id for b in blocks]
 
     def num_held_blocks(self, request_id: str) -> int:

@@ -17,6 +17,8 @@ ARCHITECTURES: dict[str, tuple[str, str]] = {
     "Phi3ForCausalLM": ("phi3", "Phi3ForCausalLM"),
     "Gemma2ForCausalLM": ("gemma", "Gemma2ForCausalLM"),
     "Gemma3ForCausalLM": ("gemma", "Gemma3ForCausalLM"),
+    # The multimodal checkpoints (4B/12B/27B): their text model; vision weights skipped.
+    "Gemma3ForConditionalGeneration": ("gemma", "Gemma3ForCausalLM"),
     "MixtralForCausalLM": ("moe", "MixtralForCausalLM"),
     "Qwen3MoeForCausalLM": ("moe", "Qwen3MoeForCausalLM"),
 }

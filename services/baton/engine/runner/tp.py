@@ -37,7 +37,7 @@ import torch
 from baton.engine.config import EngineConfig
 from baton.engine.distributed import TPGroup, set_tp_group, tp_group
 from baton.engine.runner.batch import FlatBatch
-from baton.engine.runner.tp_wire import FollowerSpec, StepMessage, stop_frame
+from baton.engine.runner.tp_wire import Control, FollowerSpec, StepMessage, stop_frame
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +123,7 @@ class TPLeader:
         self._closing = False
         self._closed = False
         self._lock = threading.Lock()
+        self._reply_bufs = [b""] * len(procs)  # followers' stdout after the ready line
         self._watcher = threading.Thread(target=self._watch, name="baton-tp-watch",
                                          daemon=True)
         self._watcher.start()
@@ -183,6 +184,33 @@ class TPLeader:
                 proc.stdin.flush()
             except (BrokenPipeError, OSError) as err:
                 raise self._died(rank, proc, f"its pipe broke ({err})") from err
+
+    def send_control(self, body: dict, ranks: list[int] | None = None) -> None:
+        """A KV control message (`tp_wire.Control`) to `ranks` (default: every follower)."""
+        self.raise_if_failed()
+        frame = Control(body).encode()
+        for rank in ranks or range(1, len(self.procs) + 1):
+            proc = self.procs[rank - 1]
+            try:
+                proc.stdin.write(frame)
+                proc.stdin.flush()
+            except (BrokenPipeError, OSError) as err:
+                raise self._died(rank, proc, f"its pipe broke ({err})") from err
+
+    def replies(self, timeout_s: float = 0.0) -> list[tuple[int, dict]]:
+        """The followers' KV replies (JSON lines on their stdout) that have arrived,
+        waiting up to `timeout_s` for the first; never blocks past that."""
+        out: list[tuple[int, dict]] = []
+        fds = {p.stdout.fileno(): r for r, p in enumerate(self.procs, start=1)
+               if p.stdout is not None and not p.stdout.closed}
+        ready, _, _ = select.select(list(fds), [], [], timeout_s) if fds else ([], [], [])
+        for fd in ready:
+            rank = fds[fd]
+            chunk = os.read(fd, 1 << 16)
+            buf = self._reply_bufs[rank - 1] + chunk
+            *lines, self._reply_bufs[rank - 1] = buf.split(b"\n")
+            out += [(rank, json.loads(line)) for line in lines if line.strip()]
+        return out
 
     def raise_if_failed(self) -> None:
         if self.failure is not None:

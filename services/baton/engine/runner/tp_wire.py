@@ -30,7 +30,8 @@ from baton.engine.runner.batch import FlatBatch
 SPEC_VERSION = 1
 MAGIC = b"BTPS"
 VERSION = 1
-KIND_STEP, KIND_STOP = 1, 2
+KIND_STEP, KIND_STOP, KIND_CONTROL = 1, 2, 3
+CONTROL_OPS = ("kv_start", "hold", "release", "pull")
 # magic, version, kind, tokens T, sequences B, table width M, num_decodes, block_size,
 # logits calls C, payload length (int64s)
 _HEADER = struct.Struct("<4sHHqqqqqqq")
@@ -125,12 +126,37 @@ class StepMessage:
                          torch.from_numpy(self.positions).to(device), layout, [], [], [])
 
 
+@dataclass(frozen=True)
+class Control:
+    """A KV-transfer control message (`engine/kv_connector/tp_ranks.py`): a JSON object
+    whose `op` is one of CONTROL_OPS; framed like a step (header, then the JSON bytes
+    padded to whole int64s; the header's T field is its length in bytes)."""
+
+    body: dict
+
+    def encode(self) -> bytes:
+        raw = json.dumps(self.body).encode()
+        padded = raw + b" " * (-len(raw) % 8)
+        return _HEADER.pack(MAGIC, VERSION, KIND_CONTROL, len(raw), 0, 0, 0, 0, 0,
+                            len(padded) // 8) + padded
+
+    @classmethod
+    def decode(cls, raw: bytes) -> Control:
+        try:
+            body = json.loads(raw)
+        except ValueError as err:
+            raise TPProtocolError(f"a control frame that is not JSON: {err}") from None
+        if not isinstance(body, dict) or body.get("op") not in CONTROL_OPS:
+            raise TPProtocolError(f"a control frame with op {body!r:.80}")
+        return cls(body)
+
+
 def stop_frame() -> bytes:
     return _HEADER.pack(MAGIC, VERSION, KIND_STOP, 0, 0, 0, 0, 0, 0, 0)
 
 
-def read_message(stream: BinaryIO) -> StepMessage | None:
-    """The next step, or None at the stop frame or end of file (rank 0 gone). Raises
+def read_message(stream: BinaryIO) -> StepMessage | Control | None:
+    """The next step (or control message), or None at the stop frame or end of file (rank 0 gone). Raises
     TPProtocolError on a frame this version cannot read."""
     head = _read_exactly(stream, _HEADER.size)
     if head is None:
@@ -141,6 +167,9 @@ def read_message(stream: BinaryIO) -> StepMessage | None:
                               f"version {VERSION}")
     if kind == KIND_STOP:
         return None
+    if kind == KIND_CONTROL and 0 <= n <= MAX_FRAME_INT64S and 0 <= T <= 8 * n:
+        body = _read_exactly(stream, 8 * n)
+        return None if body is None else Control.decode(body[:T])
     if kind != KIND_STEP or not 0 <= n <= MAX_FRAME_INT64S or min(T, B, M, C) < 0:
         raise TPProtocolError(f"bad frame: kind {kind}, {n} int64s")
     body = _read_exactly(stream, 8 * n)

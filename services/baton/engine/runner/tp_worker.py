@@ -27,7 +27,7 @@ import torch
 from baton.engine.distributed import TPGroup
 from baton.engine.runner.tp import (COLLECTIVE_TIMEOUT_S, WATCH_INTERVAL_S, make_process_group,
                                     threads_per_rank)
-from baton.engine.runner.tp_wire import FollowerSpec, read_message
+from baton.engine.runner.tp_wire import Control, FollowerSpec, read_message
 
 log = logging.getLogger("baton.tp_worker")
 
@@ -48,7 +48,13 @@ def main(argv: list[str] | None = None) -> int:
     ready_out.write((json.dumps({"rank": spec.rank, "num_blocks": runner.num_blocks}) + "\n")
                     .encode())
     ready_out.flush()
-    serve(runner, steps)
+    from baton.engine.runner.tp_kv import FollowerKV
+
+    kv = FollowerKV(runner, spec.rank, spec.size, ready_out)
+    try:
+        serve(runner, steps, kv)
+    finally:
+        kv.close()
     log.info("rank %d stopping", spec.rank)
     return 0
 
@@ -72,9 +78,13 @@ def build_runner(spec: FollowerSpec):
 
 
 @torch.inference_mode()
-def serve(runner, steps: BinaryIO) -> None:
-    """Run rank 0's steps until the stop frame or end of file."""
+def serve(runner, steps: BinaryIO, kv=None) -> None:
+    """Run rank 0's steps (and KV control messages, handed to `kv`) until the stop frame
+    or end of file."""
     while (msg := read_message(steps)) is not None:
+        if isinstance(msg, Control):
+            kv.handle(msg.body)
+            continue
         batch = msg.to_batch(runner.device)
         hidden = runner._forward(batch)  # (T, h), this rank's part of every collective
         for rows in msg.logits_calls:

@@ -117,3 +117,19 @@ def test_multimodal_checkpoint_names_map_to_the_text_model():
     assert not list(model.checkpoint_weights("model.vision_tower.encoder.x.weight", t))
     assert model.lm_head is None
     assert not list(model.checkpoint_weights("lm_head.weight", t))  # tied
+
+
+def test_multimodal_gemma3_checkpoint_serves_its_text_model(tmp_path, model_dir):
+    """Gemma 3 4B/12B/27B ship as Gemma3ForConditionalGeneration: their language model loads
+    (vision tower skipped) and generates what transformers' text path generates."""
+    text = transformers.Gemma3TextConfig(**COMMON, **CASES["gemma3"][2])
+    vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64,
+                                             num_hidden_layers=1, num_attention_heads=2,
+                                             image_size=28, patch_size=14)
+    config = transformers.Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(),
+                                       mm_tokens_per_image=4)
+    hf = save_tiny(config, transformers.Gemma3ForConditionalGeneration, tmp_path, model_dir,
+                   init=_init)
+    assert ModelConfig.from_dir(tmp_path).architecture == "Gemma3ForConditionalGeneration"
+    prompts = prompts_for(1001, (5, 40))
+    check_parity(tmp_path, hf, prompts, max_tokens=6)

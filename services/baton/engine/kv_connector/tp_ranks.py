@@ -1,0 +1,149 @@
+"""KV transfer across tensor-parallel ranks, rank 0's side (`runner/tp_kv.py` is a
+follower's): each rank's cache holds its own KV heads, so each rank serves and pulls its
+own heads over its own tcp transport, and rank 0 drives the followers through the TP
+leader's control frames.
+
+Holder (prefill at TP=N): rank 0 makes the lease and sends each follower a copy (same id,
+blocks, TTL); the `KVTransferParams` name every rank's endpoint and heads. The request's
+blocks are freed only once rank 0's lease and every follower's copy have ended (pulled,
+expired, released: a follower reports it), so no rank's blocks are reused under a reader.
+
+Puller (decode at TP=M): rank 0 pulls its heads from the holder ranks that have them
+(`head_plan`) and tells each follower to pull its own; the request's `RankedTransfer` is
+finished only when every rank's pulls are, and failed if any failed (the engine then
+recomputes or fails the request, as for one rank).
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from baton.kv_transfer import base as kvb
+from baton.kv_transfer.base import Endpoint, Transfer, TransferError, TransferState
+
+START_TIMEOUT_S = 60.0
+_ERRORS = {cls.__name__: cls for cls in (
+    kvb.LayoutMismatchError, kvb.PeerUnreachableError, kvb.TransferTimeoutError,
+    kvb.LeaseExpiredError, kvb.KVAuthError, TransferError)}
+
+
+class RankedTransfer:
+    """One request's pull over every rank, read by the connector like a `Transfer`."""
+
+    def __init__(self, request_id: str, local: list[Transfer], followers: set[int]) -> None:
+        self.request_id = request_id
+        self.local, self.waiting = local, set(followers)
+        self.follower_errors: list[TransferError] = []
+        self.follower_bytes = 0
+        self.started = time.monotonic()
+        self.finished: float | None = None
+        self.state, self.error, self.bytes = TransferState.PENDING, None, 0
+
+    def follower_done(self, rank: int, reply: dict) -> None:
+        self.waiting.discard(rank)
+        self.follower_bytes += int(reply.get("bytes") or 0)
+        if not reply.get("ok"):
+            cls = _ERRORS.get(reply.get("kind"), TransferError)
+            self.follower_errors.append(cls(f"rank {rank}: {reply.get('error')}"))
+
+    @property
+    def is_finished(self) -> bool:
+        if self.finished is None and not self.waiting and all(t.is_finished
+                                                              for t in self.local):
+            errors = [t.error for t in self.local if t.state != TransferState.DONE]
+            errors += self.follower_errors
+            self.finished = max([t.finished or 0.0 for t in self.local] + [time.monotonic()])
+            self.bytes = sum(t.bytes for t in self.local) + self.follower_bytes
+            self.error = errors[0] if errors else None
+            self.state = TransferState.FAILED if errors else TransferState.DONE
+        return self.finished is not None
+
+
+def peers_of(params) -> list[Endpoint]:
+    """The holder's rank endpoints a `KVTransferParams` names (one for TP=1)."""
+    ranks = params.rank_endpoints or [params.endpoint]
+    return [Endpoint.from_dict(e.model_dump()) for e in ranks]
+
+
+def pull_heads(transport, peers: list[Endpoint], lease_id: str, src: list[int],
+               dst: list[int], timeout_s: float, rank: int = 0) -> list[Transfer]:
+    """This rank's pulls: its heads from the holder ranks that hold them."""
+    plan = kvb.head_plan(transport.layout, peers, rank)
+    if len(plan) == 1 and plan[0][1] == transport.layout.heads == plan[0][0].layout.heads \
+            and plan[0][2] == (0, 1):  # the same shard: every transport's plain pull
+        return [transport.pull(plan[0][0], lease_id, src, dst, timeout_s)]
+    return [transport.pull(peer, lease_id, src, dst, timeout_s, heads=heads, part=part)
+            for peer, heads, part in plan]
+
+
+class TPRanks:
+    """Rank 0's handle on the followers' KV transports."""
+
+    def __init__(self, leader, engine_id: str, rank0: Endpoint) -> None:
+        self.leader = leader
+        leader.send_control({"op": "kv_start", "engine_id": engine_id})
+        found: dict[int, Endpoint] = {}
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while len(found) < len(leader.procs):
+            if time.monotonic() > deadline:
+                raise RuntimeError("tensor-parallel ranks did not start their KV transport")
+            leader.raise_if_failed()
+            for rank, reply in leader.replies(0.1):
+                if reply.get("op") != "kv_started":
+                    continue
+                if "error" in reply:
+                    raise RuntimeError(f"tensor-parallel rank {rank} could not start its KV "
+                                       f"transport: {reply['error']}")
+                found[rank] = Endpoint.from_dict(reply["endpoint"])
+        self.endpoints = [rank0] + [found[r] for r in sorted(found)]
+        self._pulls: dict[str, RankedTransfer] = {}
+        self._copies: dict[str, set[int]] = {}  # lease id -> followers still holding it
+
+    @property
+    def followers(self) -> list[int]:
+        return list(range(1, len(self.endpoints)))
+
+    # -- holder ----------------------------------------------------------------------------
+    def hold(self, lease_id: str, block_ids: list[int], ttl_s: float) -> None:
+        self.leader.send_control({"op": "hold", "lease": lease_id, "blocks": block_ids,
+                                  "ttl": ttl_s})
+        self._copies[lease_id] = set(self.followers)
+
+    def release(self, lease_id: str) -> None:
+        """Rank 0's lease ended unpulled: end the followers' copies (one being read ends
+        when its read does)."""
+        if self._copies.get(lease_id):
+            self.leader.send_control({"op": "release", "lease": lease_id},
+                                     sorted(self._copies[lease_id]))
+
+    def copies_ended(self, lease_id: str) -> bool:
+        if self._copies.get(lease_id):
+            return False
+        self._copies.pop(lease_id, None)
+        return True
+
+    # -- puller ----------------------------------------------------------------------------
+    def pull(self, transport, params, src: list[int], dst: list[int], timeout_s: float,
+             request_id: str) -> RankedTransfer:
+        peers = peers_of(params)
+        local = pull_heads(transport, peers, params.lease_id, src, dst, timeout_s)
+        tag = uuid.uuid4().hex
+        self.leader.send_control({"op": "pull", "tag": tag, "lease": params.lease_id,
+                                  "peers": [p.to_dict() for p in peers], "src": src,
+                                  "dst": dst, "timeout": timeout_s})
+        self._pulls[tag] = RankedTransfer(request_id, local, set(self.followers))
+        return self._pulls[tag]
+
+    # -- every step ------------------------------------------------------------------------
+    def poll(self) -> None:
+        """Take the followers' replies: finished pulls, ended lease copies."""
+        for rank, reply in self.leader.replies():
+            if reply.get("op") == "pulled":
+                transfer = self._pulls.get(reply.get("tag"))
+                if transfer is not None:
+                    transfer.follower_done(rank, reply)
+                    if not transfer.waiting:
+                        del self._pulls[reply["tag"]]
+            elif reply.get("op") == "released":
+                self._copies.get(reply.get("lease"), set()).discard(rank)

@@ -1,0 +1,107 @@
+"""A tensor-parallel follower's KV transfer (`kv_connector/tp_ranks.py` is rank 0's side):
+its own tcp transport over its own cache (its KV heads), holder and puller, driven by rank
+0's control frames (`tp_wire.Control`) and answered with JSON lines on its stdout.
+
+    kv_start {engine_id}                 -> {"op": "kv_started", "endpoint": ...}
+    hold {lease, blocks, ttl}            (a copy of the lease rank 0 just made)
+    release {lease}                      (rank 0's lease ended unpulled)
+    pull {tag, lease, peers, src, dst, timeout}  -> {"op": "pulled", "tag", "ok", ...}
+    (a lease copy that ends)             -> {"op": "released", "lease", "reason"}
+
+Each rank's holder listens on `kv_port + rank` (any free port when kv_port is 0) and uses
+the engine's id, so a puller's ranks and a holder's ranks meet as one engine; a follower
+serves only leases rank 0 made (their ids come from rank 0), each at most until its TTL.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import BinaryIO
+
+from baton.kv_transfer.base import Endpoint, Transfer, TransferState, head_plan, rank_heads
+from baton.kv_transfer.tcp import TcpTransport
+
+log = logging.getLogger("baton.tp_worker")
+REPORT_INTERVAL_S = 0.005
+
+
+class FollowerKV:
+    def __init__(self, runner, rank: int, size: int, out: BinaryIO) -> None:
+        self.runner, self.rank, self.size, self.out = runner, rank, size, out
+        self.transport: TcpTransport | None = None
+        self._pulls: dict[str, list[Transfer]] = {}
+        self._lock = threading.Lock()  # _pulls and writes to `out`
+        self._stopped = threading.Event()
+
+    def handle(self, body: dict) -> None:
+        op = body["op"]
+        try:
+            if op == "kv_start":
+                self._start(str(body["engine_id"]))
+            elif op == "hold":
+                self.transport.leases.hold(body["lease"], [int(b) for b in body["blocks"]],
+                                           float(body["ttl"]), lease_id=body["lease"])
+            elif op == "release":
+                self.transport.release(body["lease"])
+            elif op == "pull":
+                self._pull(body)
+        except Exception as err:  # noqa: BLE001 - rank 0 hears of it; this rank goes on
+            log.exception("KV control %s failed", op)
+            if op == "pull":
+                self._reply({"op": "pulled", "tag": body.get("tag"), "ok": False,
+                             "kind": type(err).__name__, "error": str(err), "bytes": 0})
+            elif op == "kv_start":
+                self._reply({"op": "kv_started", "error": f"{type(err).__name__}: {err}"})
+
+    def _start(self, engine_id: str) -> None:
+        config = self.runner.config
+        total = self.runner.model_config.num_kv_heads
+        start, _ = rank_heads(self.rank, self.size, total)
+        port = config.kv_port + self.rank if config.kv_port else 0
+        self.transport = TcpTransport(host=config.kv_host, port=port, secret=config.kv_secret,
+                                      heads=(start, total, self.size))
+        endpoint = self.transport.start(self.runner.kv_cache, engine_id)
+        threading.Thread(target=self._report, name="baton-tp-kv", daemon=True).start()
+        self._reply({"op": "kv_started", "endpoint": endpoint.to_dict()})
+
+    def _pull(self, body: dict) -> None:
+        peers = [Endpoint.from_dict(d) for d in body["peers"]]
+        plan = head_plan(self.transport.layout, peers, self.rank)
+        src, dst = [int(b) for b in body["src"]], [int(b) for b in body["dst"]]
+        transfers = [self.transport.pull(peer, body["lease"], src, dst, float(body["timeout"]),
+                                         heads=heads, part=part)
+                     for peer, heads, part in plan]
+        with self._lock:
+            self._pulls[body["tag"]] = transfers
+
+    def _report(self) -> None:
+        """Finished pulls and ended lease copies, to rank 0."""
+        while not self._stopped.is_set():
+            for lease_id, reason in self.transport.released():
+                self._reply({"op": "released", "lease": lease_id, "reason": reason})
+            with self._lock:
+                done = {tag: ts for tag, ts in self._pulls.items()
+                        if all(t.is_finished for t in ts)}
+                for tag in done:
+                    del self._pulls[tag]
+            for tag, ts in done.items():
+                failed = next((t for t in ts if t.state != TransferState.DONE), None)
+                self._reply({"op": "pulled", "tag": tag, "ok": failed is None,
+                             "kind": type(failed.error).__name__ if failed else "",
+                             "error": str(failed.error) if failed else "",
+                             "bytes": sum(t.bytes for t in ts)})
+            time.sleep(REPORT_INTERVAL_S)
+
+    def _reply(self, msg: dict) -> None:
+        import json
+
+        with self._lock:
+            self.out.write((json.dumps(msg) + "\n").encode())
+            self.out.flush()
+
+    def close(self) -> None:
+        self._stopped.set()
+        if self.transport is not None:
+            self.transport.close()
