@@ -191,16 +191,20 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     role = Role(getattr(args, "role", Role.BOTH))
     return EngineConfig(
         **{field: getattr(args, dest) for dest, field in _ENGINE_FIELDS.items()},
-        kv_transport=_kv_transport(args.kv_transport, role),
+        kv_transport=_kv_transport(args.kv_transport, role, args.tensor_parallel_size),
         engine_id=f"{role}-{args.port}" if hasattr(args, "port") else None,
         kv_cache_memory_bytes=int(args.kv_cache_gib * _GIB),
         enable_prefix_caching=not args.no_prefix_caching,
         kv_secret=internal_token())  # the deployment's internal token keys the KV port
 
 
-def _kv_transport(flag: str | None, role: Role) -> str | None:
-    """EngineConfig.kv_transport for `--kv-transport flag` (None: the role's default)."""
+def _kv_transport(flag: str | None, role: Role, tp: int = 1) -> str | None:
+    """EngineConfig.kv_transport for `--kv-transport flag` (None: the role's default;
+    `auto` is tcp for a tensor-parallel engine, the one transport moving each rank's
+    heads)."""
     transport = flag or ("none" if role == Role.BOTH else "auto")
+    if transport == "auto" and tp > 1:
+        return "tcp"
     if transport == "auto":
         from baton.kv_transfer import best_transport
 

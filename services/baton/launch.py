@@ -63,9 +63,11 @@ class Cluster:
                              " N --decode M); colocated workers take --tensor-parallel-size")
         if min(self.prefill_tp, self.decode_tp) < 1:
             raise ValueError("--prefill-tp and --decode-tp must be >= 1")
-        if max(self.prefill_tp, self.decode_tp) > 1:  # EngineConfig refuses it too
-            raise ValueError("--prefill-tp / --decode-tp > 1: KV transfer between "
-                             "tensor-parallel pods is not implemented yet")
+        transport = _flag(self.worker_args, "--kv-transport")
+        if max(self.prefill_tp, self.decode_tp) > 1 and transport not in (None, "tcp"):
+            raise ValueError(f"--prefill-tp / --decode-tp > 1 with --kv-transport "
+                             f"{transport}: KV transfer between tensor-parallel pods runs "
+                             "over tcp only")
         if self.num_workers < 1:
             raise ValueError(f"--workers={self.num_workers} must be >= 1")
         self.procs: list[_Child] = []
@@ -137,7 +139,10 @@ class Cluster:
     def tp_args(self, role: Role) -> list[str]:
         """The tensor-parallel flag a worker of `role` gets beyond `worker_args`."""
         tp = {Role.PREFILL: self.prefill_tp, Role.DECODE: self.decode_tp}.get(role, 1)
-        return ["--tensor-parallel-size", str(tp)] if tp > 1 else []
+        # pods of any TP degree > 1 and their peers meet over tcp (`kv_transfer/tcp.py`)
+        tcp = [] if "--kv-transport" in self.worker_args or role == Role.BOTH or max(
+            self.prefill_tp, self.decode_tp) == 1 else ["--kv-transport", "tcp"]
+        return (["--tensor-parallel-size", str(tp)] if tp > 1 else []) + tcp
 
     def start(self, stop: _StopSignal | None = None) -> None:
         ranks = sum(_ranks(self.worker_args + self.tp_args(r)) for r in self.roles)
@@ -146,7 +151,9 @@ class Cluster:
         for i, (url, role) in enumerate(zip(self.worker_urls, self.roles)):
             name = f"worker-{i + 1}" if role == Role.BOTH else f"{role.value}-{i + 1}"
             self._spawn(name, ["serve", "--host", self.host, "--port", str(self.port + 1 + i),
-                               "--role", role.value, *_kv_port_of(self.worker_args, i),
+                               "--role", role.value,
+                               *_kv_port_of(self.worker_args, i,
+                                            max(self.prefill_tp, self.decode_tp)),
                                *self.tp_args(role), *extra])
         for url, child in zip(self.worker_urls, self.procs):
             self._wait_ready(child.name, child.proc, url, stop)
@@ -230,14 +237,20 @@ def _ranks(worker_args: list[str]) -> int:
     return int(worker_args[at[-1] + 1]) if at else 1  # the last one given wins
 
 
-def _kv_port_of(worker_args: list[str], i: int) -> list[str]:
-    """`worker_args` for worker `i`: a fixed `--kv-port P` becomes P + i (one port each)."""
+def _flag(args: list[str], name: str) -> str | None:
+    at = [i for i, arg in enumerate(args[:-1]) if arg == name]
+    return args[at[-1] + 1] if at else None
+
+
+def _kv_port_of(worker_args: list[str], i: int, ranks: int = 1) -> list[str]:
+    """`worker_args` for worker `i`: a fixed `--kv-port P` becomes P + i * ranks (one port
+    per tensor-parallel rank each: rank r of a worker listens on its port + r)."""
     if "--kv-port" not in worker_args:
         return worker_args
     args = list(worker_args)
     at = args.index("--kv-port") + 1
     if int(args[at]) != 0:
-        args[at] = str(int(args[at]) + i)
+        args[at] = str(int(args[at]) + i * ranks)
     return args
 
 

@@ -71,13 +71,20 @@ def test_tensor_parallel_flags():
     assert Cluster.from_args(up).tp_args(launch.Role.PREFILL) == []
     with pytest.raises(ValueError, match="colocated workers take --tensor-parallel-size"):
         Cluster(num_workers=2, decode_tp=2)
-    with pytest.raises(ValueError, match="not implemented yet"):
-        Cluster(num_prefill=1, num_decode=1, prefill_tp=2)
+    with pytest.raises(ValueError, match="runs over tcp only"):
+        Cluster(num_prefill=1, num_decode=1, prefill_tp=2, worker_args=["--kv-transport",
+                                                                        "nixl"])
+    tp = Cluster(num_prefill=1, num_decode=1, prefill_tp=2)  # P TP=2 -> D TP=1 over tcp
+    assert tp.tp_args(launch.Role.PREFILL) == ["--tensor-parallel-size", "2",
+                                               "--kv-transport", "tcp"]
+    assert tp.tp_args(launch.Role.DECODE) == ["--kv-transport", "tcp"]
 
 
 def test_a_fixed_kv_port_becomes_one_port_per_worker():
     assert launch._kv_port_of(["--kv-port", "7000", "--x"], 2) == ["--kv-port", "7002", "--x"]
     assert launch._kv_port_of(["--kv-port", "0"], 3) == ["--kv-port", "0"]
+    # tensor-parallel workers: rank r listens on the worker's port + r
+    assert launch._kv_port_of(["--kv-port", "7000"], 2, ranks=2) == ["--kv-port", "7004"]
 
 
 def test_an_exited_process_is_restarted_with_backoff(monkeypatch):

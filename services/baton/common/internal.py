@@ -23,7 +23,8 @@ from __future__ import annotations
 import json
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_serializer, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, field_serializer, model_serializer,
+                      model_validator)
 
 from baton.common.protocol import MAX_LOGPROBS, ChatCompletionRequest, CompletionRequest
 
@@ -52,6 +53,16 @@ class KVLayoutInfo(BaseModel):
     total_kv_heads: Annotated[int, Field(ge=0)] = 0
     head_start: Annotated[int, Field(ge=0)] = 0
     tp_size: Annotated[int, Field(ge=1)] = 1
+
+    @model_serializer(mode="wrap")
+    def _whole_as_before(self, handler):
+        """A whole cache (TP=1) on the wire exactly as before tensor parallelism."""
+        data = handler(self)
+        if self.tp_size == 1 and self.head_start == 0 and self.total_kv_heads in (
+                0, self.num_kv_heads):
+            for key in ("total_kv_heads", "head_start", "tp_size"):
+                data.pop(key, None)
+        return data
 
 
 class KVEndpointInfo(BaseModel):
@@ -92,6 +103,13 @@ class KVTransferParams(BaseModel):
     # its KV heads; None for one rank (TP=1, the wire as before)
     rank_endpoints: Annotated[list[KVEndpointInfo], Field(min_length=2, max_length=64)] | \
         None = None
+
+    @model_serializer(mode="wrap")
+    def _one_rank_as_before(self, handler):
+        data = handler(self)
+        if self.rank_endpoints is None:
+            data.pop("rank_endpoints", None)
+        return data
 
 
 # -- router <-> workers --------------------------------------------------------------------

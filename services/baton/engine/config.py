@@ -105,10 +105,10 @@ class EngineConfig:
                self.num_threads, "must be >= 1")
         _check(1 <= self.tensor_parallel_size <= 64, "tensor_parallel_size",
                self.tensor_parallel_size, "must be in [1, 64]")
-        _check(self.kv_transport is None or self.tensor_parallel_size == 1,
+        _check(self.kv_transport in (None, "tcp") or self.tensor_parallel_size == 1,
                "tensor_parallel_size", self.tensor_parallel_size,
-               "must be 1 with a KV transport: KV transfer between tensor-parallel pods "
-               "(each rank's KV heads) is not implemented yet")
+               f"must be 1 with kv_transport={self.kv_transport!r}: KV transfer between "
+               "tensor-parallel pods (each rank its own KV heads) runs over 'tcp' only")
         _check(self.kv_transport in (None, "local", "tcp", "gloo", "nccl", "nixl"),
                "kv_transport", self.kv_transport,
                "must be None, 'local', 'tcp', 'gloo', 'nccl' or 'nixl'")

@@ -71,7 +71,7 @@ class EngineCore:
         window = self.model_config.sliding_window if self.model_config.all_sliding else None
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size,
                                  config.enable_prefix_caching, sliding_window=window)
-        self.connector = _make_connector(config, self.runner.kv_cache)
+        self.connector = _make_connector(config, self.runner)
         self.scheduler = make_scheduler(SchedulerLimits(
             config.max_num_batched_tokens, config.max_num_seqs, max_len,
             config.scheduling_policy), self.kv, self.connector)
@@ -387,11 +387,13 @@ def _arrived_logprobs(req: Request) -> TokenLogprobs | None:
                          [(t, v) for t, v in lp.top[:k]])
 
 
-def _make_connector(config: EngineConfig, kv_cache) -> KVConnector | None:
+def _make_connector(config: EngineConfig, runner) -> KVConnector | None:
     if config.kv_transport is None:
         return None
     from baton.engine.kv_connector.transport import TransportKVConnector
 
-    return TransportKVConnector(config.kv_transport, kv_cache, config.engine_id,
+    size = config.tensor_parallel_size
+    tp = None if size == 1 else (runner.tp_leader, 0, runner.model_config.num_kv_heads, size)
+    return TransportKVConnector(config.kv_transport, runner.kv_cache, config.engine_id,
                                 config.live_settings.kv, config.kv_host, config.kv_port,
-                                secret=config.kv_secret)
+                                secret=config.kv_secret, tp=tp)

@@ -177,6 +177,14 @@ def head_plan(mine: KVLayout, peers: list, rank: int | None = None
             for p, heads in plan]
 
 
+def unread_peers(mine: KVLayout, peers: list) -> list:
+    """The holder ranks none of our ranks reads (their heads replicated on another rank
+    that is read): a puller releases their lease copies with an empty pull."""
+    size, total = mine.tp_size, mine.total_kv_heads
+    read = {id(p) for q in range(size) for p, _ in _plan(*rank_heads(q, size, total), peers)[0]}
+    return [p for p in peers if id(p) not in read]
+
+
 @dataclass(frozen=True)
 class Endpoint:
     """How peers reach a holder; travels in `kv_transfer_params` as a dict."""

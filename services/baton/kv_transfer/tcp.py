@@ -13,6 +13,11 @@ lease ("pulled") and confirms, so a finished Transfer means a released lease. A 
 lost before the ack leaves the lease held (bound to its puller) until it expires, so that
 puller's retry can still succeed.
 
+Across tensor-parallel degrees a pull may name `heads`, a range of the holder rank's KV
+heads (wire order then: layer, K/V, block, token, those heads, moved as one view per token
+of each side's cache, still no copy), and `part` (i, n): the lease ends when all n of the
+puller's ranks reading it have acknowledged. gloo / nixl move whole shards only.
+
 Nothing a peer sends sizes an allocation: frames are bounded, block ids must fall inside
 the holder's cache and its lease, the data's size follows from the ids each side knows.
 
@@ -346,11 +351,18 @@ class TcpTransport(KVTransport):
         lease (`head_plan` computes both over a holder's ranks)."""
         check_pull(self.layout, src_block_ids, dst_block_ids, self.kv_cache.shape[2])
         transfer = Transfer(lease_id, len(dst_block_ids))
-        heads = tuple(heads) if heads is not None else self.layout.heads
+        empty = not src_block_ids  # a release: no heads move, any rank of the holder
+        heads = tuple(heads) if heads is not None else \
+            peer.layout.heads if empty else self.layout.heads
         try:
-            self._check_layout(peer)
+            why = self.layout.mismatch(peer.layout)
+            if empty and why:
+                raise LayoutMismatchError(f"peer {peer.engine_id} has an incompatible KV "
+                                          f"layout: {why}")
+            if not empty:
+                self._check_layout(peer)
             (a, b), (lo, hi), (pa, pb) = heads, self.layout.heads, peer.layout.heads
-            if not (lo <= a < b <= hi and pa <= a and b <= pb):
+            if not empty and not (lo <= a < b <= hi and pa <= a and b <= pb):
                 raise LayoutMismatchError(f"KV heads [{a}, {b}) are not held by both peer "
                                           f"{peer.engine_id} [{pa}, {pb}) and us [{lo}, {hi})")
         except LayoutMismatchError as err:
@@ -381,7 +393,7 @@ class TcpTransport(KVTransport):
                 if part != (0, 1):
                     req["part"] = list(part)
                 reply = self._request(sock, peer, req, deadline)
-                if heads is None or heads == self.layout.heads == peer.layout.heads:
+                if not dst or heads is None or heads == self.layout.heads == peer.layout.heads:
                     got = self._receive(sock, reply, src, dst, remaining, peer)
                 else:
                     got = self._receive_heads(sock, reply, dst, heads, remaining, peer)

@@ -242,3 +242,45 @@ def test_http_route_straight_to_the_router_service(helm):
     assert find_all(docs, "InferencePool") == []
     (rule,) = find(docs, "HTTPRoute", RELEASE)["spec"]["rules"]
     assert rule["backendRefs"] == [{"name": f"{RELEASE}-router", "port": 8000}]
+
+
+# -- tensor parallelism ----------------------------------------------------------------------
+def test_tensor_parallel_pools_get_the_flag_one_gpu_per_rank_and_tcp(helm):
+    """prefill at TP=2, decode at TP=1 on the GPU example: the prefill pod asks for 2 GPUs,
+    passes --tensor-parallel-size 2 and opens kvPort + 1 for its rank 1; both pools move KV
+    over tcp (nixl moves whole caches only)."""
+    from tests.unit.deploy.kube import CI_VALUES
+
+    gpu = next(p for p in CI_VALUES if p.name == GPU)
+    docs = helm_template(helm, gpu, sets=("prefill.engine.tensorParallelSize=2",
+                                          "prefill.engine.kvTransport=auto",
+                                          "decode.engine.kvTransport=tcp"))
+    prefill, decode = (container(deployment(docs, r)) for r in WORKERS)
+    assert flag(prefill["args"], "--tensor-parallel-size") == "2"
+    assert flag(decode["args"], "--tensor-parallel-size") is None
+    assert prefill["resources"]["limits"]["nvidia.com/gpu"] == 2
+    assert decode["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert prefill["resources"]["limits"]["rdma/ib"] == 1  # the rest as given
+    for cont in (prefill, decode):
+        assert flag(cont["args"], "--kv-transport") == "tcp"
+    ports = {p["name"]: p["containerPort"] for p in prefill["ports"]}
+    assert ports["kv-r1"] == ports["kv"] + 1 and "kv-r1" not in {
+        p["name"] for p in decode["ports"]}
+
+
+def test_tensor_parallel_refuses_a_transport_other_than_tcp(helm):
+    from tests.unit.deploy.kube import CHART, run
+
+    out = run([helm, "template", "r", CHART, "--set", "decode.engine.tensorParallelSize=2",
+               "--set", "prefill.engine.kvTransport=nixl"])
+    assert out.returncode != 0
+    assert "prefill.engine.kvTransport" in out.stderr and "tcp only" in out.stderr
+    out = run([helm, "template", "r", CHART, "--set", "decode.engine.tensorParallelSize=0"])
+    assert out.returncode != 0 and "tensorParallelSize" in out.stderr
+
+
+def test_tensor_parallel_size_defaults_to_one(renders):
+    for role in WORKERS:
+        cont = container(deployment(renders["defaults"], role))
+        assert flag(cont["args"], "--tensor-parallel-size") is None
+        assert [p["name"] for p in cont["ports"]] == ["http", "kv"]

@@ -87,5 +87,6 @@ def test_config_checks_the_tensor_parallel_size():
     with pytest.raises(ValueError, match="tensor_parallel_size=0"):
         EngineConfig(tensor_parallel_size=0)
     with pytest.raises(ValueError, match="KV transfer between tensor-parallel pods"):
-        EngineConfig(tensor_parallel_size=2, kv_transport="tcp")
+        EngineConfig(tensor_parallel_size=2, kv_transport="nixl")
+    assert EngineConfig(tensor_parallel_size=2, kv_transport="tcp").kv_transport == "tcp"
     assert EngineConfig(tensor_parallel_size=2).tensor_parallel_size == 2

@@ -111,3 +111,49 @@ def test_a_holder_refuses_heads_it_does_not_hold(made):
     lease = holder.hold("r", [1], ttl_s=30)
     t = puller.pull(ep, lease, [1], [1], timeout_s=5)
     assert t.wait(5) == TransferState.FAILED and isinstance(t.error, LayoutMismatchError)
+
+
+def test_replicated_heads_are_read_from_one_rank_and_the_other_copy_released(made):
+    """1 KV head at TP=2: both holder ranks hold it; a TP=1 puller reads rank 0's and
+    releases rank 1's copy with an empty pull."""
+    from baton.kv_transfer.base import unread_peers
+
+    whole = cache(kvh=1)
+    holders = []
+    for r in range(2):
+        t = TcpTransport(heads=(0, 1, 2))
+        ep = t.start(whole.clone(), "prefill")
+        made.append(t)
+        holders.append((t, ep, t.hold("req", [2], ttl_s=30)))
+    puller = TcpTransport()
+    target = cache(kvh=1, fill=False)
+    puller.start(target, "decode")
+    made.append(puller)
+    eps = [ep for _, ep, _ in holders]
+    assert [p for p, _, _ in head_plan(puller.layout, eps)] == [eps[0]]
+    assert unread_peers(puller.layout, eps) == [eps[1]]
+    _pull_all(puller, holders[:1], [2], [5])
+    t = puller.pull(eps[1], holders[1][2], [], [], timeout_s=5)
+    assert t.wait(5) == TransferState.DONE
+    assert torch.equal(target[:, :, 5], whole[:, :, 2])
+    assert all(len(h.leases) == 0 for h, _, _ in holders)
+
+
+def test_tp1_transfer_params_keep_the_wire_of_before():
+    import json
+
+    from baton.common.internal import KVTransferParams
+
+    whole = Endpoint("tcp", "e", "127.0.0.1:1", KVLayout.of(cache(kvh=KVH)))
+    params = KVTransferParams(endpoint=KVEndpointInfo.model_validate(whole.to_dict()),
+                              block_ids=[1], num_tokens=3, lease_id="x", first_token=5,
+                              lease_ttl_s=30)
+    wire = json.loads(params.model_dump_json())
+    assert "rank_endpoints" not in wire
+    assert set(wire["endpoint"]["layout"]) == {"num_layers", "block_size", "num_kv_heads",
+                                               "head_dim", "dtype"}
+    shard = Endpoint("tcp", "e", "127.0.0.1:2", KVLayout.of(cache(kvh=2), 2, KVH, 2))
+    infos = [KVEndpointInfo.model_validate(e.to_dict()) for e in (whole, shard)]
+    tp = KVTransferParams.model_validate_json(params.model_copy(
+        update={"rank_endpoints": infos}).model_dump_json())
+    assert Endpoint.from_dict(tp.rank_endpoints[1].model_dump()) == shard

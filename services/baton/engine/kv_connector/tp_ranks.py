@@ -70,6 +70,9 @@ def pull_heads(transport, peers: list[Endpoint], lease_id: str, src: list[int],
                dst: list[int], timeout_s: float, rank: int = 0) -> list[Transfer]:
     """This rank's pulls: its heads from the holder ranks that hold them."""
     plan = kvb.head_plan(transport.layout, peers, rank)
+    if rank == 0:  # copies nobody reads (replicated heads): released now, not at their TTL
+        for peer in kvb.unread_peers(transport.layout, peers):
+            transport.pull(peer, lease_id, [], [], timeout_s)
     if len(plan) == 1 and plan[0][1] == transport.layout.heads == plan[0][0].layout.heads \
             and plan[0][2] == (0, 1):  # the same shard: every transport's plain pull
         return [transport.pull(plan[0][0], lease_id, src, dst, timeout_s)]

@@ -25,9 +25,10 @@ from baton.common.internal import KVEndpointInfo, KVTransferParams
 from baton.engine.config import LiveKVSettings
 from baton.engine.kv_connector.base import KVConnector, KVConnectorStats, KVUpdates
 from baton.engine.kv_connector.handoff import HoldKV, PullKV
+from baton.engine.kv_connector.tp_ranks import RankedTransfer, TPRanks, peers_of, pull_heads
 from baton.engine.request import Request, RequestStatus
 from baton.kv_transfer import make_transport
-from baton.kv_transfer.base import (Endpoint, KVAuthError, LeaseExpiredError,
+from baton.kv_transfer.base import (KVAuthError, LeaseExpiredError,
                                     PeerUnreachableError, Transfer, TransferError,
                                     TransferState, TransferTimeoutError)
 from baton.kv_transfer.leases import short
@@ -39,11 +40,28 @@ _NORMAL_END = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAP
 class TransportKVConnector(KVConnector):
     def __init__(self, transport: str, kv_cache, engine_id: str | None,
                  live: LiveKVSettings, host: str = "127.0.0.1", port: int = 0,
-                 secret: str | None = None) -> None:
-        self.transport = make_transport(transport, secret=secret, **(
-            {} if transport == "local" else {"host": host, "port": port}))
-        self.endpoint = self.transport.start(kv_cache, engine_id or uuid.uuid4().hex[:12])
+                 secret: str | None = None, tp=None) -> None:
+        """`tp`: (TP leader, rank 0's first KV head, the model's KV heads, TP size) on a
+        tensor-parallel engine (tcp only): every rank serves and pulls its own heads."""
+        kwargs = {} if transport == "local" else {"host": host, "port": port}
+        if tp is not None and tp[3] > 1:
+            if transport != "tcp" or kv_cache.device.type != "cpu":
+                raise ValueError(f"KV transfer of a tensor-parallel engine runs over tcp "
+                                 f"between host caches (not {transport}, not a "
+                                 f"{kv_cache.device.type} cache): gloo / nccl / nixl move "
+                                 "whole shards only, so a GPU engine at "
+                                 "tensor_parallel_size > 1 cannot hand KV over yet")
+            kwargs["heads"] = tuple(tp[1:])
+        self.transport = make_transport(transport, secret=secret, **kwargs)
+        engine_id = engine_id or uuid.uuid4().hex[:12]
+        self.endpoint = self.transport.start(kv_cache, engine_id)
         self._endpoint_info = KVEndpointInfo.model_validate(self.endpoint.to_dict())
+        self.ranks = None if tp is None or tp[0] is None else \
+            TPRanks(tp[0], engine_id, self.endpoint)
+        self._rank_infos = None if self.ranks is None else [
+            KVEndpointInfo.model_validate(e.to_dict()) for e in self.ranks.endpoints]
+        self._lease_ids: dict[str, str] = {}  # TP holder: request id -> lease id
+        self._draining: dict[str, str] = {}  # TP holder: lease id -> request id, ranks' copies
         self.block_size = kv_cache.shape[3]
         self.live = live
         self.stats = KVConnectorStats()
@@ -65,12 +83,18 @@ class TransportKVConnector(KVConnector):
         last = -(-req.num_prompt_tokens // self.block_size)
         src, dst = params.block_ids[first:last], block_ids[first:last]
         try:
-            peer = Endpoint.from_dict(params.endpoint.model_dump())
-            if peer.transport != self.transport.name:
-                raise ValueError(f"the holder serves KV over {peer.transport}, this engine "
-                                 f"pulls over {self.transport.name}")
-            transfer = self.transport.pull(peer, params.lease_id, src, dst,
-                                           self.live.transfer_timeout_s)
+            peers = peers_of(params)
+            if any(p.transport != self.transport.name for p in peers):
+                raise ValueError(f"the holder serves KV over {peers[0].transport}, this "
+                                 f"engine pulls over {self.transport.name}")
+            timeout = self.live.transfer_timeout_s
+            if self.ranks is not None:
+                transfer = self.ranks.pull(self.transport, params, src, dst, timeout,
+                                           req.request_id)
+            else:
+                local = pull_heads(self.transport, peers, params.lease_id, src, dst, timeout)
+                transfer = local[0] if len(local) == 1 else \
+                    RankedTransfer(req.request_id, local, set())
         except (ValueError, TransferError) as err:
             self._not_started[req.request_id] = (req, f"cannot pull: {err}")
             return
@@ -83,10 +107,7 @@ class TransportKVConnector(KVConnector):
     # -- every step ------------------------------------------------------------------------
     def poll(self) -> KVUpdates:
         updates = KVUpdates()
-        for rid, _reason in self.transport.released():
-            held = self._held.pop(rid, None)
-            if held is not None:
-                updates.freeable.append(held)
+        self._leases_ended(updates)
         for req, why in self._not_started.values():
             self.stats.transfers += 1
             self.stats.failures += 1
@@ -97,6 +118,26 @@ class TransportKVConnector(KVConnector):
                 del self._loading[rid]
                 self._load_ended(transfer, req, updates)
         return updates
+
+    def _leases_ended(self, updates: KVUpdates) -> None:
+        """Holder: free the blocks of leases that ended (on a tensor-parallel engine, once
+        every rank's copy has ended too)."""
+        if self.ranks is not None:
+            self.ranks.poll()
+        for rid, reason in self.transport.released():
+            if self.ranks is not None and rid in self._lease_ids:
+                lease_id = self._lease_ids.pop(rid)
+                if reason != "pulled":  # nobody will read the other ranks' copies either
+                    self.ranks.release(lease_id)
+                self._draining[lease_id] = rid
+                continue
+            held = self._held.pop(rid, None)
+            if held is not None:
+                updates.freeable.append(held)
+        for lease_id, rid in list(self._draining.items()):
+            if self.ranks.copies_ended(lease_id):
+                del self._draining[lease_id]
+                updates.freeable.append(self._held.pop(rid))
 
     def _load_ended(self, t: Transfer, req: Request, updates: KVUpdates) -> None:
         self.stats.transfers += 1
@@ -146,9 +187,13 @@ class TransportKVConnector(KVConnector):
         ttl = self.live.lease_ttl_s
         lease_id = self.transport.hold(req.request_id, block_ids, ttl)
         self._held[req.request_id] = req
+        if self.ranks is not None:
+            self.ranks.hold(lease_id, block_ids, ttl)
+            self._lease_ids[req.request_id] = lease_id
         return KVTransferParams(endpoint=self._endpoint_info, block_ids=block_ids,
                                 num_tokens=req.num_prompt_tokens, lease_id=lease_id,
-                                first_token=req.output_token_ids[-1], lease_ttl_s=ttl)
+                                first_token=req.output_token_ids[-1], lease_ttl_s=ttl,
+                                rank_endpoints=self._rank_infos)
 
     def release_lease(self, lease_id: str) -> bool:
         """Holder side: end a lease nobody will pull (its router says so); the request's
@@ -162,9 +207,10 @@ class TransportKVConnector(KVConnector):
     def _release_unpulled(self, params: KVTransferParams) -> None:
         """Tell the holder we will not pull: an empty pull ends the lease at once instead
         of after its TTL."""
-        try:
-            self.transport.pull(Endpoint.from_dict(params.endpoint.model_dump()),
-                                params.lease_id, [], [], self.live.transfer_timeout_s)
+        try:  # every rank of a tensor-parallel holder keeps a copy of the lease
+            for peer in peers_of(params):
+                self.transport.pull(peer, params.lease_id, [], [],
+                                    self.live.transfer_timeout_s)
         except (ValueError, TransferError) as err:
             log.warning("could not release lease %s: %s", short(params.lease_id), err)
 
