@@ -36,16 +36,18 @@ def reshape_and_cache(k, v, k_cache, v_cache, slot_mapping, k_scale=1.0, v_scale
 
 
 def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, *,
-                           num_splits=None, k_scale=1.0, v_scale=1.0):
+                           num_splits=None, k_scale=1.0, v_scale=1.0, sliding_window=None,
+                           softcap=None):
     """Decode attention (one query token per sequence, split-K); see decode_attention."""
     return _load("decode_attention").paged_decode_attention(
         q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits=num_splits,
-        k_scale=k_scale, v_scale=v_scale)
+        k_scale=k_scale, v_scale=v_scale, sliding_window=sliding_window, softcap=softcap)
 
 
 def paged_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
-                            scale, *, k_scale=1.0, v_scale=1.0):
+                            scale, *, k_scale=1.0, v_scale=1.0, sliding_window=None,
+                            softcap=None):
     """Causal prefill attention over cached prefixes; see prefill_attention."""
     return _load("prefill_attention").paged_prefill_attention(
         q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
-        k_scale=k_scale, v_scale=v_scale)
+        k_scale=k_scale, v_scale=v_scale, sliding_window=sliding_window, softcap=softcap)

@@ -15,7 +15,8 @@ import triton
 import triton.language as tl
 
 from baton_kernels._common import check_attention_common, interpreting, next_pow2
-from baton_kernels._tiles import LOG2E, load_kv_tile, online_softmax_step
+from baton_kernels._tiles import (LOG2E, NO_WINDOW, load_kv_tile, online_softmax_step,
+                                  softcap_args)
 MIN_CHUNK_TOKENS = 256   # never split a context into chunks smaller than this
 MAX_SPLITS = 32
 
@@ -24,18 +25,19 @@ MAX_SPLITS = 32
 def paged_decode_split_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, seq_lens_ptr,
     out_ptr, part_out_ptr, part_lse_ptr,
-    qk_scale, v_scale, block_size, chunk_size,
+    qk_scale, v_scale, cap_in, cap_out, window, block_size, chunk_size,
     stride_qb, stride_qh, stride_ob, stride_oh,
     stride_cb, stride_cs, stride_ch, stride_bt,
     NUM_HEADS: tl.constexpr, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     NUM_SPLITS: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
+    BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens_ptr + b)
-    start = split * chunk_size
+    # The query sits at seq_len - 1 and sees keys seq_len - window .. seq_len - 1.
+    start = tl.maximum(split * chunk_size, seq_len - window)
     end = tl.minimum(start + chunk_size, seq_len)
 
     offs_g = tl.arange(0, BLOCK_G)
@@ -60,7 +62,7 @@ def paged_decode_split_kernel(
         kt, v = load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row, pos, n_mask, offs_d, d_mask,
                              kvh, block_size, stride_cb, stride_cs, stride_ch)
         m_i, l_i, acc = online_softmax_step(q, kt, v, n_mask[None, :], m_i, l_i, acc,
-                                            qk_scale, DOT_FP32)
+                                            qk_scale, cap_in, cap_out, DOT_FP32, SOFTCAP)
 
     has_keys = l_i > 0
     result = acc * (v_scale / tl.where(has_keys, l_i, 1.0))[:, None]
@@ -119,8 +121,10 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_context: int, device: t
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, scale: float,
                            *, num_splits: int | None = None, k_scale: float = 1.0,
-                           v_scale: float = 1.0) -> torch.Tensor:
-    """Attention of ``q [B, H, D]`` (one token per sequence) over its paged context.
+                           v_scale: float = 1.0, sliding_window: int | None = None,
+                           softcap: float | None = None) -> torch.Tensor:
+    """Attention of ``q [B, H, D]`` (one token per sequence) over its paged context: the
+    last ``sliding_window`` keys when given, scores soft-capped by ``softcap`` when given.
 
     The caches hold q's dtype, or FP8 read as ``stored * k_scale`` / ``stored * v_scale``.
 
@@ -155,14 +159,17 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     else:
         part_out = part_lse = out   # unused by the kernel when NUM_SPLITS == 1
     block_d = max(16, next_pow2(head_dim))
+    cap_in, cap_out = softcap_args(float(scale) * float(k_scale), softcap)
     paged_decode_split_kernel[(batch, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse,
-        float(scale) * float(k_scale) * LOG2E, float(v_scale), block_size, chunk,
+        float(scale) * float(k_scale) * LOG2E, float(v_scale), cap_in, cap_out,
+        int(sliding_window or NO_WINDOW), block_size, chunk,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         NUM_HEADS=num_heads, GROUP=group, HEAD_DIM=head_dim, NUM_SPLITS=num_splits,
         BLOCK_G=max(16, next_pow2(group)), BLOCK_D=block_d, BLOCK_N=block_n,
-        DOT_FP32=interp or q.dtype == torch.float32, num_warps=4,
+        DOT_FP32=interp or q.dtype == torch.float32, SOFTCAP=softcap is not None,
+        num_warps=4,
     )
     if num_splits > 1:
         rows = batch * num_heads

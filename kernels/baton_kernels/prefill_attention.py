@@ -15,18 +15,19 @@ import triton
 import triton.language as tl
 
 from baton_kernels._common import check_attention_common, check_tensor, interpreting, next_pow2
-from baton_kernels._tiles import LOG2E, load_kv_tile, online_softmax_step
+from baton_kernels._tiles import (LOG2E, NO_WINDOW, load_kv_tile, online_softmax_step,
+                                  softcap_args)
 
 
 @triton.jit
 def paged_prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
-    out_ptr, qk_scale, v_scale, num_seqs, block_size,
+    out_ptr, qk_scale, v_scale, cap_in, cap_out, window, num_seqs, block_size,
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_cb, stride_cs, stride_ch, stride_bt,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_Q: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_B: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr,
+    BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -64,15 +65,17 @@ def paged_prefill_kernel(
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
         bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
         kv_end = tl.minimum(seq_len, ctx_len + (j + 1) * BLOCK_Q)
-        for n0 in range(0, kv_end, BLOCK_N):
+        # The tile's first row (position ctx_len + j * BLOCK_Q) sees the earliest key.
+        kv_start = tl.maximum(ctx_len + j * BLOCK_Q - window + 1, 0)
+        for n0 in range(kv_start, kv_end, BLOCK_N):
             pos = n0 + offs_n
             n_mask = pos < kv_end
             kt, v = load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row, pos, n_mask, offs_d,
                                  d_mask, kvh, block_size, stride_cb, stride_cs, stride_ch)
-            # Key 0 is visible to every row in the first step, so the running max is finite.
-            visible = n_mask[None, :] & (pos[None, :] <= q_pos[:, None])
+            visible = (n_mask[None, :] & (pos[None, :] <= q_pos[:, None])
+                       & (pos[None, :] > q_pos[:, None] - window))
             m_i, l_i, acc = online_softmax_step(q, kt, v, visible, m_i, l_i, acc, qk_scale,
-                                                DOT_FP32)
+                                                cap_in, cap_out, DOT_FP32, SOFTCAP)
 
         result = acc * (v_scale / tl.where(l_i > 0, l_i, 1.0))[:, None]
         o_ptrs = out_ptr + tok[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
@@ -82,8 +85,11 @@ def paged_prefill_kernel(
 def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                             block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                             seq_lens: torch.Tensor, scale: float, *, k_scale: float = 1.0,
-                            v_scale: float = 1.0) -> torch.Tensor:
-    """Causal attention of ``q [T, H, D]`` (the last query_len tokens of each sequence).
+                            v_scale: float = 1.0, sliding_window: int | None = None,
+                            softcap: float | None = None) -> torch.Tensor:
+    """Causal attention of ``q [T, H, D]`` (the last query_len tokens of each sequence); a
+    query at position i sees keys i - sliding_window < j <= i when a window is given, scores
+    soft-capped by ``softcap`` when given.
 
     The caches hold q's dtype, or FP8 read as ``stored * k_scale`` / ``stored * v_scale``.
 
@@ -111,13 +117,16 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
     block_q = block_m // group
     block_n = max(next_pow2(block_size), 128 if interp else 64)
     grid = (num_tokens // block_q + num_seqs, num_kv_heads)
+    cap_in, cap_out = softcap_args(float(scale) * float(k_scale), softcap)
     paged_prefill_kernel[grid](
         q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, out,
-        float(scale) * float(k_scale) * LOG2E, float(v_scale), num_seqs, block_size,
+        float(scale) * float(k_scale) * LOG2E, float(v_scale), cap_in, cap_out,
+        int(sliding_window or NO_WINDOW), num_seqs, block_size,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_Q=block_q, BLOCK_M=block_m,
         BLOCK_B=max(16, next_pow2(num_seqs)), BLOCK_D=max(16, next_pow2(head_dim)),
-        BLOCK_N=block_n, DOT_FP32=interp or q.dtype == torch.float32, num_warps=4,
+        BLOCK_N=block_n, DOT_FP32=interp or q.dtype == torch.float32,
+        SOFTCAP=softcap is not None, num_warps=4,
     )
     return out

@@ -49,7 +49,7 @@ def gather_sequence_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table
 
 
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-            mask: torch.Tensor) -> torch.Tensor:
+            mask: torch.Tensor, softcap: float | None = None) -> torch.Tensor:
     """``q [Q, H, D]``, ``k/v [K, KVH, D]``, ``mask [Q, K]`` (True = may attend) -> ``[Q, H, D]``.
 
     Computed in fp32; query head ``h`` reads KV head ``h // (H // KVH)``.
@@ -58,6 +58,8 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
     k = k.float().repeat_interleave(group, dim=1)
     v = v.float().repeat_interleave(group, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q.float(), k) * scale
+    if softcap is not None:
+        scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1)
     # A query row with no visible key (empty sequence) gives NaN; define it as zero output.
@@ -67,23 +69,28 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
 
 def paged_decode_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                block_tables: torch.Tensor, seq_lens: torch.Tensor,
-                               scale: float, k_scale: float = 1.0, v_scale: float = 1.0
+                               scale: float, k_scale: float = 1.0, v_scale: float = 1.0,
+                               sliding_window: int | None = None, softcap: float | None = None
                                ) -> torch.Tensor:
-    """One query token per sequence attending to all ``seq_lens[b]`` cached tokens."""
+    """One query token per sequence attending to its ``seq_lens[b]`` cached tokens (the last
+    ``sliding_window`` of them when given)."""
     out = torch.empty_like(q)
     for b in range(q.shape[0]):
         seq_len = int(seq_lens[b])
         k, v = gather_sequence_kv(k_cache, v_cache, block_tables[b], seq_len, k_scale,
                                   v_scale)
         mask = torch.ones(1, seq_len, dtype=torch.bool, device=q.device)
-        out[b] = _attend(q[b:b + 1], k, v, scale, mask)[0].to(q.dtype)
+        if sliding_window is not None:
+            mask[:, :max(0, seq_len - sliding_window)] = False
+        out[b] = _attend(q[b:b + 1], k, v, scale, mask, softcap)[0].to(q.dtype)
     return out
 
 
 def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                 block_tables: torch.Tensor, query_start_loc: torch.Tensor,
                                 seq_lens: torch.Tensor, scale: float, k_scale: float = 1.0,
-                                v_scale: float = 1.0) -> torch.Tensor:
+                                v_scale: float = 1.0, sliding_window: int | None = None,
+                                softcap: float | None = None) -> torch.Tensor:
     """Causal attention for the last ``query_len`` positions of each sequence.
 
     Queries of sequence ``b`` are ``q[query_start_loc[b]:query_start_loc[b + 1]]``; they sit at
@@ -101,5 +108,7 @@ def paged_prefill_attention_ref(q: torch.Tensor, k_cache: torch.Tensor, v_cache:
         query_pos = torch.arange(seq_len - query_len, seq_len, device=q.device)
         key_pos = torch.arange(seq_len, device=q.device)
         mask = key_pos[None, :] <= query_pos[:, None]
-        out[start:end] = _attend(q[start:end], k, v, scale, mask).to(q.dtype)
+        if sliding_window is not None:
+            mask &= key_pos[None, :] > query_pos[:, None] - sliding_window
+        out[start:end] = _attend(q[start:end], k, v, scale, mask, softcap).to(q.dtype)
     return out

@@ -79,14 +79,12 @@ class TritonAttentionBackend(AttentionBackend):
 
     def forward(self, q, k, v, k_cache, v_cache, meta: TritonAttentionMetadata,
                 spec: LayerAttention | None = None):
-        if spec is not None and not spec.plain:
-            raise NotImplementedError(
-                "the triton attention kernels implement full causal attention only; this "
-                "model's sliding-window / soft-capped layers need attention_backend='torch'")
         ops = self._ops
         spec = spec or LayerAttention(q.shape[-1] ** -0.5)
-        kv = dict(k_scale=spec.k_scale, v_scale=spec.v_scale)  # FP8 caches' scales
-        ops.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping, **kv)
+        ops.reshape_and_cache(k, v, k_cache, v_cache, meta.slot_mapping, k_scale=spec.k_scale,
+                              v_scale=spec.v_scale)  # FP8 caches' scales
+        kv = dict(k_scale=spec.k_scale, v_scale=spec.v_scale,
+                  sliding_window=spec.sliding_window, softcap=spec.softcap)
         scale = spec.scale
         nd, d, p = meta.num_decode_tokens, meta.decode, meta.prefill
         if p is None:
