@@ -2,9 +2,10 @@
 
 `model` may be None (the bundled SmolLM2 GGUF), a Hugging Face directory with safetensors, a
 `.gguf` file, or a snapshot in a Hugging Face hub cache (`hf://ORG/NAME[@REVISION]`, a bare
-repo id `ORG/NAME` that is not a local path, or a `models--ORG--NAME` directory: `hub.py`). A GGUF file is converted once through transformers'
-GGUF loader into a safetensors directory under the cache dir (dequantised to float32), so later
-starts take a second instead of ~20. Weight names are mapped here, outside the model code.
+repo id `ORG/NAME` that is not a local path, or a `models--ORG--NAME` directory: `hub.py`).
+A GGUF file is converted once through transformers' GGUF loader into a safetensors directory
+under the cache dir (dequantised to float32), so later starts take a second instead of ~20.
+Checkpoint names are mapped onto parameters by each architecture's `checkpoint_weights`.
 """
 
 from __future__ import annotations
