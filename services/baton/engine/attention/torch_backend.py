@@ -111,7 +111,11 @@ class TorchAttentionBackend(AttentionBackend):
         if not spec.plain:
             for i in range(layout.num_seqs):
                 start, end = layout.query_start_loc[i], layout.query_start_loc[i + 1]
-                kp, vp = _gather_seq(k_cache, v_cache, layout, i, spec, q.dtype)
+                first = 0  # the first block any of the chunk's queries can see
+                if spec.sliding_window is not None:
+                    earliest = layout.seq_lens[i] - (end - start) - spec.sliding_window + 1
+                    first = max(0, earliest) // layout.block_size
+                kp, vp = _gather_seq(k_cache, v_cache, layout, i, spec, q.dtype, first)
                 out[start:end] = windowed_attention(q[start:end], kp, vp, spec)
             return out
         nd = layout.num_decodes
@@ -227,11 +231,13 @@ def windowed_attention(q, k, v, spec: LayerAttention):
 
 
 def _gather_seq(k_cache, v_cache, layout: BatchLayout, i: int, spec: LayerAttention,
-                dtype: torch.dtype):
-    """Sequence i's cached K/V, (L, KVH, D) each (FP8 dequantised to `dtype`)."""
+                dtype: torch.dtype, first_block: int = 0):
+    """Sequence i's cached K/V from block `first_block` on, (L, KVH, D) each with
+    L = seq_len - first_block * block_size (FP8 dequantised to `dtype`)."""
     seq_len, bs = layout.seq_lens[i], layout.block_size
-    blocks = layout.block_tables[i, : -(-seq_len // bs)]
+    blocks = layout.block_tables[i, first_block: -(-seq_len // bs)]
     KVH, D = k_cache.shape[2], k_cache.shape[3]
-    k = k_cache.index_select(0, blocks).view(-1, KVH, D)[:seq_len]
-    v = v_cache.index_select(0, blocks).view(-1, KVH, D)[:seq_len]
+    n = seq_len - first_block * bs
+    k = k_cache.index_select(0, blocks).view(-1, KVH, D)[:n]
+    v = v_cache.index_select(0, blocks).view(-1, KVH, D)[:n]
     return _stored(k, spec.k_scale, dtype), _stored(v, spec.v_scale, dtype)
