@@ -60,12 +60,16 @@ class ModelConfig:
 
     @property
     def num_params(self) -> int:
+        """Parameters, every expert of a mixture-of-experts model counted."""
         h, i, v = self.hidden_size, self.intermediate_size, self.vocab_size
         qkv = h * (self.num_heads + 2 * self.num_kv_heads) * self.head_dim
         o = self.num_heads * self.head_dim * h
-        per_layer = qkv + o + 3 * h * i + 2 * h
+        experts = self.hf.get("num_local_experts") or self.hf.get("num_experts") or 0
+        dense = len(self.hf.get("mlp_only_layers") or ()) if experts else self.num_layers
+        moe_i = self.hf.get("moe_intermediate_size") or i
+        mlp = dense * 3 * h * i + (self.num_layers - dense) * experts * (3 * h * moe_i + h)
         head = 0 if self.tie_word_embeddings else v * h
-        return v * h + self.num_layers * per_layer + h + head
+        return v * h + self.num_layers * (qkv + o + 2 * h) + mlp + h + head
 
     @classmethod
     def from_dict(cls, cfg: dict) -> "ModelConfig":

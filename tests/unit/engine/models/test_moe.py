@@ -318,3 +318,16 @@ def test_grouped_experts_beat_a_per_token_loop(monkeypatch):
           f"per-token / grouped {best['per-token'] / best['grouped']:.1f}x, "
           f"per-token / looped {best['per-token'] / best['looped']:.1f}x")
     assert max(best["grouped"], best["looped"]) < best["per-token"]
+
+
+def test_num_params_counts_every_expert():
+    """The weight-size estimates (benchmarks' weight-streaming floor) count all experts."""
+    from baton.engine.models.config import ModelConfig
+
+    config = transformers.MixtralConfig(vocab_size=1001, hidden_size=64, intermediate_size=96,
+                                        num_hidden_layers=2, num_attention_heads=4,
+                                        num_key_value_heads=2, num_local_experts=8,
+                                        tie_word_embeddings=False)
+    hf = transformers.MixtralForCausalLM(config)
+    ours = ModelConfig.from_dict({**config.to_dict(), "architectures": ["MixtralForCausalLM"]})
+    assert ours.num_params == sum(p.numel() for p in hf.parameters())
