@@ -179,6 +179,13 @@ static int check_shape(int64_t H, int64_t KVH, int64_t D, int64_t bs, int64_t GC
     return 0;
 }
 
+/* log2 of a block size check_shape accepted (a power of two). */
+static int64_t block_shift(int64_t bs) {
+    int64_t shift = 0;
+    while ((INT64_C(1) << shift) < bs) shift++;
+    return shift;
+}
+
 /* The exported kernels: a cache of the query's type T, or an FP8 cache (`lut` the value of
  * each byte, `e4m3` 1 or 0 for e5m2, k_scale folded into `scale` by the caller). */
 #define DEFINE_ENTRY(NAME, T, SEQ, GC, DC)                                                     \
@@ -187,8 +194,7 @@ int NAME(const T *q, const T *kc, const T *vc, const int64_t *bt, int64_t bt_str
          int64_t bs, float scale) {                                                           \
     const int rc = check_shape(H, KVH, d_arg, bs, GC, DC);                                    \
     if (rc) return rc;                                                                        \
-    int64_t shift = 0;                                                                        \
-    while ((INT64_C(1) << shift) < bs) shift++;                                               \
+    const int64_t shift = block_shift(bs);                                                    \
     const decode_shape sh = {H, KVH, d_arg, H / KVH, bs, shift, bt_stride, scale, 1.f, NULL, 0}; \
     return run_tasks(SEQ, q, kc, vc, bt, seq_lens, out, n, sizeof(T), &sh);                   \
 }
@@ -199,8 +205,7 @@ int NAME(const T *q, const uint8_t *kc, const uint8_t *vc, const int64_t *bt,   
          const float *lut, int64_t e4m3) {                                                    \
     const int rc = check_shape(H, KVH, d_arg, bs, GC, DC);                                    \
     if (rc) return rc;                                                                        \
-    int64_t shift = 0;                                                                        \
-    while ((INT64_C(1) << shift) < bs) shift++;                                               \
+    const int64_t shift = block_shift(bs);                                                    \
     const decode_shape sh = {H, KVH, d_arg, H / KVH, bs, shift, bt_stride, scale, v_scale,    \
                              lut, (int)e4m3};                                                 \
     return run_tasks(SEQ, q, kc, vc, bt, seq_lens, out, n, sizeof(T), &sh);                   \

@@ -1,5 +1,6 @@
 /* The single-pass decode kernels for CPUs with AVX512-BF16 (included by paged_decode.c,
- * after its shared definitions: exp_nonpos, decode_shape, run_tasks, check_shape). */
+ * after its shared definitions: exp_nonpos, decode_shape, run_tasks, check_shape,
+ * block_shift). */
 #include <immintrin.h>
 
 
@@ -181,8 +182,7 @@ int NAME(const uint16_t *q, const uint8_t *kc, const uint8_t *vc, const int64_t 
          const float *lut, int64_t e4m3) {                                                    \
     const int rc = check_shape(H, KVH, d_arg, bs, GC, DC);                                    \
     if (rc) return rc;                                                                        \
-    int64_t shift = 0;                                                                        \
-    while ((INT64_C(1) << shift) < bs) shift++;                                               \
+    const int64_t shift = block_shift(bs);                                                    \
     const float f = e4m3 ? 256.f : 1.f;                                                       \
     const decode_shape sh = {H, KVH, DC, GC, bs, shift, bt_stride, scale * f, v_scale * f,    \
                              lut, (int)e4m3};                                                 \
