@@ -11,7 +11,7 @@ PORT     ?= 8000
 # transport installed (NIXL, else TCP). Colocated instead: make run CLUSTER="--workers 2"
 CLUSTER  ?= --prefill 1 --decode 1 --transport auto
 
-.PHONY: setup system-deps k8s-tools run test test-fast bench bench-gpu bench-router bench-loadgen bench-structured clean
+.PHONY: setup system-deps k8s-tools run test test-fast bench bench-gpu gpu-check bench-router bench-loadgen bench-structured clean
 
 setup: $(STAMP)
 
@@ -61,6 +61,18 @@ bench: $(STAMP)
 # Llama-3-8B weights) against the device's copy bandwidth. Needs triton (the gpu extra).
 bench-gpu: $(STAMP)
 	$(PY) -m baton_loadtest.gpu_bench all
+
+# On a CUDA machine, one command and one JSON report (GPU_CHECK_JSON): the gpu-marked tests
+# (tests/gpu), the GPU serving scenarios (prefill + decode on the device, KV over nixl / nccl,
+# answers equal to a colocated worker's, no leaked blocks) and bench-gpu. `ok` is true only
+# when tensors really ran on CUDA and everything passed (exit 1 otherwise). Without CUDA it
+# says so, runs what it can and exits 0 with ok false. Runs from the source tree with the venv
+# when there is one, else $(PYTHON) (GPU machines with torch and triton preinstalled).
+GPU_CHECK_JSON ?= gpu-check.json
+gpu-check:
+	@if [ -x $(PY) ]; then py=$(PY); else py=$(PYTHON); fi; \
+	PYTHONPATH=services:kernels:loadtest:.$${PYTHONPATH:+:$$PYTHONPATH} \
+		$$py -m baton_loadtest.gpu_check --json $(GPU_CHECK_JSON)
 
 bench-router: $(STAMP)
 	$(PY) -m baton_loadtest.router_bench --pin

@@ -34,6 +34,17 @@ QUESTIONS = [
 ]
 
 
+def pytest_runtest_setup(item):
+    """A `gpu`-marked test anywhere skips, with the reason, on a machine without CUDA: such a
+    run must show skips, never passes (tests/gpu marks all of its tests)."""
+    if item.get_closest_marker("gpu") is None:
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device: torch.cuda.is_available() is False (a gpu-marked test)")
+
+
 def make_text(n_paragraphs: int, offset: int = 0) -> str:
     return "\n\n".join(PARAGRAPHS[(offset + i) % len(PARAGRAPHS)] for i in range(n_paragraphs))
 

@@ -1,8 +1,13 @@
 """Triton kernels for the paged KV cache: cache writes, decode and prefill attention.
 
-The kernels need ``triton`` (``pip install triton==3.9.0``); importing this package does not.
+The kernels need ``triton`` (``pip install triton==3.7.1``); importing this package does not.
 On CPU they run only in triton's interpreter (``TRITON_INTERPRET=1`` set before triton is
 imported). The pure-torch references in ``baton_kernels.reference`` always work.
+
+Every kernel compiles to a small, fixed set of variants per model (shapes, dtypes, soft-cap
+or not): nothing that changes from step to step (batch size, lengths, split count, a table's
+width) picks a variant. ``warmup`` launches them all once at start, so no request pays a JIT;
+``recording_variants`` collects the variant keys of the launches in a block (tests).
 """
 
 from __future__ import annotations
@@ -13,8 +18,9 @@ from baton_kernels.reference import (paged_decode_attention_ref, paged_prefill_a
                                      reshape_and_cache_ref)
 
 __all__ = [
-    "reshape_and_cache", "paged_decode_attention", "paged_prefill_attention",
-    "reshape_and_cache_ref", "paged_decode_attention_ref", "paged_prefill_attention_ref",
+    "reshape_and_cache", "paged_decode_attention", "paged_prefill_attention", "warmup",
+    "recording_variants", "reshape_and_cache_ref", "paged_decode_attention_ref",
+    "paged_prefill_attention_ref",
 ]
 
 
@@ -23,7 +29,7 @@ def _load(module: str):
         importlib.import_module("triton")
     except ImportError as exc:
         raise ImportError("baton_kernels needs triton to run its kernels: "
-                          "pip install triton==3.9.0 (or use the pure-torch references in "
+                          "pip install triton==3.7.1 (or use the pure-torch references in "
                           "baton_kernels.reference)") from exc
     return importlib.import_module(f"baton_kernels.{module}")
 
@@ -36,12 +42,14 @@ def reshape_and_cache(k, v, k_cache, v_cache, slot_mapping, k_scale=1.0, v_scale
 
 
 def paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, *,
-                           num_splits=None, k_scale=1.0, v_scale=1.0, sliding_window=None,
-                           softcap=None):
-    """Decode attention (one query token per sequence, split-K); see decode_attention."""
+                           num_splits=None, max_seq_len=None, k_scale=1.0, v_scale=1.0,
+                           sliding_window=None, softcap=None):
+    """Decode attention (one query token per sequence, split-K over each sequence's live
+    keys); see decode_attention."""
     return _load("decode_attention").paged_decode_attention(
         q, k_cache, v_cache, block_tables, seq_lens, scale, num_splits=num_splits,
-        k_scale=k_scale, v_scale=v_scale, sliding_window=sliding_window, softcap=softcap)
+        max_seq_len=max_seq_len, k_scale=k_scale, v_scale=v_scale,
+        sliding_window=sliding_window, softcap=softcap)
 
 
 def paged_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
@@ -51,3 +59,15 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, 
     return _load("prefill_attention").paged_prefill_attention(
         q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
         k_scale=k_scale, v_scale=v_scale, sliding_window=sliding_window, softcap=softcap)
+
+
+def warmup(dtype, k_cache, v_cache, num_heads, softcaps=(None,)) -> None:
+    """Launch every kernel variant a model's engine can use, once, before serving (compiles
+    them on CUDA; reads the cache, writes nothing); see _warmup.py."""
+    return _load("_warmup").warmup(dtype, k_cache, v_cache, num_heads, softcaps)
+
+
+def recording_variants():
+    """A context manager yielding the set of variant keys launched inside it; see
+    _variants.py."""
+    return _load("_variants").recording_variants()

@@ -3,7 +3,8 @@
 An FP8 cache stores x / scale saturated to the format's largest value. The kernel rounds to
 the format's grid itself (nearest, ties to even) before the cast, so the cast is exact:
 Triton's interpreter rounds some values wrongly across a power of two, and the cache is
-written as bytes (its FP8 stores are unreliable too)."""
+written as bytes (its FP8 stores are unreliable too). The token tile is fixed by the cache's
+shape, not the step's token count, so one compiled variant serves every step (`_variants`)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import triton.language as tl
 
 from baton_kernels._common import (FP8_DTYPES, check_kv_cache, check_last_dim_contiguous,
                                    check_same_device, check_tensor, interpreting, next_pow2)
+from baton_kernels._variants import jit
 
 # FP8 dtype -> (Triton type, mantissa bits, smallest normal exponent)
 _FP8 = {torch.float8_e4m3fn: (tl.float8e4nv, 3, -6), torch.float8_e5m2: (tl.float8e5, 2, -14)}
@@ -31,7 +33,7 @@ def _to_fp8_bytes(x, scale, fp8_max, FP8_TYPE: tl.constexpr, MANTISSA: tl.conste
     return (y * quantum).to(FP8_TYPE).to(tl.uint8, bitcast=True)
 
 
-@triton.jit
+@jit(dynamic=("num_tokens",), unaligned=("slot_ptr",))
 def reshape_and_cache_kernel(
     k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
     num_tokens, block_size,
@@ -106,7 +108,7 @@ def reshape_and_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
         return
     block_hd = next_pow2(num_kv_heads * head_dim)
     budget = 1 << 16 if interpreting() else 4096
-    block_t = max(1, min(next_pow2(num_tokens), budget // block_hd))
+    block_t = max(1, budget // block_hd)
     grid = (triton.cdiv(num_tokens, block_t),)
     fp8_type, mantissa, min_exp = _FP8.get(k_cache.dtype, (tl.float8e4nv, 0, 0))
     reshape_and_cache_kernel[grid](

@@ -5,21 +5,25 @@ times the GROUP query heads that share a KV head (rows = token * GROUP + head), 
 loaded through the block table serves the whole GQA group. Tile ``i`` belongs to the sequence
 ``b`` with the largest ``query_start_loc[b] // BLOCK_Q + b <= i``; that bound makes
 ``T // BLOCK_Q + B`` tiles always enough without reading lengths on the host. Tiles past the
-end of their sequence do nothing.
+end of their sequence do nothing. The search walks the batch BLOCK_B sequences at a time, so
+one compiled variant serves every batch size (`_variants`).
 """
 
 from __future__ import annotations
 
 import torch
-import triton
 import triton.language as tl
 
 from baton_kernels._common import check_attention_common, check_tensor, interpreting, next_pow2
 from baton_kernels._tiles import (LOG2E, NO_WINDOW, load_kv_tile, online_softmax_step,
                                   softcap_args)
+from baton_kernels._variants import jit
+
+BLOCK_B = 64  # sequences per step of the tile -> sequence search
 
 
-@triton.jit
+@jit(dynamic=("window", "num_seqs", "stride_bt"),
+     unaligned=("block_tables_ptr", "query_start_loc_ptr", "seq_lens_ptr"))
 def paged_prefill_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
     out_ptr, qk_scale, v_scale, cap_in, cap_out, window, num_seqs, block_size,
@@ -32,12 +36,16 @@ def paged_prefill_kernel(
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
 
-    # Which sequence does this tile belong to (vectorised search over query_start_loc)?
-    offs_b = tl.arange(0, BLOCK_B)
-    b_mask = offs_b < num_seqs
-    starts = tl.load(query_start_loc_ptr + offs_b, mask=b_mask, other=0)
-    first_tile = starts // BLOCK_Q + offs_b
-    b = tl.maximum(tl.sum(tl.where(b_mask & (first_tile <= tile), 1, 0), 0) - 1, 0)
+    # Which sequence does this tile belong to: count the sequences whose first tile is at or
+    # before it, BLOCK_B of them per step.
+    count = tl.zeros([], dtype=tl.int32)
+    for b0 in range(0, num_seqs, BLOCK_B):
+        offs_b = b0 + tl.arange(0, BLOCK_B)
+        b_mask = offs_b < num_seqs
+        starts = tl.load(query_start_loc_ptr + offs_b, mask=b_mask, other=0)
+        first_tile = starts // BLOCK_Q + offs_b
+        count += tl.sum(tl.where(b_mask & (first_tile <= tile), 1, 0), 0)
+    b = tl.maximum(count - 1, 0)
     q_start = tl.load(query_start_loc_ptr + b)
     q_len = tl.load(query_start_loc_ptr + b + 1) - q_start
     j = tile - (q_start // BLOCK_Q + b)
@@ -125,7 +133,7 @@ def paged_prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: tor
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), block_tables.stride(0),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_Q=block_q, BLOCK_M=block_m,
-        BLOCK_B=max(16, next_pow2(num_seqs)), BLOCK_D=max(16, next_pow2(head_dim)),
+        BLOCK_B=BLOCK_B, BLOCK_D=max(16, next_pow2(head_dim)),
         BLOCK_N=block_n, DOT_FP32=interp or q.dtype == torch.float32,
         SOFTCAP=softcap is not None, num_warps=4,
     )

@@ -16,7 +16,8 @@ from typing import Any
 
 from baton.common.auth import internal_token
 from baton.common.roles import Role
-from baton.engine.config import (ATTENTION_BACKENDS, DEVICES, DTYPES, KV_CACHE_DTYPES,
+from baton.engine.config import (ATTENTION_BACKENDS, DEFAULT_GPU_MEMORY_UTILIZATION,
+                                 DEFAULT_KV_CACHE_BYTES, DEVICES, DTYPES, KV_CACHE_DTYPES,
                                  KV_FAILURE_POLICIES, SCHEDULING_POLICIES, EngineConfig)
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -129,9 +130,17 @@ def _batching_flags(g) -> None:
                    default=engine_default("max_num_batched_tokens"))
     g.add_argument("--max-model-len", type=int, default=engine_default("max_model_len"))
     g.add_argument("--num-kv-blocks", type=int, default=engine_default("num_kv_blocks"))
-    g.add_argument("--kv-cache-gib", type=float,
-                   default=engine_default("kv_cache_memory_bytes") / _GIB,
-                   help="KV cache memory budget when --num-kv-blocks is not given")
+    g.add_argument("--kv-cache-gib", type=float, default=None,
+                   help="KV cache memory budget when --num-kv-blocks is not given "
+                        f"(default: {DEFAULT_KV_CACHE_BYTES / _GIB:g} off CUDA; on CUDA the "
+                        "pool is sized by --gpu-memory-utilization)")
+    g.add_argument("--gpu-memory-utilization", type=float,
+                   default=engine_default("gpu_memory_utilization"),
+                   help="on CUDA, the fraction of the GPU's memory this worker may use: "
+                        "the KV pool gets what the weights and a profiled forward at the "
+                        "largest batch leave (default: "
+                        f"{DEFAULT_GPU_MEMORY_UTILIZATION}; two workers on one GPU each "
+                        "take their own fraction)")
     g.add_argument("--kv-cache-dtype", default=engine_default("kv_cache_dtype"),
                    choices=KV_CACHE_DTYPES,
                    help="KV cache storage: auto = the model's dtype; fp8 (= fp8_e4m3) or "
@@ -178,8 +187,9 @@ def _kv_transfer_flags(g) -> None:
 _ENGINE_FIELDS = {dest: dest for dest in (
     "model", "revision", "skip_tokenizer_init", "dtype", "block_size", "max_num_seqs",
     "max_num_batched_tokens", "max_model_len",
-    "num_kv_blocks", "kv_cache_dtype", "scheduling_policy", "num_threads", "device",
-    "attention_backend", "enforce_eager", "tensor_parallel_size", "kv_host", "kv_port", "kv_failure_policy")} | {
+    "num_kv_blocks", "gpu_memory_utilization", "kv_cache_dtype", "scheduling_policy",
+    "num_threads", "device", "attention_backend", "enforce_eager", "tensor_parallel_size",
+    "kv_host", "kv_port", "kv_failure_policy")} | {
     "kv_lease_ttl": "kv_lease_ttl_s", "kv_transfer_timeout": "kv_transfer_timeout_s"}
 
 
@@ -193,7 +203,8 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         **{field: getattr(args, dest) for dest, field in _ENGINE_FIELDS.items()},
         kv_transport=_kv_transport(args.kv_transport, role, args.tensor_parallel_size),
         engine_id=f"{role}-{args.port}" if hasattr(args, "port") else None,
-        kv_cache_memory_bytes=int(args.kv_cache_gib * _GIB),
+        kv_cache_memory_bytes=(None if args.kv_cache_gib is None
+                               else int(args.kv_cache_gib * _GIB)),
         enable_prefix_caching=not args.no_prefix_caching,
         kv_secret=internal_token())  # the deployment's internal token keys the KV port
 

@@ -23,6 +23,7 @@ import urllib.request
 from dataclasses import dataclass, field
 
 from baton.common.roles import Role
+from baton.gpus import plan_gpus, visible_gpus
 
 _PR_SET_PDEATHSIG = 1
 
@@ -110,7 +111,7 @@ class Cluster:
             self._supervise(stop)
             print("\nbaton up: stopping", file=sys.stderr)
             return 0
-        except (_Aborted, TimeoutError) as err:
+        except (_Aborted, TimeoutError, ValueError) as err:  # ValueError: no GPU placement
             print(f"baton up: {err}", file=sys.stderr)
             return 0 if stop.requested else 1
         finally:
@@ -133,7 +134,7 @@ class Cluster:
                 elif now >= child.restart_at:
                     self.procs[i] = self._start_process(child.name, child.args,
                                                         min(child.backoff_s * 2,
-                                                            RESTART_BACKOFF_MAX_S))
+                                                            RESTART_BACKOFF_MAX_S), child.env)
             time.sleep(0.5)
 
     def tp_args(self, role: Role) -> list[str]:
@@ -145,30 +146,40 @@ class Cluster:
         return (["--tensor-parallel-size", str(tp)] if tp > 1 else []) + tcp
 
     def start(self, stop: _StopSignal | None = None) -> None:
-        ranks = sum(_ranks(self.worker_args + self.tp_args(r)) for r in self.roles)
-        threads = max(1, (os.cpu_count() or 1) // ranks)  # per rank: cores split over all
+        ranks = [_ranks(self.worker_args + self.tp_args(r)) for r in self.roles]
+        threads = max(1, (os.cpu_count() or 1) // sum(ranks))  # per rank: cores split over all
         extra = [] if "--num-threads" in self.worker_args else ["--num-threads", str(threads)]
+        gpus = (plan_gpus(ranks, visible_gpus(), self.worker_args)
+                if _flag(self.worker_args, "--device") == "cuda" else None)
+        if gpus is not None:
+            extra += gpus.args()
         for i, (url, role) in enumerate(zip(self.worker_urls, self.roles)):
             name = f"worker-{i + 1}" if role == Role.BOTH else f"{role.value}-{i + 1}"
             self._spawn(name, ["serve", "--host", self.host, "--port", str(self.port + 1 + i),
                                "--role", role.value,
                                *_kv_port_of(self.worker_args, i,
                                             max(self.prefill_tp, self.decode_tp)),
-                               *self.tp_args(role), *extra])
+                               *self.tp_args(role), *extra],
+                        gpus.env(i) if gpus is not None else None)
+            if gpus is not None and gpus.shared:  # each profiles what the others hold
+                self._wait_ready(name, self.procs[-1].proc, url, stop)
         for url, child in zip(self.worker_urls, self.procs):
             self._wait_ready(child.name, child.proc, url, stop)
         self._spawn("router", ["router", "--host", self.host, "--port", str(self.port),
                                "--workers", ",".join(self.worker_urls), *self.router_args])
         self._wait_ready("router", self.procs[-1].proc, self.router_url, stop)
 
-    def _spawn(self, name: str, args: list[str]) -> None:
-        self.procs.append(self._start_process(name, args, RESTART_BACKOFF_S))
+    def _spawn(self, name: str, args: list[str], env: dict[str, str] | None = None) -> None:
+        self.procs.append(self._start_process(name, args, RESTART_BACKOFF_S, env))
 
-    def _start_process(self, name: str, args: list[str], backoff_s: float) -> _Child:
+    def _start_process(self, name: str, args: list[str], backoff_s: float,
+                       env: dict[str, str] | None = None) -> _Child:
+        """`env`: variables set for this child beyond ours (its GPUs)."""
         cmd = [sys.executable, "-m", "baton.cli", *args, "--name", name,
                "--log-level", self.log_level]
-        proc = subprocess.Popen(cmd, preexec_fn=_die_with_parent)
-        return _Child(name, args, proc, time.monotonic(), backoff_s)
+        proc = subprocess.Popen(cmd, preexec_fn=_die_with_parent,
+                                env=None if env is None else {**os.environ, **env})
+        return _Child(name, args, proc, time.monotonic(), backoff_s, env)
 
     def _wait_ready(self, name: str, proc: subprocess.Popen, url: str,
                     stop: _StopSignal | None) -> None:
@@ -228,6 +239,7 @@ class _Child:
     proc: subprocess.Popen
     started: float
     backoff_s: float
+    env: dict[str, str] | None = None  # beyond ours: the child's GPUs
     restart_at: float | None = None
 
 

@@ -15,15 +15,22 @@ from triton.compiler import ASTSource, compile  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from baton_kernels.cache_ops import reshape_and_cache_kernel  # noqa: E402
-from baton_kernels.decode_attention import (paged_decode_reduce_kernel,  # noqa: E402
+from baton_kernels.decode_attention import (MAX_SPLITS,  # noqa: E402
+                                            paged_decode_reduce_kernel,
                                             paged_decode_split_kernel)
-from baton_kernels.prefill_attention import paged_prefill_kernel  # noqa: E402
+from baton_kernels.prefill_attention import BLOCK_B, paged_prefill_kernel  # noqa: E402
 
 
 def signature(fn, types: dict[str, str], constexprs: dict) -> dict[str, str]:
     """Every argument of ``fn``: constexprs marked 'constexpr', the rest from ``types`` or i32."""
     return {name: "constexpr" if name in constexprs else types.get(name, "i32")
             for name in fn.arg_names}
+
+
+def compile_kernel(kernel, types: dict[str, str], constexprs: dict, target):
+    """Compile a `baton_kernels._variants.Kernel` (its Triton function) for ``target``."""
+    src = ASTSource(kernel.fn, signature(kernel.fn, types, constexprs), constexprs)
+    return compile(src, target=target, options={"num_warps": 4})
 
 
 def pow2(n: int) -> int:
@@ -34,10 +41,12 @@ def pow2(n: int) -> int:
 FP8 = {"fp8e4nv": (tl.float8e4nv, 3, -6), "fp8e5": (tl.float8e5, 2, -14)}
 
 
-def cases(dtype: str, head_dim: int, group: int, splits: int, block_size: int,
+def cases(dtype: str, head_dim: int, group: int, block_size: int, softcap: bool = False,
           cache: str | None = None):
     """(kernel, signature, constexprs) for every kernel at one dtype/head-dim combination;
-    `cache` an FP8 cache type (None: the cache holds `dtype`)."""
+    `softcap`: the soft-capped attention variants; `cache` an FP8 cache type (None: the
+    cache holds `dtype`). The split count is a runtime argument: one decode kernel and one
+    reduce serve them all."""
     ptr = f"*{dtype}"
     cptr = f"*{cache}" if cache else ptr
     block_d = max(16, pow2(head_dim))
@@ -55,42 +64,40 @@ def cases(dtype: str, head_dim: int, group: int, splits: int, block_size: int,
         "q_ptr": ptr, "k_cache_ptr": cptr, "v_cache_ptr": cptr, "block_tables_ptr": "*i32",
         "seq_lens_ptr": "*i32", "out_ptr": ptr, "part_out_ptr": "*fp32",
         "part_lse_ptr": "*fp32", "qk_scale": "fp32", "v_scale": "fp32",
-    }, dict(NUM_HEADS=kvh * group, GROUP=group, HEAD_DIM=head_dim, NUM_SPLITS=splits,
+    }, dict(NUM_HEADS=kvh * group, GROUP=group, HEAD_DIM=head_dim,
             BLOCK_G=max(16, pow2(group)), BLOCK_D=block_d, BLOCK_N=max(64, block_size),
-            DOT_FP32=dot_fp32)
-    if splits > 1:
-        yield paged_decode_reduce_kernel, {
-            "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "out_ptr": ptr,
-        }, dict(NUM_HEADS=kvh * group, HEAD_DIM=head_dim, NUM_SPLITS=splits, ROWS=1,
-                BLOCK_S=pow2(splits), BLOCK_D=block_d)
+            DOT_FP32=dot_fp32, SOFTCAP=softcap)
+    yield paged_decode_reduce_kernel, {
+        "part_out_ptr": "*fp32", "part_lse_ptr": "*fp32", "out_ptr": ptr,
+    }, dict(HEAD_DIM=head_dim, ROWS=1, BLOCK_S=MAX_SPLITS, BLOCK_D=block_d)
     block_m = max(64, pow2(group))
     yield paged_prefill_kernel, {
         "q_ptr": ptr, "k_cache_ptr": cptr, "v_cache_ptr": cptr, "block_tables_ptr": "*i32",
         "query_start_loc_ptr": "*i32", "seq_lens_ptr": "*i32", "out_ptr": ptr,
         "qk_scale": "fp32", "v_scale": "fp32",
     }, dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_Q=block_m // group, BLOCK_M=block_m,
-            BLOCK_B=16, BLOCK_D=block_d, BLOCK_N=max(64, block_size), DOT_FP32=dot_fp32)
+            BLOCK_B=BLOCK_B, BLOCK_D=block_d, BLOCK_N=max(64, block_size), DOT_FP32=dot_fp32,
+            SOFTCAP=softcap)
 
 
-COMBOS = [  # dtype, head_dim, group, splits, block_size
-    ("fp16", 128, 4, 1, 16),
-    ("bf16", 80, 3, 4, 32),
-    ("fp32", 96, 1, 2, 16),
-    ("bf16", 64, 8, 8, 16),
+COMBOS = [  # dtype, head_dim, group, block_size, softcap
+    ("fp16", 128, 4, 16, False),
+    ("bf16", 80, 3, 32, True),
+    ("fp32", 96, 1, 16, False),
+    ("bf16", 64, 8, 16, False),
 ]
 # FP8 caches: the conversions need sm_89 or later
-FP8_COMBOS = [("bf16", 128, 4, 2, 16, "fp8e4nv"), ("fp16", 64, 3, 1, 16, "fp8e5")]
+FP8_COMBOS = [("bf16", 128, 4, 16, False, "fp8e4nv"), ("fp16", 64, 3, 16, True, "fp8e5")]
 
 
 def main(archs: list[int]) -> None:
     for arch in archs:
         target = GPUTarget("cuda", arch, 32)
         for combo in COMBOS + (FP8_COMBOS if arch >= 89 else []):
-            for fn, types, constexprs in cases(*combo):
-                src = ASTSource(fn, signature(fn, types, constexprs), constexprs)
-                kernel = compile(src, target=target, options={"num_warps": 4})
-                assert kernel.asm.get("cubin"), f"no cubin for {fn.__name__}"
-                print(f"ok sm_{arch} {fn.__name__} {combo}", flush=True)
+            for kernel, types, constexprs in cases(*combo):
+                compiled = compile_kernel(kernel, types, constexprs, target)
+                assert compiled.asm.get("cubin"), f"no cubin for {kernel.name}"
+                print(f"ok sm_{arch} {kernel.name} {combo}", flush=True)
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from baton.engine.attention import make_attention_backend
 from baton.engine.attention.torch_backend import TorchAttentionBackend
 from baton.engine.attention.triton_backend import TritonAttentionBackend
 from baton.engine.runner.cuda_graphs import capture_sizes, padded_size
+from baton_kernels import recording_variants
 from tests.kernels.conftest import ON_GPU
 from tests.unit.engine.test_attention import make_case
 
@@ -52,6 +53,22 @@ def test_backend_choice(tmp_path):
         assert make_attention_backend("auto", gpu, torch.float32, shape, None).name == "triton"
     with pytest.raises(ValueError, match="unknown"):
         make_attention_backend("flash", cpu, torch.float32, shape, None)
+
+
+def test_triton_backend_keeps_compiled_kernels_under_the_cache_dir(tmp_path, monkeypatch):
+    import os
+
+    import triton
+
+    dev = torch.device(DEVICE)
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    make_attention_backend("triton", dev, torch.float32, (4, 2, 64), tmp_path)
+    assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "triton")
+    assert triton.knobs.cache.dir == str(tmp_path / "triton")  # read at each compile
+    # A directory the user chose wins.
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "mine"))
+    make_attention_backend("triton", dev, torch.float32, (4, 2, 64), tmp_path / "engine")
+    assert os.environ["TRITON_CACHE_DIR"] == str(tmp_path / "mine")
 
 
 def test_triton_on_cpu_without_the_interpreter_is_a_clear_error(monkeypatch):
@@ -111,8 +128,14 @@ def test_engine_triton_backend_and_decode_replays_match_torch(tiny_model):
     assert len({t for r in expected for t in r}) > 3
 
     eager = LLM(tiny_model, attention_backend="triton", enforce_eager=True, **kw)
-    assert eager.engine.runner.backend.name == "triton" and eager.engine.runner.graphs is None
-    assert _generate(eager) == expected
+    runner = eager.engine.runner
+    assert runner.backend.name == "triton" and runner.graphs is None
+    # What ModelRunner does on CUDA at start (here too, to see the variants in the
+    # interpreter): every kernel variant launched once. Serving then launches no other.
+    with recording_variants() as warmed:
+        runner.backend.warmup(*runner.kv_caches[0], runner.model.attention_specs(), 4)
+    with recording_variants() as used:
+        assert _generate(eager) == expected
 
     replayed = LLM(tiny_model, attention_backend="triton", **kw)
     runner = replayed.engine.runner
@@ -120,7 +143,9 @@ def test_engine_triton_backend_and_decode_replays_match_torch(tiny_model):
         runner.graphs = runner.make_decode_graphs(use_graphs=False)
         runner.graphs.capture()
     assert runner.graphs.sizes == [1, 2, 4, 8]
-    assert _generate(replayed) == expected
+    with recording_variants() as replayed_used:
+        assert _generate(replayed) == expected
+    assert used and used | replayed_used <= warmed, (used | replayed_used) - warmed
     # All-decode steps ran 3 rows padded to 4, then 2, then 1.
     assert set(runner.graphs.replays) == {1, 2, 4}
     replayed.engine.kv.check_integrity()

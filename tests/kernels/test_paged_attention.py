@@ -73,10 +73,14 @@ def test_decode_split_k_long_context(device, dtype, block_size):
 
 
 def test_decode_chooses_splits_from_context_length(device):
-    from baton_kernels.decode_attention import choose_num_splits
-    assert choose_num_splits(1, 1, 100, device, 64) == 1
-    assert choose_num_splits(1, 1, 4096, device, 64) > 1
-    assert choose_num_splits(1, 1, 1 << 20, device, 64) <= 32
+    from baton_kernels.decode_attention import SPLIT_COUNTS, choose_num_splits
+    assert choose_num_splits(1, 1, 100, device) == 1
+    assert choose_num_splits(1, 1, 4096, device) > 1
+    assert choose_num_splits(1, 1, 1 << 20, device) <= 32
+    # Always one of the fixed counts, and fewer for bigger batches.
+    for batch in (1, 3, 7, 64, 1000):
+        assert choose_num_splits(batch, 2, 1 << 17, device) in SPLIT_COUNTS
+    assert choose_num_splits(1000, 8, 1 << 17, device) == 1
 
 
 def make_prefill_inputs(query_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size,

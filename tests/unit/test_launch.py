@@ -38,6 +38,7 @@ def test_up_takes_every_worker_flag_serve_has():
 NON_DEFAULTS = ["--dtype", "float32", "--block-size", "32", "--max-num-seqs", "7",
                 "--max-num-batched-tokens", "333", "--max-model-len", "1024",
                 "--num-kv-blocks", "99", "--kv-cache-gib", "0.5", "--no-prefix-caching",
+                "--gpu-memory-utilization", "0.45",
                 "--scheduling-policy", "priority", "--num-threads", "1", "--device", "cpu",
                 "--attention-backend", "torch", "--enforce-eager",
                 "--served-model-name", "m", "--max-waiting", "5", "--drain-timeout", "7",
@@ -106,3 +107,16 @@ def test_an_exited_process_is_restarted_with_backoff(monkeypatch):
     finally:
         stop.restore()
         cluster.stop(grace_s=2)
+
+
+def test_kv_pool_flags_reach_the_engine_config():
+    from baton.cli_common import engine_config
+
+    def config(*flags):
+        return engine_config(build_parser().parse_args(["serve", *flags]))
+
+    plain = config()  # off CUDA the engine's 2 GiB, on CUDA its 0.9 of the device
+    assert (plain.kv_cache_memory_bytes, plain.gpu_memory_utilization) == (None, None)
+    assert config("--kv-cache-gib", "0.5").kv_cache_memory_bytes == 1 << 29
+    shared = config("--device", "cuda", "--gpu-memory-utilization", "0.45")
+    assert shared.kv_pool_fraction("cuda") == 0.45 and shared.device == "cuda"

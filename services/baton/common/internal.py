@@ -53,11 +53,15 @@ class KVLayoutInfo(BaseModel):
     total_kv_heads: Annotated[int, Field(ge=0)] = 0
     head_start: Annotated[int, Field(ge=0)] = 0
     tp_size: Annotated[int, Field(ge=1)] = 1
+    device: Annotated[str, Field(min_length=1, max_length=16)] = "cpu"  # cache device type
 
     @model_serializer(mode="wrap")
     def _whole_as_before(self, handler):
-        """A whole cache (TP=1) on the wire exactly as before tensor parallelism."""
+        """A whole host cache (TP=1) on the wire exactly as before tensor parallelism and
+        device types."""
         data = handler(self)
+        if self.device == "cpu":
+            data.pop("device", None)
         if self.tp_size == 1 and self.head_start == 0 and self.total_kv_heads in (
                 0, self.num_kv_heads):
             for key in ("total_kv_heads", "head_start", "tp_size"):

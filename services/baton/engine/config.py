@@ -14,6 +14,10 @@ LOAD_FORMATS = ("auto", "dummy")
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 # auto: the model's dtype; fp8 = fp8_e4m3 (as vLLM), stored with per-layer scales
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+# The KV pool's size when nothing sizes it: a fixed budget off CUDA; on CUDA this fraction of
+# the device (vLLM's default), the pool taking what the weights and activations leave.
+DEFAULT_KV_CACHE_BYTES = 2 << 30
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 
 
 @dataclass(frozen=True)
@@ -21,7 +25,9 @@ class EngineConfig:
     """Knobs of one engine. `model=None` means the bundled SmolLM2-135M-Instruct.
 
     The KV pool holds `num_kv_blocks` blocks when given, else as many as fit in
-    `kv_cache_memory_bytes`.
+    `kv_cache_memory_bytes` when given; else, on CUDA, what `gpu_memory_utilization` of the
+    device leaves after the weights and a profiled forward (`runner/memory.py`), and off
+    CUDA `DEFAULT_KV_CACHE_BYTES`. `kv_pool_fraction` says which applies.
     """
 
     model: str | None = None
@@ -38,7 +44,10 @@ class EngineConfig:
     max_model_len: int | None = None
     enable_prefix_caching: bool = True
     num_kv_blocks: int | None = None
-    kv_cache_memory_bytes: int = 2 << 30
+    kv_cache_memory_bytes: int | None = None  # None: see the class docstring
+    # The fraction of the CUDA device's total memory this engine may use (vLLM's meaning;
+    # None: DEFAULT_GPU_MEMORY_UTILIZATION). Two engines on one GPU each take their own.
+    gpu_memory_utilization: float | None = None
     kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES; fp8 holds 2x bf16's blocks
     scheduling_policy: str = "fcfs"
     attention_backend: str = "auto"  # auto: triton on CUDA, torch elsewhere
@@ -69,6 +78,22 @@ class EngineConfig:
         return LiveSettings(self.max_num_seqs, self.max_num_batched_tokens, self.kv_lease_ttl_s,
                             self.kv_transfer_timeout_s, self.kv_failure_policy)
 
+    @property
+    def kv_cache_bytes(self) -> int:
+        """The KV budget when the pool is not sized from the device's memory."""
+        if self.kv_cache_memory_bytes is None:
+            return DEFAULT_KV_CACHE_BYTES
+        return self.kv_cache_memory_bytes
+
+    def kv_pool_fraction(self, device_type: str) -> float | None:
+        """The fraction of the device the engine sizes its KV pool by on a `device_type`
+        device ("cuda", "cpu"), or None when the pool has a fixed size: `num_kv_blocks` or
+        `kv_cache_memory_bytes` given, or a device other than CUDA."""
+        if (device_type != "cuda" or self.num_kv_blocks is not None
+                or self.kv_cache_memory_bytes is not None):
+            return None
+        return self.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION
+
     def check_live(self, live: LiveSettings) -> None:
         """Raise ValueError when `live` raises a limit above this (start) config's: buffers
         and graphs are sized at start, so that needs a restart."""
@@ -93,8 +118,11 @@ class EngineConfig:
                self.max_model_len, "must be >= 2")
         _check(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks",
                self.num_kv_blocks, "must be >= 1")
-        _check(self.kv_cache_memory_bytes > 0, "kv_cache_memory_bytes",
-               self.kv_cache_memory_bytes, "must be > 0")
+        _check(self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0,
+               "kv_cache_memory_bytes", self.kv_cache_memory_bytes, "must be None or > 0")
+        _check(self.gpu_memory_utilization is None or 0 < self.gpu_memory_utilization <= 1,
+               "gpu_memory_utilization", self.gpu_memory_utilization,
+               "must be None or in (0, 1]")
         _check(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype", self.kv_cache_dtype,
                f"must be one of {KV_CACHE_DTYPES}")
         _check(self.scheduling_policy in SCHEDULING_POLICIES, "scheduling_policy",

@@ -31,9 +31,10 @@ def fit_kv_pool(max_model_len: int, config: EngineConfig, num_blocks: int) -> in
             f"sequence of that length needs {-(-max_model_len // block_size)} blocks of "
             f"{block_size} tokens, the pool holds {num_blocks} ({capacity} tokens). Lower "
             f"max_model_len to at most {capacity}, or give the pool more memory "
-            "(kv_cache_memory_bytes / --kv-cache-gib, or num_kv_blocks)")
+            "(--gpu-memory-utilization on CUDA, --kv-cache-gib, or --num-kv-blocks)")
     log.warning("the model's context length %d does not fit the KV pool (%d blocks of %d "
                 "tokens = %d tokens): max_model_len lowered to %d; give the pool more "
-                "memory (--kv-cache-gib / --num-kv-blocks) to serve the full length",
+                "memory (--gpu-memory-utilization on CUDA, --kv-cache-gib or "
+                "--num-kv-blocks) to serve the full length",
                 max_model_len, num_blocks, block_size, capacity, capacity)
     return capacity

@@ -2,32 +2,100 @@
 outputs), greedy or temperature + top-k/top-p/min-p, per-request seeds, and logprobs of the
 raw model distribution (of sampled tokens, and of prompt tokens: `prompt_logprobs`).
 
+Three parts, so that a GPU never waits on the host mid-step:
+- the host plan (`Sampler._plan`): each row's settings read and checked — a banned or
+  biased id outside the vocabulary, a seed torch refuses — before any tensor is built;
+- the device part (`Sampler.sample_on_device`): the plan's numbers reach the device in one
+  copy (`staging.HostStaging`), then every row is constrained, truncated and drawn by
+  vectorised ops with no read-back (no `.item()`, `.tolist()`, boolean-mask indexing or
+  other data-dependent shape): it returns device tensors;
+- the one host fetch (`fetch`): the chosen tokens, and the logprob table of the rows that
+  asked (`logprobs.py`), in one device → host transfer.
+
 Seeded requests draw from their own generator, so their tokens do not depend on what else
-is in the batch; unseeded ones share the engine's generator.
+is in the batch; unseeded ones share the engine's generator. Generators live on the device
+of the logits (one shared generator per device, made on first use; a seeded request's on
+the device it first samples on, its skipped draws replayed there, so a resumed stream draws
+the same numbers on the same kind of device).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
+from baton.engine.logprobs import TokenLogprobs, logprob_table, read_logprobs
 from baton.engine.request import Request
+from baton.engine.staging import HostStaging
 from baton.engine.structured.masks import GrammarMasks, accept_sampled, apply_grammar_masks
 
 
 @dataclass
-class TokenLogprobs:
-    token_id: int
-    logprob: float
-    rank: int  # 1 = most likely
-    top: list[tuple[int, float]]  # the `logprobs` most likely tokens, best first
+class DeviceSample:
+    """The device part's result: `tokens` (N,) int64 and, for the rows that asked for
+    logprobs (`logprob_rows`, each wanting `logprob_ks` top entries), `logprobs` (W, 2 + 2K)
+    float64 — the chosen token's logprob, its rank, then the K best ids and their logprobs."""
+
+    tokens: torch.Tensor
+    logprobs: torch.Tensor | None
+    logprob_rows: list[int]
+    logprob_ks: list[int]
+
+
+@dataclass
+class _Plan:
+    """One step's rows as the host sees them. Rows indexed in the step's batch; a row whose
+    own constraints are invalid is in `failed` and has none here."""
+
+    rand: list[int]  # rows that sample (not greedy)
+    top_k: list[int]  # per rand row, 0: off
+    shared: list[int]  # positions in `rand` drawing from the shared generator
+    seeded: list[tuple[int, torch.Generator | None]]  # (position in `rand`, its generator)
+    shared_gen: torch.Generator | None  # None on `meta` (no values, nothing to draw)
+    bias: tuple[list[int], list[int], list[float]]  # rows, ids, values
+    bans: tuple[list[int], list[int]]  # rows, ids
+    penalised: list[int]  # rows with penalties
+    counts_on: bool  # some penalised row has a frequency or presence penalty
+    repetition_on: bool  # ... a repetition penalty
+    top_p_on: bool  # some rand row truncates by top_p
+    min_p_on: bool  # ... by min_p
+    logprob_rows: list[int]  # rows that asked for logprobs
+    logprob_ks: list[int]  # how many best ids each
+
+
+@dataclass
+class _StepTensors:
+    """The plan's numbers on the device, from one copy. Ints int64, floats float32."""
+
+    rand: torch.Tensor  # (R,)
+    top_k: torch.Tensor  # (R,)
+    shared: torch.Tensor  # (U,)
+    logprob_rows: torch.Tensor  # (W,)
+    bias_rows: torch.Tensor  # (B,)
+    bias_ids: torch.Tensor  # (B,)
+    ban_rows: torch.Tensor  # (X,)
+    ban_ids: torch.Tensor  # (X,)
+    pen_rows: torch.Tensor  # (P,)
+    outputs: torch.Tensor  # (P, Lo) output ids in the vocabulary, padded (`_id_rows`)
+    out_lens: torch.Tensor  # (P,) how many of a row's `outputs` are its own
+    seen: torch.Tensor  # (P, Ls) prompt + output ids in the vocabulary, padded
+    temperature: torch.Tensor  # (R,)
+    top_p: torch.Tensor  # (R,)
+    min_p: torch.Tensor  # (R,)
+    bias: torch.Tensor  # (B,)
+    frequency: torch.Tensor  # (P,)
+    presence: torch.Tensor  # (P,)
+    repetition: torch.Tensor  # (P,)
 
 
 class Sampler:
     def __init__(self, seed: int = 0) -> None:
-        self._shared = torch.Generator().manual_seed(seed)
+        self._seed = seed
+        self._shared: dict[torch.device, torch.Generator] = {}
         self._per_request: dict[str, torch.Generator] = {}
+        self._staging: dict[torch.device, HostStaging] = {}
 
     def release(self, request_id: str) -> None:
         self._per_request.pop(request_id, None)
@@ -35,131 +103,180 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, reqs: list[Request],
                  failed: dict[str, str] | None = None, masks: GrammarMasks | None = None
                  ) -> tuple[list[int], list[TokenLogprobs | None]]:
-        """logits (N, V) float32, one row per request -> token ids and optional logprobs.
-        `logits` is not modified.
-
-        In order: logit_bias, penalties and min_tokens bans, the grammar `masks` of the
-        constrained rows (`structured.masks.fill_grammar_masks`), then temperature and
-        truncation; a constrained request's matcher then takes its token.
+        """logits (N, V), one row per request -> token ids and optional logprobs; a
+        constrained request's matcher then takes its token. `logits` is not modified.
 
         `failed`: when given, a row whose own settings make its part raise (a seed torch
-        refuses, a banned, biased or penalised id it cannot index, a token its grammar
-        rejects) is sampled without them, and its request id maps to the error in
-        `failed`: the caller ends that request, the other rows are unaffected. Without it
-        the error propagates."""
-        logits = logits.float()
-        want_logprobs = [i for i, r in enumerate(reqs) if r.sampling_params.logprobs is not None]
-        raw_logprobs = (torch.log_softmax(logits[want_logprobs], dim=-1)
-                        if want_logprobs else None)  # (W, V)
-        logits = self._apply_constraints(logits, reqs, failed, masks)
-        tokens = torch.empty(len(reqs), dtype=torch.long)
-        greedy = [i for i, r in enumerate(reqs) if r.sampling_params.is_greedy]
+        refuses, a banned or biased id outside the vocabulary, a token its grammar rejects)
+        is sampled without them, and its request id maps to the error in `failed`: the
+        caller ends that request, the other rows are unaffected. Without it the error
+        propagates."""
+        tokens, logprobs = fetch(self.sample_on_device(logits, reqs, failed, masks))
+        if masks is not None:
+            accept_sampled(reqs, masks, tokens, failed)
+        return tokens, logprobs
+
+    def sample_on_device(self, logits: torch.Tensor, reqs: list[Request],
+                         failed: dict[str, str] | None = None,
+                         masks: GrammarMasks | None = None) -> DeviceSample:
+        """The step's tokens as device tensors, nothing read back. In order: logit_bias,
+        penalties and min_tokens bans, the grammar `masks` of the constrained rows
+        (`structured.masks.fill_grammar_masks`), then temperature and truncation, greedy
+        rows by argmax. Logprobs come from the raw distribution. `failed` as `__call__`."""
+        logits = logits.float()  # (N, V)
+        plan = self._plan(reqs, logits.shape[-1], logits.device, failed)
+        if not (plan.rand or plan.logprob_rows or plan.bias[0] or plan.bans[0]
+                or plan.penalised or masks):
+            return DeviceSample(logits.argmax(dim=-1), None, [], [])  # all plain greedy
+        t = self._upload(plan, reqs, logits.shape[-1], logits.device)
+        constrained = _apply_constraints(logits, plan, t, masks)
+        tokens = self._choose(constrained, plan, t)  # (N,)
+        table = None
+        if plan.logprob_rows:
+            raw = torch.log_softmax(logits.index_select(0, t.logprob_rows), dim=-1)  # (W, V)
+            table = logprob_table(raw, tokens.index_select(0, t.logprob_rows),
+                                  max(plan.logprob_ks))
+        return DeviceSample(tokens, table, plan.logprob_rows, plan.logprob_ks)
+
+    def _plan(self, reqs: list[Request], vocab: int, device: torch.device,
+              failed: dict[str, str] | None) -> _Plan:
+        ok = [i for i, r in enumerate(reqs) if _constraints_error(r, vocab, failed) is None]
+        bias: tuple[list[int], list[int], list[float]] = ([], [], [])
+        bans: tuple[list[int], list[int]] = ([], [])
+        for i in ok:
+            for tok, val in (reqs[i].sampling_params.logit_bias or {}).items():
+                bias[0].append(i)
+                bias[1].append(tok)
+                bias[2].append(val)
+            banned = _banned_tokens(reqs[i])
+            bans[0].extend([i] * len(banned))
+            bans[1].extend(banned)
         rand = [i for i, r in enumerate(reqs) if not r.sampling_params.is_greedy]
-        if len(greedy) == len(reqs):
-            tokens = logits.argmax(dim=-1).cpu()
-        elif greedy:
-            tokens[greedy] = logits[greedy].argmax(dim=-1).cpu()
-        if rand:
-            tokens[rand] = self._sample(logits[rand], [reqs[i] for i in rand], failed).cpu()
-        token_list = tokens.tolist()
-        if masks is not None:
-            accept_sampled(reqs, masks, token_list, failed)
-        lp: list[TokenLogprobs | None] = [None] * len(reqs)
-        for w, i in enumerate(want_logprobs):
-            lp[i] = _logprobs(raw_logprobs[w], token_list[i], reqs[i].sampling_params.logprobs)
-        return token_list, lp
+        shared, seeded = [], []
+        for j, i in enumerate(rand):
+            gen = self._seeded_generator(reqs[i], vocab, device, failed)
+            if gen is None:
+                shared.append(j)
+            else:
+                seeded.append((j, gen if device.type != "meta" else None))
+        params = [reqs[i].sampling_params for i in rand]
+        pen_rows = [i for i in ok if reqs[i].sampling_params.needs_penalties]
+        pen = [reqs[i].sampling_params for i in pen_rows]
+        logprobs = [i for i, r in enumerate(reqs) if r.sampling_params.logprobs is not None]
+        return _Plan(
+            rand, [p.top_k if 0 < p.top_k < vocab else 0 for p in params], shared, seeded,
+            self._shared_generator(device), bias, bans, pen_rows,
+            counts_on=any(p.frequency_penalty or p.presence_penalty for p in pen),
+            repetition_on=any(p.repetition_penalty != 1.0 for p in pen),
+            top_p_on=any(p.top_p < 1.0 for p in params), min_p_on=any(p.min_p > 0 for p in params),
+            logprob_rows=logprobs, logprob_ks=[reqs[i].sampling_params.logprobs for i in logprobs])
 
-    def _apply_constraints(self, logits: torch.Tensor, reqs: list[Request],
-                           failed: dict[str, str] | None,
-                           masks: GrammarMasks | None) -> torch.Tensor:
-        """A copy of `logits` with every row's constraints applied (`logits` itself when
-        no row has any)."""
-        per_row = [(i, _banned_tokens(r)) for i, r in enumerate(reqs)]
-        per_row = [(i, b) for i, b in per_row if b or reqs[i].sampling_params.needs_penalties]
-        biased = [i for i, r in enumerate(reqs) if r.sampling_params.logit_bias]
-        if not (per_row or biased or masks):
-            return logits
-        logits = logits.clone()
-        if biased:
-            _add_logit_bias(logits, reqs, biased, failed)
-        for i, banned in per_row:
-            req = reqs[i]
-            p = req.sampling_params
-            saved = logits[i].clone()
-            try:
-                if p.needs_penalties:
-                    _apply_penalties(logits[i], req)
-                if banned:
-                    logits[i, banned] = float("-inf")
-            except (IndexError, RuntimeError, ValueError, OverflowError) as err:
-                if failed is None:
-                    raise
-                logits[i] = saved  # the row as the model gave it
-                failed[req.request_id] = f"sampling constraints: {err}"
-        if masks is not None:
-            apply_grammar_masks(logits, masks)
-        return logits
+    def _upload(self, plan: _Plan, reqs: list[Request], vocab: int, device: torch.device
+                ) -> _StepTensors:
+        """Every number the device part needs, in one host → device copy."""
+        pen = [reqs[i] for i in plan.penalised]
+        outputs, out_lens = _id_rows([[r.output_token_ids] for r in pen]
+                                     if plan.counts_on else [], vocab)
+        seen, seen_lens = _id_rows([[r.prompt_token_ids, r.output_token_ids] for r in pen]
+                                   if plan.repetition_on else [], vocab)
+        rand = [reqs[i].sampling_params for i in plan.rand]
+        pen_params = [r.sampling_params for r in pen]
+        ints = {"rand": plan.rand, "top_k": plan.top_k, "shared": plan.shared,
+                "logprob_rows": plan.logprob_rows, "bias_rows": plan.bias[0],
+                "bias_ids": plan.bias[1], "ban_rows": plan.bans[0], "ban_ids": plan.bans[1],
+                "pen_rows": plan.penalised, "outputs": outputs.reshape(-1),
+                "out_lens": out_lens, "seen": seen.reshape(-1)}
+        floats = {"temperature": [p.temperature for p in rand], "top_p": [p.top_p for p in rand],
+                  "min_p": [p.min_p for p in rand], "bias": plan.bias[2],
+                  "frequency": [p.frequency_penalty for p in pen_params],
+                  "presence": [p.presence_penalty for p in pen_params],
+                  # 1.0 (a no-op) where a row saw no id: its padding is id 0
+                  "repetition": [p.repetition_penalty if n else 1.0
+                                 for p, n in zip(pen_params, seen_lens)]}
+        staging = self._staging.get(device)
+        if staging is None:
+            staging = self._staging[device] = HostStaging(device)
+        parts = dict(zip([*ints, *floats], staging.pack(
+            list(ints.values()), list(floats.values()), float_dtype=torch.float32)))
+        parts["outputs"] = parts["outputs"].view(outputs.shape)
+        parts["seen"] = parts["seen"].view(seen.shape)
+        return _StepTensors(**parts)
 
-    def _sample(self, logits: torch.Tensor, reqs: list[Request],
-                failed: dict[str, str] | None) -> torch.Tensor:
+    def _choose(self, logits: torch.Tensor, plan: _Plan, t: _StepTensors) -> torch.Tensor:
+        """(N, V) constrained logits -> (N,) ids: argmax for greedy rows, drawn for the
+        others, merged on the device."""
+        if not plan.rand:
+            return logits.argmax(dim=-1)
+        every = len(plan.rand) == logits.shape[0]
+        sampled = self._sample(logits if every else logits.index_select(0, t.rand), plan, t)
+        if every:
+            return sampled
+        return logits.argmax(dim=-1).index_copy_(0, t.rand, sampled)
+
+    def _sample(self, logits: torch.Tensor, plan: _Plan, t: _StepTensors) -> torch.Tensor:
         """logits (R, V) -> (R,) sampled ids via the exponential race (argmax p / Exp(1))."""
-        dev = logits.device
-        temps = torch.tensor([r.sampling_params.temperature for r in reqs], device=dev)
-        logits = logits / temps[:, None]
-        logits = _top_k(logits, [r.sampling_params.top_k for r in reqs])
+        logits = logits / t.temperature[:, None]
+        if any(plan.top_k):
+            logits = _top_k(logits, t.top_k, max(plan.top_k))
         probs = torch.softmax(logits, dim=-1)
-        probs = _top_p_min_p(probs, [r.sampling_params.top_p for r in reqs],
-                             [r.sampling_params.min_p for r in reqs])
-        noise = torch.empty_like(probs)
-        for i, req in enumerate(reqs):
-            try:
-                gen = self._generator(req, noise.shape[-1])
-            except (RuntimeError, ValueError, OverflowError) as err:
-                if failed is None:
-                    raise
-                failed[req.request_id] = f"seed {req.sampling_params.seed!r}: {err}"
-                gen = self._shared
-            noise[i].exponential_(generator=gen)
+        probs = _top_p_min_p(probs, t.top_p, t.min_p, plan.top_p_on, plan.min_p_on)
+        noise = torch.empty_like(probs)  # (R, V)
+        if len(plan.shared) == len(plan.rand):
+            noise.exponential_(generator=plan.shared_gen)
+        elif plan.shared:
+            drawn = torch.empty(len(plan.shared), probs.shape[-1], device=probs.device)
+            noise.index_copy_(0, t.shared, drawn.exponential_(generator=plan.shared_gen))
+        for j, gen in plan.seeded:
+            noise[j].exponential_(generator=gen)
         return (probs / noise).argmax(dim=-1)
 
-    def _generator(self, req: Request, vocab: int) -> torch.Generator:
+    def _shared_generator(self, device: torch.device) -> torch.Generator | None:
+        if device.type == "meta":
+            return None
+        gen = self._shared.get(device)
+        if gen is None:
+            gen = self._shared[device] = torch.Generator(device).manual_seed(self._seed)
+        return gen
+
+    def _seeded_generator(self, req: Request, vocab: int, device: torch.device,
+                          failed: dict[str, str] | None) -> torch.Generator | None:
+        """The request's own generator on `device` (None: it has no seed, or a seed torch
+        refuses — then in `failed` — and draws from the shared one)."""
         seed = req.sampling_params.seed
         if seed is None:
-            return self._shared
+            return None
         gen = self._per_request.get(req.request_id)
-        if gen is None:
-            gen = torch.Generator().manual_seed(seed)
-            skip = torch.empty(vocab)
+        if gen is not None:
+            return gen
+        try:  # on `meta` (no generator there) a CPU one only checks the seed
+            gen = torch.Generator(device if device.type != "meta" else "cpu").manual_seed(seed)
+        except (RuntimeError, ValueError, OverflowError) as err:
+            if failed is None:
+                raise
+            failed[req.request_id] = f"seed {seed!r}: {err}"
+            return None
+        if device.type != "meta":
+            skip = torch.empty(vocab, device=device)
             for _ in range(req.num_presampled):  # the draws made elsewhere, in order
                 skip.exponential_(generator=gen)
-            self._per_request[req.request_id] = gen
+        self._per_request[req.request_id] = gen
         return gen
 
 
-def _add_logit_bias(logits: torch.Tensor, reqs: list[Request], rows: list[int],
-                    failed: dict[str, str] | None) -> None:
-    """Add each biased row's logit_bias, one scatter for the batch. A row naming an id
-    outside the vocabulary (make_request refuses those) is left unbiased and failed."""
-    vocab = logits.shape[-1]
-    row_ids: list[int] = []
-    cols: list[int] = []
-    vals: list[float] = []
-    for i in rows:
-        bias = reqs[i].sampling_params.logit_bias
-        bad = [t for t in bias if not 0 <= t < vocab]
-        if bad:
-            why = f"logit_bias: token ids {bad[:5]} are outside [0, {vocab})"
-            if failed is None:
-                raise IndexError(why)
-            failed[reqs[i].request_id] = why
-            continue
-        row_ids.extend([i] * len(bias))
-        cols.extend(bias)
-        vals.extend(bias.values())
-    if row_ids:
-        dev = logits.device
-        logits.index_put_((torch.tensor(row_ids, device=dev), torch.tensor(cols, device=dev)),
-                          torch.tensor(vals, dtype=logits.dtype, device=dev), accumulate=True)
+def _constraints_error(req: Request, vocab: int, failed: dict[str, str] | None) -> str | None:
+    """Why the row's own logit_bias or min_tokens bans cannot apply (an id outside the
+    vocabulary: make_request refuses those), recorded in `failed`; raises IndexError
+    without `failed`. None when they can."""
+    bad_bias = [t for t in req.sampling_params.logit_bias or () if not 0 <= t < vocab]
+    bad_ban = [t for t in _banned_tokens(req) if not 0 <= t < vocab]
+    if not (bad_bias or bad_ban):
+        return None
+    why = (f"logit_bias: token ids {bad_bias[:5]} are outside [0, {vocab})" if bad_bias else
+           f"sampling constraints: banned token ids {bad_ban[:5]} are outside [0, {vocab})")
+    if failed is None:
+        raise IndexError(f"request {req.request_id}: {why}")
+    failed[req.request_id] = why
+    return why
 
 
 def _banned_tokens(req: Request) -> list[int]:
@@ -173,70 +290,97 @@ def _banned_tokens(req: Request) -> list[int]:
     return banned
 
 
-def _apply_penalties(row: torch.Tensor, req: Request) -> None:
-    p = req.sampling_params
-    vocab = row.shape[0]
-    if p.presence_penalty or p.frequency_penalty:
-        out = torch.tensor(req.output_token_ids, dtype=torch.long, device=row.device)
-        counts = torch.bincount(out[out < vocab], minlength=vocab).to(row.dtype)
-        row -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(row.dtype)
-    if p.repetition_penalty != 1.0:
-        seen = torch.tensor(sorted(set(req.all_token_ids)), dtype=torch.long, device=row.device)
-        seen = seen[seen < vocab]
-        vals = row[seen]
-        row[seen] = torch.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+def _id_rows(rows: list[list[list[int]]], vocab: int) -> tuple[np.ndarray, list[int]]:
+    """Each row's lists of ids, one after another, those outside [0, vocab) dropped ->
+    (R, L) int64 and each row's length. A row is padded with its own last id (0 when it
+    has none), so a scatter of per-id values writes the padding's cell with the same value
+    as the real one."""
+    kept = []
+    for parts in rows:
+        ids = np.concatenate([np.asarray(p, dtype=np.int64) for p in parts])
+        kept.append(ids[(ids >= 0) & (ids < vocab)])
+    out = np.zeros((len(kept), max((len(k) for k in kept), default=0)), dtype=np.int64)
+    for i, ids in enumerate(kept):
+        out[i, :len(ids)] = ids
+        if len(ids):
+            out[i, len(ids):] = ids[-1]
+    return out, [len(k) for k in kept]
 
 
-def _top_k(logits: torch.Tensor, ks: list[int]) -> torch.Tensor:
-    vocab = logits.shape[-1]
-    ks = [k if 0 < k < vocab else 0 for k in ks]
-    if not any(ks):
+def _apply_constraints(logits: torch.Tensor, plan: _Plan, t: _StepTensors,
+                       masks: GrammarMasks | None) -> torch.Tensor:
+    """A copy of `logits` (N, V) with every row's constraints applied (`logits` itself
+    when no row has any)."""
+    if not (plan.bias[0] or plan.bans[0] or plan.penalised or masks):
         return logits
-    k_max = max(ks)
+    logits = logits.clone()
+    if plan.bias[0]:
+        logits.index_put_((t.bias_rows, t.bias_ids), t.bias, accumulate=True)
+    if plan.penalised:
+        _penalise(logits, t, plan)
+    if plan.bans[0]:
+        logits.index_put_((t.ban_rows, t.ban_ids), logits.new_full(t.ban_ids.shape, -torch.inf))
+    if masks is not None:
+        apply_grammar_masks(logits, masks)
+    return logits
+
+
+def _penalise(logits: torch.Tensor, t: _StepTensors, plan: _Plan) -> None:
+    """In place on the penalised rows of logits (N, V), touching only the ids they saw:
+    frequency / presence penalties from each row's output counts, then the repetition
+    penalty on every id of its prompt and output. Gathers and scatters at fixed shapes;
+    a row's padding repeats one of its ids, so it writes that id's own value again."""
+    vocab = logits.shape[-1]
+    flat = logits.view(-1)  # (N * V,)
+    base = t.pen_rows[:, None] * vocab  # (P, 1)
+    if plan.counts_on:
+        own = torch.arange(t.outputs.shape[1], device=logits.device) < t.out_lens[:, None]
+        counts = logits.new_zeros(len(plan.penalised), vocab).scatter_add_(
+            1, t.outputs, own.to(logits.dtype)).gather(1, t.outputs)  # (P, Lo)
+        at = base + t.outputs  # (P, Lo)
+        penalty = t.frequency[:, None] * counts + t.presence[:, None] * (counts > 0).float()
+        flat.scatter_(0, at.view(-1), (flat.take(at) - penalty).view(-1))
+    if plan.repetition_on:
+        at = base + t.seen  # (P, Ls)
+        vals = flat.take(at)
+        rep = t.repetition[:, None]  # (P, 1), 1.0 on rows without one: x / 1 = x
+        flat.scatter_(0, at.view(-1), torch.where(vals > 0, vals / rep, vals * rep).view(-1))
+
+
+def _top_k(logits: torch.Tensor, ks: torch.Tensor, k_max: int) -> torch.Tensor:
+    """logits (R, V), ks (R,) (0: off) -> logits below each row's k-th largest at -inf."""
     top = logits.topk(k_max, dim=-1).values  # (R, k_max)
-    idx = torch.tensor([max(k, 1) - 1 for k in ks], device=logits.device)
-    thresh = top.gather(1, idx[:, None])  # (R, 1)
-    thresh[torch.tensor([k == 0 for k in ks], device=logits.device)] = float("-inf")
-    return logits.masked_fill(logits < thresh, float("-inf"))
+    thresh = top.gather(1, (ks - 1).clamp(min=0)[:, None])  # (R, 1)
+    thresh = torch.where(ks[:, None] > 0, thresh, -torch.inf)
+    return logits.masked_fill(logits < thresh, -torch.inf)
 
 
-def _top_p_min_p(probs: torch.Tensor, top_ps: list[float], min_ps: list[float]) -> torch.Tensor:
-    dev = probs.device
-    if any(p > 0 for p in min_ps):
-        min_p = torch.tensor(min_ps, device=dev, dtype=probs.dtype)[:, None]
-        probs = probs.masked_fill(probs < min_p * probs.max(dim=-1, keepdim=True).values, 0.0)
-    if any(p < 1.0 for p in top_ps):
-        top_p = torch.tensor(top_ps, device=dev, dtype=probs.dtype)[:, None]
+def _top_p_min_p(probs: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
+                 top_p_on: bool, min_p_on: bool) -> torch.Tensor:
+    """probs (R, V); top_p, min_p (R,) -> probs with the truncated ids at 0."""
+    if min_p_on:
+        floor = min_p[:, None] * probs.max(dim=-1, keepdim=True).values  # (R, 1)
+        probs = probs.masked_fill(probs < floor, 0.0)
+    if top_p_on:
         sorted_p, order = probs.sort(dim=-1, descending=True)
         # Drop a token when the mass strictly before it already reaches top_p (keeps >= 1).
         before = sorted_p.cumsum(dim=-1) - sorted_p
-        drop_sorted = before >= top_p
+        drop_sorted = before >= top_p[:, None]
         drop = torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
         probs = probs.masked_fill(drop, 0.0)
     return probs
 
 
-def _logprobs(row: torch.Tensor, token: int, k: int) -> TokenLogprobs:
-    chosen = float(row[token])
-    rank = int((row > row[token]).sum()) + 1
-    top: list[tuple[int, float]] = []
-    if k:
-        vals, ids = row.topk(k)
-        top = list(zip(ids.tolist(), vals.tolist()))
-    return TokenLogprobs(token, chosen, rank, top)
-
-
-def prompt_logprobs(logits: torch.Tensor, targets: list[int], k: int) -> list[TokenLogprobs]:
-    """logits (P, V) at P consecutive prompt positions, `targets` the prompt token after
-    each -> that token's logprob, rank and the k most likely, from the raw distribution
-    (as the sampled tokens' logprobs)."""
-    lp = torch.log_softmax(logits.float(), dim=-1)  # (P, V)
-    tgt = torch.tensor(targets, device=lp.device)[:, None]  # (P, 1)
-    chosen = lp.gather(1, tgt)  # (P, 1)
-    ranks = ((lp > chosen).sum(dim=-1) + 1).tolist()
-    top: list[list[tuple[int, float]]] = [[] for _ in targets]
-    if k:
-        vals, ids = lp.topk(k, dim=-1)  # (P, k)
-        top = [list(zip(i, v)) for i, v in zip(ids.tolist(), vals.tolist())]
-    return [TokenLogprobs(t, c, r, top[j])
-            for j, (t, c, r) in enumerate(zip(targets, chosen[:, 0].tolist(), ranks))]
+def fetch(sample: DeviceSample) -> tuple[list[int], list[TokenLogprobs | None]]:
+    """The step's one device → host transfer: the tokens, and the logprobs of the rows
+    that asked (packed as float64 with the tokens: ids are exact in it)."""
+    n = sample.tokens.shape[0]
+    lps: list[TokenLogprobs | None] = [None] * n
+    if sample.logprobs is None:
+        return sample.tokens.tolist(), lps
+    flat = torch.cat([sample.tokens.double(), sample.logprobs.reshape(-1)]).tolist()
+    tokens = [int(x) for x in flat[:n]]
+    width = sample.logprobs.shape[1]
+    for w, (i, k) in enumerate(zip(sample.logprob_rows, sample.logprob_ks)):
+        lps[i] = read_logprobs(flat[n + w * width:n + (w + 1) * width], tokens[i], k)
+    return tokens, lps

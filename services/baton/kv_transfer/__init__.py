@@ -1,6 +1,8 @@
 """KV block transfer between engines (docs/design.md §5): the contract in `base.py`, transports
-`local` (in-process), `tcp` (no dependency), `gloo` / `nccl` (torch.distributed pair
-groups) and `nixl` (UCX one-sided reads), chosen by name with `make_transport`."""
+`local` (in-process), `tcp` (no dependency; a GPU cache staged through host memory), `gloo` /
+`nccl` (a torch.distributed group per peer pair, reused) and `nixl` (UCX one-sided reads of
+DRAM or VRAM), chosen by name with `make_transport`. None of them views a device cache
+from the host."""
 
 from __future__ import annotations
 
@@ -11,7 +13,8 @@ TRANSPORTS = ("local", "tcp", "gloo", "nixl")
 
 def installed_transports() -> tuple[str, ...]:
     """The transports this machine can run (`nixl` needs its optional package)."""
-    has_nixl = any(importlib.util.find_spec(m) is not None for m in ("nixl_cu12", "nixl"))
+    has_nixl = any(importlib.util.find_spec(m) is not None
+                   for m in ("nixl_cu12", "nixl_cu13", "nixl"))
     return tuple(t for t in TRANSPORTS if t != "nixl" or has_nixl)
 
 

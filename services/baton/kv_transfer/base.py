@@ -14,7 +14,10 @@ FAILED) that the engine loop polls; it never blocks the step. Failures are typed
 (`TransferError` subclasses).
 
 The cache is the engine's one tensor `[layers, 2 (K/V), blocks, block_size, kv_heads,
-head_dim]`; a block's bytes are its `layers x 2` slices, gathered in that order.
+head_dim]`; a block's bytes are its `layers x 2` slices, gathered in that order. It may
+live on any device: every transport starts, serves and pulls without a host view of a
+device cache, and a layout names the device type, so peers whose caches live on different
+kinds of device refuse each other at the handshake.
 """
 
 from __future__ import annotations
@@ -61,7 +64,9 @@ class KVLayout:
     model's `total_kv_heads` (0: all of them), the global heads [head_start, head_start +
     num_kv_heads), one of `tp_size` ranks. The fingerprint covers only what every rank of
     every TP degree shares (layers, block size, total heads, head dim, dtype): peers of
-    different TP degrees handshake, and each pull names the heads it moves."""
+    different TP degrees handshake, and each pull names the heads it moves. The device type
+    is part of it too (nixl reads DRAM or VRAM, gloo / nccl need the same kind on both
+    sides); a layout on the wire without one is a host cache's."""
 
     num_layers: int
     block_size: int
@@ -71,6 +76,7 @@ class KVLayout:
     total_kv_heads: int = 0
     head_start: int = 0
     tp_size: int = 1
+    device: str = "cpu"  # the cache's device type (cpu, cuda): a transport's memory kind
 
     def __post_init__(self) -> None:
         if self.total_kv_heads == 0:
@@ -89,7 +95,7 @@ class KVLayout:
                              f"head_dim], got {tuple(kv_cache.shape)}")
         layers, _, _, bs, kvh, d = kv_cache.shape
         return cls(layers, bs, kvh, d, str(kv_cache.dtype).removeprefix("torch."),
-                   total_kv_heads, head_start, tp_size)
+                   total_kv_heads, head_start, tp_size, kv_cache.device.type)
 
     @property
     def heads(self) -> tuple[int, int]:
@@ -104,21 +110,27 @@ class KVLayout:
     def fingerprint(self) -> str:
         raw = f"{self.num_layers}/{self.block_size}/{self.total_kv_heads}/{self.head_dim}/" \
               f"{self.dtype}"
+        if self.device != "cpu":  # a host cache's fingerprint as before devices were named
+            raw += f"/{self.device}"
         return hashlib.blake2b(raw.encode(), digest_size=8).hexdigest()
 
     def to_dict(self) -> dict:
-        """On the wire; a whole cache (TP=1) as before tensor parallelism."""
+        """On the wire; a whole cache (TP=1) on the host as before tensor parallelism and
+        devices (`KVLayout(**d)` reads both)."""
         d = asdict(self)
         if self.is_whole and self.tp_size == 1:
             for k in ("total_kv_heads", "head_start", "tp_size"):
                 del d[k]
+        if self.device == "cpu":
+            del d["device"]
         return d
 
     def mismatch(self, other: KVLayout) -> str:
         """What makes two layouts' blocks incompatible whatever their TP degrees ('' when
         nothing does)."""
         diffs = [f"{k} {getattr(self, k)} vs {getattr(other, k)}"
-                 for k in ("num_layers", "block_size", "total_kv_heads", "head_dim", "dtype")
+                 for k in ("num_layers", "block_size", "total_kv_heads", "head_dim", "dtype",
+                           "device")
                  if getattr(self, k) != getattr(other, k)]
         return ", ".join(diffs)
 

@@ -2,35 +2,66 @@
 
 The control plane is the tcp transport's (bounded frames, the handshake with the layout
 fingerprint and the secret's challenge, pull, ack, leases); only the data phase differs:
-for each pull the holder opens a `TCPStore` on a free port and says which in its reply,
-both sides build a two-rank process group on it (the holder rank 0, the puller rank 1; no
-torchrun, ~10 ms), the holder gathers the blocks into one contiguous tensor and `send`s
-it, the puller `recv`s it into a staging tensor and scatters it into its destination
-blocks. One large message, because many small sends are slow on gloo. (The store itself
-takes no secret: its port, random and open for one pull, is told only to the puller that
-passed the handshake.)
+the bytes go over a two-rank process group per peer pair (`pairs.py`), built on the
+first pull between two engines and reused: the holder (rank 0) opens a `TCPStore` on a
+free port and says which in its reply, naming the new group; later replies name the group
+the puller already has, with the tag of this pull's message. The holder gathers the
+blocks into one contiguous tensor and `send`s it, the puller `recv`s it into a staging
+tensor on its own device and scatters it into its destination blocks: one large message,
+because many small sends are slow on gloo. On CUDA both run on a side stream of the pair
+(after the engine's queued work, not in the way of its later steps), and a transfer waits
+on that stream's work alone. Neither side ever views a cache from the host. (The store
+takes no secret: its port, random, is told only to a puller that passed the handshake; it
+lives as long as its pair.)
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import socket
+import time
+import uuid
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from baton.kv_transfer.base import (Endpoint, PeerUnreachableError, TransferTimeoutError,
-                                    gather_blocks, scatter_blocks, wire_view)
-from baton.kv_transfer.tcp import TcpTransport
+from baton.kv_transfer.base import (Endpoint, PeerUnreachableError, TransferError,
+                                    TransferTimeoutError, gather_blocks, scatter_blocks,
+                                    wire_view)
+from baton.kv_transfer.pairs import Pair, PairTable, build_group, destroy
+from baton.kv_transfer.staging import on_stream, side_stream, wait_for
+from baton.kv_transfer.tcp import DataUnavailable, TcpTransport
 from baton.kv_transfer.wire import send_msg
 
+log = logging.getLogger(__name__)
 _SETUP = timedelta(seconds=30)
+_DEVICE = {"gloo": "cpu", "nccl": "cuda"}
 
 
-def _group(store, rank: int, timeout: timedelta, backend: str):
-    if backend == "nccl":
-        return dist.ProcessGroupNCCL(store, rank, 2)
-    return dist.ProcessGroupGloo(store, rank, 2, timeout)
+def _finish(work, seconds: float, cuda: bool) -> None:
+    """Wait for a send / recv: gloo's own timed wait; NCCL's work polled up to the
+    deadline (its wait() only orders the current stream), then waited to raise its error
+    and order the current (side) stream after it."""
+    if not cuda:
+        if not work.wait(timedelta(seconds=max(seconds, 0.001))):
+            raise TimeoutError("the send / recv timed out")
+        return
+    deadline = time.monotonic() + seconds
+    while not work.is_completed():
+        if time.monotonic() > deadline:
+            raise TimeoutError("the send / recv timed out")
+        time.sleep(0.0005)
+    work.wait()
+
+
+def _typed(err: Exception, address: str) -> TransferError:
+    """gloo / NCCL errors: tell a timeout from a lost peer."""
+    text = str(err).lower()
+    if isinstance(err, TimeoutError) or "timed out" in text or "timeout" in text:
+        return TransferTimeoutError(f"the transfer with {address} timed out: {err}")
+    return PeerUnreachableError(f"lost {address} during the transfer: {err}")
 
 
 class GlooTransport(TcpTransport):
@@ -39,51 +70,131 @@ class GlooTransport(TcpTransport):
 
     def __init__(self, host: str = "127.0.0.1", port: int = 0, max_pulls: int = 8,
                  backend: str = "gloo", **control) -> None:
+        if backend not in _DEVICE:
+            raise ValueError(f"backend={backend!r}: one of {sorted(_DEVICE)}")
         super().__init__(host, port, max_pulls, **control)  # control: tcp's secret, limits
         self.backend = backend
         self.name = backend
+        self.pairs = PairTable()  # holder: by puller identity; puller: by holder address
 
     def start(self, kv_cache: torch.Tensor, engine_id: str) -> Endpoint:
-        if self.backend == "gloo" and kv_cache.device.type != "cpu":
-            raise ValueError("the gloo transport moves host memory; use nccl for GPU caches")
+        want = _DEVICE[self.backend]
+        if kv_cache.device.type != want:
+            raise ValueError(f"the {self.backend} transport moves {want} caches, not a "
+                             f"{kv_cache.device.type} one: use "
+                             f"{'nccl' if want == 'cpu' else 'gloo'} or tcp")
         return self._start(kv_cache, engine_id)
 
-    def _send_blocks(self, conn: socket.socket, blocks: list[int]) -> None:
+    @property
+    def _cuda(self) -> bool:
+        return self.kv_cache.device.type == "cuda"
+
+    # -- holder ----------------------------------------------------------------------------
+    def _send_blocks(self, conn: socket.socket, blocks: list[int], heads, peer: str,
+                     req: dict) -> None:
         if not blocks:
             send_msg(conn, {"ok": True, "nbytes": 0})
             return
-        data = gather_blocks(self.kv_cache, blocks).contiguous()
+        with self.pairs.lock(peer):
+            pair = self.pairs.get(peer)
+            fresh = pair is None or pair.gen != req.get("group")
+            if fresh:  # a new puller, a restarted one, or one that dropped its group
+                self._send_fresh(conn, blocks, peer)
+                return
+            self._send_on(conn, pair, blocks, peer, {})
+
+    def _send_fresh(self, conn: socket.socket, blocks: list[int], peer: str) -> None:
+        self.pairs.drop(peer)
         store = dist.TCPStore(self.host, 0, 2, True, timeout=_SETUP, wait_for_workers=False)
+        pair = Pair(uuid.uuid4().hex[:16], store, None, side_stream(self.kv_cache.device))
+        self._send_on(conn, pair, blocks, peer, {"store_port": store.port})
+
+    def _send_on(self, conn: socket.socket, pair: Pair, blocks: list[int], peer: str,
+                 extra: dict) -> None:
+        stream = pair.stream
+        try:
+            with on_stream(stream):
+                data = gather_blocks(self.kv_cache, blocks).contiguous()  # [L,2,n,bs,h,d]
+        except RuntimeError as err:  # the device's: before the header, the puller hears
+            raise DataUnavailable(f"holder {self.endpoint.engine_id} could not gather its "
+                                  f"KV blocks for {peer}: {err!r}") from None
+        tag = pair.next_tag()
         send_msg(conn, {"ok": True, "nbytes": data.numel() * data.element_size(),
-                         "store_port": store.port})
-        pg = _group(store, 0, _SETUP, self.backend)
-        pg.send([data], 1, 0).wait(_SETUP)
+                        "group": pair.gen, "tag": tag, **extra})
+        try:
+            if pair.group is None:  # blocks until the puller joins
+                pair.group = build_group(pair.store, 0, _SETUP, self.backend)
+                self.pairs.put(peer, pair)
+            with on_stream(stream):
+                _finish(pair.group.send([data], 1, tag), _SETUP.total_seconds(), self._cuda)
+        except (RuntimeError, TimeoutError) as err:
+            log.info("KV %s group with %s dropped: %s", self.backend, peer, err)
+            if self.pairs.get(peer) is pair:
+                self.pairs.drop(peer)
+            else:  # never tabled: its store and any half-built group go now
+                destroy(pair)
+            raise ConnectionAbortedError(str(err)) from None
+
+    # -- puller ----------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def _pull_session(self, peer: Endpoint, remaining):
+        """One pull at a time per holder; the request names the group we have. A holder
+        we cannot reach, or a data phase that fails, costs us our group with it."""
+        lock = self.pairs.lock(peer.address)
+        if not lock.acquire(timeout=remaining()):
+            raise TransferTimeoutError(f"an earlier pull from {peer.address} still runs")
+        try:
+            pair = self.pairs.get(peer.address)
+            yield {"group": pair.gen if pair is not None else None}
+        except (OSError, ValueError, PeerUnreachableError, TransferTimeoutError):
+            self.pairs.drop(peer.address)
+            raise
+        finally:
+            lock.release()
 
     def _receive(self, sock: socket.socket, reply: dict, src: list[int], dst: list[int],
                  remaining, peer: Endpoint) -> int:
-        n = len(src)
-        if n == 0:
+        if not src:
             return 0
-        lay = self.layout
-        staging = wire_view(torch.empty((lay.num_layers, 2, n, lay.block_size,
-                                         lay.num_kv_heads, lay.head_dim),
-                                        dtype=self.kv_cache.dtype, device=self.kv_cache.device))
-        host = peer.address.rsplit(":", 1)[0]
+        gen, tag = reply.get("group"), reply.get("tag")
+        if not isinstance(gen, str) or type(tag) is not int:
+            raise PeerUnreachableError(f"{peer.address} named no group / tag: {reply!r}")
         try:
-            left = timedelta(seconds=remaining())
-            port = reply.get("store_port")
-            if type(port) is not int or not 0 < port < 65536:
-                raise PeerUnreachableError(f"{peer.address} named no store port: {port!r}")
-            store = dist.TCPStore(host, port, 2, False, timeout=left)
-            pg = _group(store, 1, left, self.backend)
-            if not pg.recv([staging], 0, 0).wait(timedelta(seconds=remaining())):
-                raise TransferTimeoutError(f"receiving from {peer.address} timed out")
-        except RuntimeError as err:  # gloo's errors: tell a timeout from a lost peer
-            text = str(err).lower()
-            if "timed out" in text or "timeout" in text:
-                raise TransferTimeoutError(f"receiving from {peer.address} timed out: "
-                                           f"{err}") from None
-            raise PeerUnreachableError(f"lost {peer.address} during the transfer: {err}") \
-                from None
-        scatter_blocks(self.kv_cache, dst, staging)
+            pair = self._puller_pair(peer, gen, reply.get("store_port"), remaining)
+            lay = self.layout
+            with on_stream(pair.stream):
+                staging = wire_view(torch.empty(  # [L, 2, n, bs, h, d]
+                    (lay.num_layers, 2, len(src), lay.block_size, lay.num_kv_heads,
+                     lay.head_dim), dtype=self.kv_cache.dtype, device=self.kv_cache.device))
+                _finish(pair.group.recv([staging], 0, tag), remaining(), self._cuda)
+                scatter_blocks(self.kv_cache, dst, staging)
+            wait_for(pair.stream)  # our blocks are written (that stream's work only)
+        except TransferError:
+            raise
+        except (RuntimeError, TimeoutError) as err:
+            raise _typed(err, peer.address) from None
         return staging.numel() * staging.element_size()
+
+    def _puller_pair(self, peer: Endpoint, gen: str, port, remaining) -> Pair:
+        """Our group with `peer`: the one we have when the holder names it, or a new one
+        on the store the holder just opened."""
+        pair = self.pairs.get(peer.address)
+        if port is None:
+            if pair is None or pair.gen != gen:
+                raise PeerUnreachableError(f"{peer.address} reuses group {gen!r}, which we "
+                                           "do not have")
+            pair.touch()
+            return pair
+        if type(port) is not int or not 0 < port < 65536:
+            raise PeerUnreachableError(f"{peer.address} named no store port: {port!r}")
+        self.pairs.drop(peer.address)  # the holder has let go of any older group
+        left = timedelta(seconds=remaining())
+        store = dist.TCPStore(peer.address.rsplit(":", 1)[0], port, 2, False, timeout=left)
+        pair = Pair(gen, store, build_group(store, 1, left, self.backend),
+                    side_stream(self.kv_cache.device))
+        self.pairs.put(peer.address, pair)
+        return pair
+
+    def close(self) -> None:
+        super().close()
+        self.pairs.close()

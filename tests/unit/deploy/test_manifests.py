@@ -99,6 +99,10 @@ def test_gpu_overlay_requests_gpus_and_nixl(builds):
         assert cont["resources"]["limits"]["nvidia.com/gpu"] == 1
         assert cont["resources"]["requests"]["nvidia.com/gpu"] == 1
         assert flag(cont["args"], "--kv-transport") == "nixl"
+        # on the GPU, not a silent CPU fallback; the KV pool sized by the GPU's memory
+        assert flag(cont["args"], "--device") == "cuda"
+        assert flag(cont["args"], "--gpu-memory-utilization") == "0.9"
+        assert flag(cont["args"], "--kv-cache-gib") is None
         assert cont["image"] == "baton:0.1.0-cuda"
         assert {"key": "nvidia.com/gpu", "operator": "Exists",
                 "effect": "NoSchedule"} in pod["tolerations"]

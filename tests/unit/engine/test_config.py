@@ -12,10 +12,20 @@ from baton.engine.config import EngineConfig
     ({"block_size": 12}, "block_size"), ({"dtype": "int8"}, "dtype"),
     ({"max_num_seqs": 0}, "max_num_seqs"), ({"scheduling_policy": "lifo"}, "scheduling_policy"),
     ({"num_kv_blocks": 0}, "num_kv_blocks"),
+    ({"gpu_memory_utilization": 0}, "gpu_memory_utilization"),
+    ({"gpu_memory_utilization": 1.2}, "gpu_memory_utilization"),
+    ({"kv_cache_memory_bytes": 0}, "kv_cache_memory_bytes"),
 ])
 def test_engine_config_rejects_bad_values(kwargs, field):
     with pytest.raises(ValueError, match=f"EngineConfig.{field}"):
         EngineConfig(**kwargs)
+
+
+def test_gpu_memory_utilization_takes_the_fraction_of_the_device():
+    assert EngineConfig(gpu_memory_utilization=1.0).gpu_memory_utilization == 1.0
+    with pytest.raises(ValueError, match=r"gpu_memory_utilization=-0.5 must be None or in "
+                                         r"\(0, 1\]"):
+        EngineConfig(gpu_memory_utilization=-0.5)
 
 
 @pytest.mark.parametrize("kwargs,field", [

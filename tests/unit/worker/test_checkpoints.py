@@ -51,6 +51,7 @@ def test_every_served_name_is_listed_and_answered(app):
     assert code == 404 and "'tiny', 'alias'" in body["error"]["message"]
     code, load = call(app, "GET", "/load")
     assert load["model"] == "tiny" and load["models"] == list(NAMES)
+    assert (load["kv_blocks_total"], load["block_size"]) == (32, 16)  # the pool's size
 
 
 def test_token_id_prompts_work_without_a_tokenizer(app):

@@ -15,8 +15,9 @@ def make_attention_backend(name: str, device: torch.device, dtype: torch.dtype,
     """A new backend for `name` (one of `ATTENTION_BACKENDS`) on `device`.
 
     `model_shape` is (heads, kv heads, head dim); `cache_dir` is where the CPU kernels are
-    built and cached (read only for `torch` on CPU). Called once per `ModelRunner`, on the
-    thread that builds it. Raises ValueError for an unknown name, or for `triton` without
+    built and cached (`torch` on CPU) and where `triton` keeps Triton's compiled kernels
+    (`<cache_dir>/triton` as TRITON_CACHE_DIR unless that is set; None: Triton's default).
+    Called once per `ModelRunner`, on the thread that builds it. Raises ValueError for an unknown name, or for `triton` without
     the triton package or off CUDA (outside Triton's interpreter); the message says which
     backend to use instead.
     """
@@ -27,14 +28,14 @@ def make_attention_backend(name: str, device: torch.device, dtype: torch.dtype,
     if name == "triton":
         if not _triton_backend_available():
             raise ValueError("attention_backend='triton' needs the triton package "
-                             "(pip install triton==3.9.0); use 'torch' or 'auto'")
+                             "(pip install triton==3.7.1, the gpu extra); use 'torch' or 'auto'")
         if device.type != "cuda" and not _interpreting():
             raise ValueError(f"attention_backend='triton' runs on CUDA; on {device.type} only "
                              "in Triton's interpreter (TRITON_INTERPRET=1, for tests): use "
                              "'torch' or 'auto'")
         from baton.engine.attention.triton_backend import TritonAttentionBackend
 
-        return TritonAttentionBackend(dtype)
+        return TritonAttentionBackend(dtype, cache_dir)
     raise ValueError(f"attention_backend={name!r} is unknown; choose one of {BACKENDS}")
 
 

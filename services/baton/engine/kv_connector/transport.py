@@ -45,12 +45,10 @@ class TransportKVConnector(KVConnector):
         tensor-parallel engine (tcp only): every rank serves and pulls its own heads."""
         kwargs = {} if transport == "local" else {"host": host, "port": port}
         if tp is not None and tp[3] > 1:
-            if transport != "tcp" or kv_cache.device.type != "cpu":
+            if transport != "tcp":
                 raise ValueError(f"KV transfer of a tensor-parallel engine runs over tcp "
-                                 f"between host caches (not {transport}, not a "
-                                 f"{kv_cache.device.type} cache): gloo / nccl / nixl move "
-                                 "whole shards only, so a GPU engine at "
-                                 "tensor_parallel_size > 1 cannot hand KV over yet")
+                                 f"(not {transport}): gloo / nccl / nixl move whole shards "
+                                 "only (tcp stages a GPU cache through host memory)")
             kwargs["heads"] = tuple(tp[1:])
         self.transport = make_transport(transport, secret=secret, **kwargs)
         engine_id = engine_id or uuid.uuid4().hex[:12]

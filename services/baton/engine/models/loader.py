@@ -104,7 +104,9 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device,
                max_positions: int, load_format: str = "auto", cache_dir: Path | None = None
                ) -> tuple[CausalLM, ModelConfig]:
     """Build the checkpoint's architecture on `device` and load its weights tensor by
-    tensor, shard by shard (host memory holds one tensor at a time, not the checkpoint).
+    tensor, shard by shard, each copied straight into its parameter on `device`: the host
+    holds one memory-mapped shard's pages and one tensor at a time, never the checkpoint
+    (tests/unit/engine/test_loader_memory.py measures it).
     `load_format="dummy"` reads only config.json and fills the weights with small random
     values on the device (benchmarks of large shapes without their weight files)."""
     cfg = ModelConfig.from_dir(model_dir)

@@ -1,4 +1,5 @@
-"""Build the flat batch of one step: token ids, positions, slot mapping and block tables."""
+"""Build the flat batch of one step: token ids, positions, slot mapping, block tables and
+the rows whose logits are sampled, all moved to the device in one copy (`HostStaging`)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 from baton.engine.attention.base import BatchLayout
 from baton.engine.request import Request
 from baton.engine.scheduler.output import ScheduledRequest
+from baton.engine.staging import HostStaging
 
 
 @dataclass(frozen=True)
@@ -36,29 +38,45 @@ class FlatBatch:
     logits_indices: list[int]  # last row of each entry that samples
     sampling_entries: list[ScheduledRequest]
     prompt_logprob_spans: list[PromptLogprobSpan] = field(default_factory=list)
+    logits_rows: torch.Tensor | None = None  # (S,) int64 on the device: logits_indices
+    # (sum of the spans' counts,) int64 on the device: the prompt tokens the spans' rows
+    # predict, span after span
+    prompt_targets: torch.Tensor | None = None
 
 
 def build_batch(scheduled: list[ScheduledRequest], block_ids_of: Callable[[str], list[int]],
-                block_size: int, device: torch.device) -> FlatBatch:
+                block_size: int, device: torch.device, staging: HostStaging | None = None
+                ) -> FlatBatch:
+    """The step's flat batch; its tensors reach `device` in one copy through `staging` (the
+    runner's, reused across steps; a fresh one when None)."""
     # Decodes first, longest context first, so that attention backends can cut the decode
     # rows into groups of similar length and pad less.
     entries = sorted(scheduled, key=lambda s: (s.num_new_tokens != 1,
                                                -s.request.num_computed_tokens))
     num_decodes = sum(1 for s in entries if s.num_new_tokens == 1)
     tokens: list[int] = []
-    positions: list[np.ndarray] = []
-    slots: list[np.ndarray] = []
+    # The one-token rows' positions and slots as plain ints (a small numpy array per row
+    # costs more), then each chunk's as arrays.
+    positions: list[int] = []
+    slots: list[int] = []
+    chunk_positions: list[np.ndarray] = []
+    chunk_slots: list[np.ndarray] = []
     qsl, ctx_lens, seq_lens, tables = [0], [], [], []
-    logits_indices, sampling, spans = [], [], []
+    logits_indices, sampling, spans, targets = [], [], [], []
     for s in entries:
         start = s.start
         end = start + s.num_new_tokens
-        blocks = np.asarray(block_ids_of(s.request.request_id), dtype=np.int64)
-        pos = np.arange(start, end, dtype=np.int64)
+        blocks = block_ids_of(s.request.request_id)
         tokens.extend(s.input_ids(start, end))
-        positions.append(pos)
-        slots.append(blocks[pos // block_size] * block_size + pos % block_size if s.writes_kv
-                     else np.full(s.num_new_tokens, -1, np.int64))  # -1: no KV write
+        if s.num_new_tokens == 1:
+            positions.append(start)
+            slots.append(blocks[start // block_size] * block_size + start % block_size
+                         if s.writes_kv else -1)  # -1: no KV write
+        else:
+            pos = np.arange(start, end, dtype=np.int64)
+            chunk_positions.append(pos)
+            chunk_slots.append(_slots(blocks, pos, block_size) if s.writes_kv
+                               else np.full(s.num_new_tokens, -1, np.int64))
         qsl.append(qsl[-1] + s.num_new_tokens)
         ctx_lens.append(start)
         seq_lens.append(end)
@@ -70,20 +88,35 @@ def build_batch(scheduled: list[ScheduledRequest], block_ids_of: Callable[[str],
             span = _prompt_logprob_span(s.request, start, end, qsl[-2])
             if span is not None:
                 spans.append(span)
-    max_blocks = max(len(t) for t in tables)
-    table = np.zeros((len(tables), max_blocks), dtype=np.int64)
-    for i, t in enumerate(tables):
-        table[i, :len(t)] = t
+                targets.append(np.asarray(s.request.prompt_token_ids[
+                    span.first_target:span.first_target + span.count], dtype=np.int64))
+    table = _block_table(tables)
+    staging = staging if staging is not None else HostStaging(device)
+    ids, pos, slot_mapping, flat_table, rows, prompt_targets = staging.pack(
+        [tokens, np.concatenate([np.asarray(positions, np.int64), *chunk_positions]),
+         np.concatenate([np.asarray(slots, np.int64), *chunk_slots]), table.reshape(-1),
+         logits_indices, np.concatenate(targets) if targets else targets])
     layout = BatchLayout(
         query_start_loc=qsl, context_lens=ctx_lens, seq_lens=seq_lens, num_decodes=num_decodes,
-        block_tables=torch.from_numpy(table).to(device),
-        slot_mapping=torch.from_numpy(np.concatenate(slots)).to(device),
+        block_tables=flat_table.view(table.shape), slot_mapping=slot_mapping,
         block_size=block_size)
     return FlatBatch(
-        input_ids=torch.tensor(tokens, dtype=torch.long, device=device),
-        positions=torch.from_numpy(np.concatenate(positions)).to(device),
-        layout=layout, entries=entries, logits_indices=logits_indices,
-        sampling_entries=sampling, prompt_logprob_spans=spans)
+        input_ids=ids, positions=pos, layout=layout, entries=entries,
+        logits_indices=logits_indices, sampling_entries=sampling, prompt_logprob_spans=spans,
+        logits_rows=rows, prompt_targets=prompt_targets)
+
+
+def _slots(blocks: list[int], pos: np.ndarray, block_size: int) -> np.ndarray:
+    """The cache slots of positions `pos` of a sequence whose blocks are `blocks`."""
+    return np.asarray(blocks, dtype=np.int64)[pos // block_size] * block_size + pos % block_size
+
+
+def _block_table(tables: list[list[int]]) -> np.ndarray:
+    """(B, max blocks) int64, rows padded with block 0."""
+    table = np.zeros((len(tables), max(len(t) for t in tables)), dtype=np.int64)
+    for i, t in enumerate(tables):
+        table[i, :len(t)] = t
+    return table
 
 
 def _prompt_logprob_span(req: Request, start: int, end: int, first_row: int

@@ -7,6 +7,13 @@ step of n sequences copies its inputs into those buffers, pads them up to the ne
 size (padding rows: slot -1 so nothing is written, length 0 so attention reads nothing) and
 replays one graph. Mixed and prefill steps, and batches above the largest size, run eagerly.
 
+A replay depends on nothing but those buffers: the block tables are max_model_len wide (stale
+columns past a row's length and stale rows past n are never read), each captured size fixes
+its attention split count, and the attention kernel cuts each row's live keys into those
+splits on the device. So a request preempted, or joining after its KV was pulled from another
+pod, changes the buffers' contents only. The backend's `warmup` has compiled every kernel
+before capture, so capture only records launches.
+
 `DecodeGraphs(..., use_graphs=False)` keeps the static buffers and the padding but calls the
 model instead of replaying: the same inputs reach the same kernels, so this path is testable
 on machines without a GPU.
@@ -52,7 +59,7 @@ class _Replay:
     def __init__(self, fn: Callable[[], torch.Tensor], use_graph: bool, pool) -> None:
         self._fn = fn
         self._graph = None
-        self.output = fn()  # warm-up: compiles kernels and sizes the allocator's pools
+        self.output = fn()  # an eager run first: sizes the allocator's pools
         if use_graph:
             torch.cuda.synchronize()
             self._graph = torch.cuda.CUDAGraph()

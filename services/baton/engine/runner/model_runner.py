@@ -13,15 +13,19 @@ from baton.engine.attention import ForwardContext, make_attention_backend
 from baton.engine.attention.kv_quant import apply_kv_scales, kv_cache_dtype
 from baton.engine.config import EngineConfig
 from baton.engine.distributed import TPGroup
+from baton.engine.logprobs import TokenLogprobs, prompt_logprob_table, read_prompt_logprobs
 from baton.engine.models.layers import local_heads
 from baton.engine.models.loader import default_cache_dir, load_model
 from baton.engine.runner.batch import FlatBatch, build_batch
 from baton.engine.runner.cuda_graphs import DecodeGraphs, capture_sizes
 from baton.engine.runner.host_malloc import release_free_heap, tune_malloc_for_cpu_inference
+from baton.engine.runner.memory import (CudaMemory, KVMemoryPlan, KVMemoryProfiler,
+                                        largest_batch)
 from baton.engine.runner.tp import building_in, start_tensor_parallel
 from baton.engine.runner.tp_wire import logits_calls
-from baton.engine.sampler import Sampler, TokenLogprobs, prompt_logprobs
+from baton.engine.sampler import Sampler
 from baton.engine.scheduler.output import SchedulerOutput
+from baton.engine.staging import HostStaging
 from baton.engine.structured.masks import fill_grammar_masks
 
 log = logging.getLogger(__name__)
@@ -48,11 +52,46 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def resolve_device(name: str) -> torch.device:
+    """The device `EngineConfig.device` names: `auto` is CUDA when torch can use a GPU, else
+    the CPU with a warning saying why; `cuda` without a usable GPU raises ValueError at
+    once, naming the versions found (never a silent fall back to the CPU)."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if torch.cuda.is_available():
+            return torch.device("cuda")
+        log.warning("--device auto: serving on the CPU, no usable GPU (%s); pass --device "
+                    "cuda to fail instead", cuda_report())
+        return torch.device("cpu")
     if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("EngineConfig.device='cuda' but no CUDA device is available")
+        raise ValueError(f"EngineConfig.device='cuda' but torch finds no usable GPU: "
+                         f"{cuda_report()}. Install a torch built for this driver's CUDA "
+                         "version (or a newer driver), or pass --device cpu")
     return torch.device(name)
+
+
+def cuda_report() -> str:
+    """What torch knows of CUDA here: its version and CUDA build, is_available(), the
+    device count and, when the driver answers, the CUDA version it supports."""
+    parts = [f"torch {torch.__version__}, torch.version.cuda={torch.version.cuda}",
+             f"torch.cuda.is_available()={torch.cuda.is_available()}",
+             f"torch.cuda.device_count()={torch.cuda.device_count()}"]
+    driver = _driver_cuda_version()
+    parts.append(f"driver CUDA version {driver}" if driver else "no CUDA driver found")
+    return ", ".join(parts)
+
+
+def _driver_cuda_version() -> str | None:
+    """The CUDA version the installed driver supports (cuDriverGetVersion), or None."""
+    import ctypes
+
+    for lib in ("libcuda.so.1", "libcuda.so", "nvcuda.dll"):
+        try:
+            cuda = ctypes.CDLL(lib)
+        except OSError:
+            continue
+        version = ctypes.c_int(0)
+        if cuda.cuDriverGetVersion(ctypes.byref(version)) == 0 and version.value:
+            return f"{version.value // 1000}.{version.value % 1000 // 10}"
+    return None
 
 
 class ModelRunner:
@@ -62,6 +101,15 @@ class ModelRunner:
         spawns the followers itself when `config.tensor_parallel_size` > 1 (`runner/tp.py`)."""
         self.config = config
         self.device = resolve_device(config.device)
+        # CUDA without a fixed pool size: the pool is what the device's fraction leaves
+        fraction = config.kv_pool_fraction(self.device.type)
+        profiler = (KVMemoryProfiler(CudaMemory(self.device), fraction)
+                    if fraction is not None else None)
+        if config.gpu_memory_utilization is not None and profiler is None:
+            log.warning("--gpu-memory-utilization is ignored: the KV pool is %s",
+                        "--num-kv-blocks" if config.num_kv_blocks is not None else
+                        "--kv-cache-gib" if config.kv_cache_memory_bytes is not None else
+                        f"--kv-cache-gib's default off CUDA (device {self.device})")
         self.tp_leader, self.tp = start_tensor_parallel(config, model_dir, max_model_len,
                                                         self.device, tp)
         if self.device.type == "cpu":
@@ -75,8 +123,12 @@ class ModelRunner:
                                                        cache_dir)
         self.kv_scales = apply_kv_scales(self.model, self.kv_dtype)  # (k, v) by layer
         self.block_size = config.block_size
-        self.num_blocks = self._num_blocks()
         cfg = self.model_config
+        self.backend = make_attention_backend(
+            config.attention_backend, self.device, self.dtype,
+            (local_heads(cfg.num_heads, self.tp), self.num_kv_heads, cfg.head_dim), cache_dir)
+        self.kv_memory: KVMemoryPlan | None = None  # the profile's numbers, when one ran
+        self.num_blocks = self._num_blocks(profiler, max_model_len)
         # One tensor for all layers (a transport can register it as a single region):
         # (layers, K/V, blocks, block_size, KVH, D), KVH this rank's kv heads. Zeroed:
         # masked padding must be finite.
@@ -85,9 +137,6 @@ class ModelRunner:
                                     device=self.device)
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1])
                           for i in range(cfg.num_layers)]
-        self.backend = make_attention_backend(
-            config.attention_backend, self.device, self.dtype,
-            (local_heads(cfg.num_heads, self.tp), self.num_kv_heads, cfg.head_dim), cache_dir)
         # On CPU in bfloat16, decode-only steps run as one native call (`native_decode`).
         self.native_decode = None
         if self.device.type == "cpu" and self.dtype == torch.bfloat16:
@@ -98,8 +147,15 @@ class ModelRunner:
         if self.device.type == "cpu":
             release_free_heap()  # the checkpoint's tensors, freed by packing
         self.sampler = Sampler(config.seed)
+        self.staging = HostStaging(self.device)  # the batch metadata's one copy a step
         self.max_model_len = max_model_len
         self.graphs: DecodeGraphs | None = None
+        warmup = getattr(self.backend, "warmup", None)
+        if self.device.type == "cuda" and warmup is not None:
+            # Every kernel variant compiled now (eager mixed and prefill steps too), so no
+            # request waits on a JIT; the capture below only records launches.
+            warmup(*self.kv_caches[0], self.model.attention_specs(),
+                   local_heads(cfg.num_heads, self.tp))
         if (self.device.type == "cuda" and not config.enforce_eager and self.tp.size == 1
                 and getattr(self.backend, "supports_cuda_graphs", False)):
             self.graphs = self.make_decode_graphs(use_graphs=True)
@@ -129,22 +185,56 @@ class ModelRunner:
         return (2 * cfg.num_layers * self.block_size * self.num_kv_heads * cfg.head_dim
                 * torch.finfo(self.kv_dtype).bits // 8)
 
-    def _num_blocks(self) -> int:
+    def _num_blocks(self, profiler: KVMemoryProfiler | None, max_model_len: int) -> int:
+        """The KV pool's blocks: `num_kv_blocks`, else what `kv_cache_bytes` holds, else
+        (CUDA) what the device's fraction leaves after a profiled forward (`memory.py`);
+        tensor-parallel ranks take the smallest of theirs."""
         if self.config.num_kv_blocks is not None:
             return self.config.num_kv_blocks
-        n = self.config.kv_cache_memory_bytes // self.bytes_per_block
-        if n < 1:
-            raise ValueError(f"EngineConfig.kv_cache_memory_bytes="
-                             f"{self.config.kv_cache_memory_bytes} holds no KV block "
-                             f"({self.bytes_per_block} bytes each)")
-        return int(n)
+        if profiler is None:
+            n = self.config.kv_cache_bytes // self.bytes_per_block
+            if n < 1:
+                raise ValueError(f"EngineConfig.kv_cache_memory_bytes="
+                                 f"{self.config.kv_cache_bytes} holds no KV block "
+                                 f"({self.bytes_per_block} bytes each)")
+            return int(n)
+        self.kv_memory = profiler.plan(self.bytes_per_block,
+                                       lambda: self._profile_forward(max_model_len))
+        log.info("KV pool from the device's memory: %s", self.kv_memory.describe())
+        n = torch.tensor([self.kv_memory.num_blocks], device=self.device)
+        return int(self.tp.all_gather(n, dim=0).min())
+
+    @torch.inference_mode()
+    def _profile_forward(self, max_model_len: int) -> None:
+        """One forward of the largest batch the scheduler can make, over a one-block cache
+        (nothing written), then logits and the sampler's sort for as many rows as a step
+        computes logits for: its peak is the activation memory the KV pool must leave."""
+        cfg, config = self.model_config, self.config
+        cache = torch.zeros(cfg.num_layers, 2, 1, self.block_size, self.num_kv_heads,
+                            cfg.head_dim, dtype=self.kv_dtype, device=self.device)
+        ids, positions, layout = largest_batch(
+            config.max_num_batched_tokens, config.max_num_seqs, max_model_len,
+            self.block_size, self.device)
+        ctx = ForwardContext(self.backend, self.backend.build_metadata(layout),
+                             [(cache[i, 0], cache[i, 1]) for i in range(cfg.num_layers)])
+        hidden = self.model(ids, positions, ctx)  # (T, h)
+        rows = min(hidden.shape[0], max(config.max_num_seqs, PROMPT_LOGPROB_ROWS))
+        logits = self.model.compute_logits(hidden[-rows:]).float()  # (N, V)
+        torch.sort(torch.softmax(logits, dim=-1), dim=-1, descending=True)  # top-p's sort
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, block_ids_of: Callable[[str], list[int]]
                 ) -> StepResult:
         """Run one step: the sampled token and logprobs of each request that reached the
-        end of its known tokens, and the requests whose own sampling settings failed."""
-        batch = build_batch(out.rows, block_ids_of, self.block_size, self.device)
+        end of its known tokens, and the requests whose own sampling settings failed.
+
+        On a GPU the host waits for the device at most twice a step: reading the prompt
+        logprobs, if any, and the sampled tokens (with their logprobs); the batch's
+        metadata went over in one non-blocking copy."""
+        batch = build_batch(out.rows, block_ids_of, self.block_size, self.device,
+                            self.staging)
         if self.tp_leader is not None:  # the followers run the same forward and logits calls
             self.tp_leader.send_step(batch, logits_calls(batch, PROMPT_LOGPROB_ROWS))
         reqs = [s.request for s in batch.sampling_entries]
@@ -154,8 +244,7 @@ class ModelRunner:
         prompt_lps = self._prompt_logprobs(batch, hidden)
         if not reqs:
             return StepResult({}, {}, {}, prompt_lps)
-        rows = torch.tensor(batch.logits_indices, device=hidden.device)
-        logits = self.model.compute_logits(hidden.index_select(0, rows))  # (N, V)
+        logits = self.model.compute_logits(hidden.index_select(0, batch.logits_rows))  # (N, V)
         failed: dict[str, str] = {}
         tokens, logprobs = self.sampler(logits, reqs, failed, masks)
         sampled = {r.request_id: t for r, t in zip(reqs, tokens) if r.request_id not in failed}
@@ -177,19 +266,31 @@ class ModelRunner:
     def _prompt_logprobs(self, batch: FlatBatch, hidden: torch.Tensor
                          ) -> dict[str, list[TokenLogprobs | None]]:
         """The prompt logprobs this step's prompt chunks give, by request id; their logits
-        computed PROMPT_LOGPROB_ROWS rows at a time."""
-        out: dict[str, list[TokenLogprobs | None]] = {}
-        for span in batch.prompt_logprob_spans:
-            req = span.request
-            lps: list[TokenLogprobs | None] = [None] * span.gap
+        computed PROMPT_LOGPROB_ROWS rows at a time, their tables read back in one copy."""
+        spans = batch.prompt_logprob_spans
+        if not spans:
+            return {}
+        tables, at = [], 0
+        for span in spans:
+            k = span.request.sampling_params.prompt_logprobs
             for first in range(0, span.count, PROMPT_LOGPROB_ROWS):
                 n = min(PROMPT_LOGPROB_ROWS, span.count - first)
                 logits = self.model.compute_logits(
                     hidden[span.row + first:span.row + first + n])  # (n, V)
-                target = span.first_target + first
-                lps += prompt_logprobs(logits, req.prompt_token_ids[target:target + n],
-                                       req.sampling_params.prompt_logprobs)
-            out[req.request_id] = lps
+                targets = batch.prompt_targets[at + first:at + first + n]  # (n,)
+                tables.append(prompt_logprob_table(logits, targets, k).reshape(-1))
+            at += span.count
+        values = torch.cat(tables).tolist()  # the one device -> host copy
+        out: dict[str, list[TokenLogprobs | None]] = {}
+        at = 0
+        for span in spans:
+            req = span.request
+            k = req.sampling_params.prompt_logprobs
+            size = span.count * (2 + 2 * k)
+            targets = req.prompt_token_ids[span.first_target:span.first_target + span.count]
+            out[req.request_id] = ([None] * span.gap
+                                   + read_prompt_logprobs(values[at:at + size], targets, k))
+            at += size
         return out
 
     def close(self) -> None:

@@ -1,0 +1,101 @@
+"""The engine on the device: CUDA-graph decode replays equal eager runs, greedy tokens equal
+Hugging Face transformers' `generate` (the bundled model and an 8B-shaped random model), and
+a sampled request (seeded, temperature 1) completes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from baton import LLM, SamplingParams
+from tests.conftest import parity_prompts
+from tests.gpu.models import LLAMA3_8B_2L, TINY, prompt_ids, save_random_llama
+
+MAX_NEW = 24
+
+
+def greedy(max_tokens: int = MAX_NEW, ignore_eos: bool = False) -> SamplingParams:
+    # Without ignore_eos, as Hugging Face's generate: both stop after an EOS.
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=ignore_eos)
+
+
+def engine_tokens(llm: LLM, prompts: list[list[int]], params: SamplingParams) -> list[list[int]]:
+    outs = llm.generate([list(p) for p in prompts], params, use_tqdm=False)
+    llm.engine.check_integrity()
+    assert llm.engine.kv.num_used_blocks == 0  # every block back in the pool
+    return [o.outputs[0].token_ids for o in outs]
+
+
+def hf_tokens(model, prompts: list[list[int]], max_new: int = MAX_NEW) -> list[list[int]]:
+    refs = []
+    with torch.inference_mode():
+        for ids in prompts:
+            x = torch.tensor([ids], device=model.device)
+            out = model.generate(x, attention_mask=torch.ones_like(x), max_new_tokens=max_new,
+                                 do_sample=False)
+            refs.append(out[0, len(ids):].tolist())
+    return refs
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory, model_dir):
+    path = tmp_path_factory.mktemp("tiny-llama")
+    save_random_llama(path, model_dir, TINY, torch.device("cuda"))
+    torch.cuda.empty_cache()
+    return str(path)
+
+
+def test_cuda_graph_replays_equal_eager(tiny_model):
+    # No prefix caching: the second run must prefill exactly as the first.
+    llm = LLM(tiny_model, device="cuda", dtype="bfloat16", attention_backend="triton",
+              block_size=16, max_num_seqs=8, enable_prefix_caching=False)
+    runner = llm.engine.runner
+    assert runner.device.type == "cuda" and runner.kv_cache.is_cuda
+    assert runner.graphs is not None, "no CUDA graphs captured on the device"
+    prompts = prompt_ids(5, TINY["vocab_size"], seed=4)
+    replayed = engine_tokens(llm, prompts, greedy(40, ignore_eos=True))
+    assert sum(runner.graphs.replays.values()) > 0, "decode steps did not replay graphs"
+
+    runner.graphs = runner.make_decode_graphs(use_graphs=False)
+    runner.graphs.capture()
+    eager = engine_tokens(llm, prompts, greedy(40, ignore_eos=True))
+    assert sum(runner.graphs.replays.values()) > 0
+    assert replayed == eager
+
+
+def test_bundled_model_greedy_equals_hf_on_the_device(model_dir, tokenizer):
+    from transformers import AutoModelForCausalLM
+
+    prompts = [tokenizer.encode(p) for p in parity_prompts()]
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).to("cuda")
+    expected = hf_tokens(hf.eval(), prompts)
+    del hf
+    torch.cuda.empty_cache()
+    llm = LLM(device="cuda", dtype="float32", block_size=16)
+    assert llm.engine.runner.device.type == "cuda"
+    assert engine_tokens(llm, prompts, greedy()) == expected
+
+
+def test_8b_shaped_random_model_greedy_equals_hf(tmp_path, model_dir):
+    hf = save_random_llama(tmp_path, model_dir, LLAMA3_8B_2L, torch.device("cuda"))
+    prompts = prompt_ids(6, LLAMA3_8B_2L["vocab_size"], seed=5)
+    expected = hf_tokens(hf, prompts, 16)
+    del hf
+    torch.cuda.empty_cache()
+    llm = LLM(str(tmp_path), device="cuda", dtype="float32", block_size=16, max_model_len=1024)
+    assert llm.engine.runner.backend.name == "triton"
+    assert engine_tokens(llm, prompts, greedy(16)) == expected
+
+
+def test_a_seeded_sampled_request_completes_on_the_device(tiny_model):
+    llm = LLM(tiny_model, device="cuda", dtype="bfloat16")
+    params = SamplingParams(temperature=1.0, seed=1234, max_tokens=32, ignore_eos=True)
+    prompts = prompt_ids(3, TINY["vocab_size"], seed=6)
+    first = llm.generate(prompts, params, use_tqdm=False)
+    again = llm.generate(prompts, params, use_tqdm=False)
+    for a, b in zip(first, again):
+        assert len(a.outputs[0].token_ids) == 32
+        assert a.outputs[0].finish_reason == "length"
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids  # the seed is honoured
+    llm.engine.check_integrity()
+    assert llm.engine.kv.num_used_blocks == 0
