@@ -6,6 +6,9 @@ puller pulls shuffled, non-contiguous blocks into shuffled destinations. The ref
 the same gather + scatter done in one process (what any transport must at least do).
 
     python -m baton_loadtest.kv_bench [--blocks 256] [--repeats 5] [--transports tcp]
+
+`tcp-staged` is tcp forced through its host staging buffers on both sides: the path a GPU
+cache takes (here over host memory, so it measures the extra copies and the chunking).
 """
 
 from __future__ import annotations
@@ -27,15 +30,22 @@ SHAPE = dict(layers=30, kv_heads=3, head_dim=64, block_size=16)
 
 HOLDER = """
 import json, sys, time, torch
-from baton.kv_transfer import make_transport
+from baton_loadtest.kv_bench import make
 n_blocks, repeats, kind = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 kv = torch.randn(30, 2, n_blocks, 16, 3, 64).to(torch.bfloat16)
-t = make_transport(kind)
+t = make(kind)
 ep = t.start(kv, "holder")
 leases = [t.hold(f"r{r}", list(range(n_blocks)), 600) for r in range(repeats + 1)]
 print(json.dumps({"endpoint": ep.to_dict(), "leases": leases}), flush=True)
 time.sleep(3600)
 """
+
+
+def make(kind: str):
+    """A transport by name; `tcp-staged`: tcp through its host staging buffers."""
+    if kind == "tcp-staged":
+        return make_transport("tcp", stage_via_host=True)
+    return make_transport(kind)
 
 
 def _cache(n_blocks: int) -> torch.Tensor:
@@ -62,7 +72,7 @@ def transport_pulls(kind: str, n: int, repeats: int) -> list[float]:
     try:
         hello = json.loads(holder.stdout.readline())
         ep, leases = Endpoint.from_dict(hello["endpoint"]), hello["leases"]
-        puller = make_transport(kind)
+        puller = make(kind)
         puller.start(_cache(2 * n), "puller")
         puller.connect(ep)
         times = []
