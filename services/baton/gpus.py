@@ -19,7 +19,7 @@ from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-DEFAULT_FRACTION = 0.9  # EngineConfig's gpu_memory_utilization default on CUDA
+from baton.engine.config import DEFAULT_GPU_MEMORY_UTILIZATION
 _SIZING_FLAGS = ("--gpu-memory-utilization", "--kv-cache-gib", "--num-kv-blocks")
 
 
@@ -70,5 +70,5 @@ def plan_gpus(ranks: list[int], gpus: list[str], worker_args: list[str]) -> GpuP
     per_gpu = Counter(g for d in devices for g in d)
     share = max(per_gpu.values())
     sized = any(flag in worker_args for flag in _SIZING_FLAGS)
-    fraction = None if share == 1 or sized else round(DEFAULT_FRACTION / share, 2)
+    fraction = None if share == 1 or sized else round(DEFAULT_GPU_MEMORY_UTILIZATION / share, 2)
     return GpuPlan(devices, fraction, share > 1)
