@@ -11,7 +11,7 @@ PORT     ?= 8000
 # transport installed (NIXL, else TCP). Colocated instead: make run CLUSTER="--workers 2"
 CLUSTER  ?= --prefill 1 --decode 1 --transport auto
 
-.PHONY: setup system-deps k8s-tools run test test-fast bench bench-gpu gpu-check bench-router bench-loadgen bench-structured clean
+.PHONY: setup system-deps k8s-tools run test test-fast bench bench-gpu gpu-check bench-router bench-loadgen bench-structured bench-serving clean
 
 setup: $(STAMP)
 
@@ -82,6 +82,11 @@ bench-loadgen: $(STAMP)
 
 bench-structured: $(STAMP)
 	$(PY) -m baton_loadtest.structured_bench
+
+# The serving path's cost: the same 64 streams offline, through `baton serve` and through
+# `baton up --workers 1`, in one run: three output rates and their ratios to offline.
+bench-serving: $(STAMP)
+	$(PY) -m baton_loadtest.serving_bench
 
 clean:
 	rm -rf $(VENV) build *.egg-info
