@@ -4,6 +4,7 @@
     baton-loadtest sweep --base-url URL --workload chat.yaml --rates 1,2,4,8 --slo-ttft 2 --slo-itl 0.2 --out runs/sweep
     baton-loadtest compare runs/a/result.json runs/b/result.json
     baton-loadtest scenario static-vs-continuous --workload chat.yaml --out runs/s
+    baton-loadtest scenario vs-vllm --vllm-python /tmp/vllm-venv/bin/python --out runs/vs
 """
 
 from __future__ import annotations
@@ -58,8 +59,10 @@ def _client_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=600.0)
 
 
-def _workload_args(p: argparse.ArgumentParser, out_required: bool = True) -> None:
-    p.add_argument("--workload", required=True, help="a YAML file (see loadtest/workloads)")
+def _workload_args(p: argparse.ArgumentParser, out_required: bool = True,
+                   workload_required: bool = True) -> None:
+    p.add_argument("--workload", required=workload_required,
+                   help="a YAML file (see loadtest/workloads)")
     p.add_argument("--out", required=out_required, type=Path)
     p.add_argument("--num-requests", type=int, default=None)
     p.add_argument("--slo-ttft", type=float, default=None, help="seconds")
@@ -167,6 +170,9 @@ def main(argv: list[str] | None = None) -> int:
     from baton_loadtest.scenarios import add_parser as add_scenarios
 
     add_scenarios(sub, _workload_args, run_once, load_tokenizer)
+    from baton_loadtest.planner_check import add_parser as add_planner_check
+
+    add_planner_check(sub, run_once, load_tokenizer)
     args = ap.parse_args(argv)
     try:
         return args.fn(args)

@@ -8,6 +8,8 @@ setting, then the results side by side.
   prefill then fills whole steps and the running decodes wait (watch ITL p99).
 - `colocated-vs-disaggregated`: one colocated worker with all the cores against one prefill
   and one decode worker splitting them (KV over tcp; `--disagg-min-prefill-tokens`).
+- `vs-vllm`: goodput at equal SLOs against vLLM's server, a rate sweep of several
+  workloads on each system (`vs_vllm.py`; its own flags, no `--workload`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ SCENARIOS = {
     "static-vs-continuous": "the engine's static policy vs continuous batching",
     "chunk-sweep": "continuous batching at several per-step token budgets",
     "colocated-vs-disaggregated": "one colocated worker vs prefill + decode workers",
+    "vs-vllm": "goodput at equal SLOs: vLLM's server, Baton colocated, Baton disaggregated",
 }
 
 
@@ -43,6 +46,12 @@ def variants(args) -> list[tuple[str, list[str], dict]]:
 def cmd_scenario(args, run_once, load_tokenizer) -> int:
     from baton.launch import Cluster
 
+    if args.scenario == "vs-vllm":
+        from baton_loadtest import vs_vllm
+
+        return vs_vllm.run(args, run_once, load_tokenizer)
+    if args.workload is None:
+        raise ValueError(f"scenario {args.scenario} needs --workload")
     spec = WorkloadSpec.load(args.workload).with_overrides(args.num_requests, args.rate,
                                                           args.concurrency)
     tok = load_tokenizer(None)
@@ -72,7 +81,7 @@ def add_parser(sub, workload_args, run_once, load_tokenizer) -> None:
     p = sub.add_parser("scenario", help="compare local clusters that differ in one setting",
                        description="\n".join(f"{k}: {v}" for k, v in SCENARIOS.items()))
     p.add_argument("scenario", choices=sorted(SCENARIOS))
-    workload_args(p)
+    workload_args(p, workload_required=False)
     load = p.add_mutually_exclusive_group()
     load.add_argument("--rate", type=float, default=None)
     load.add_argument("--concurrency", type=int, default=None)
@@ -82,5 +91,9 @@ def add_parser(sub, workload_args, run_once, load_tokenizer) -> None:
     p.add_argument("--chunk-sizes", default="64,256,8192",
                    help="chunk-sweep: per-step token budgets")
     p.add_argument("--disagg-min-prefill-tokens", type=int, default=256,
-                   help="colocated-vs-disaggregated: the router's remote-prefill threshold")
+                   help="colocated-vs-disaggregated, vs-vllm: the router's remote-prefill "
+                        "threshold")
+    from baton_loadtest.vs_vllm import add_arguments
+
+    add_arguments(p)
     p.set_defaults(fn=lambda args: cmd_scenario(args, run_once, load_tokenizer))

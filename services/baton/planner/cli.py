@@ -48,6 +48,8 @@ def _profile_parser(sub) -> None:
     p.add_argument("--num-threads", type=int, default=engine_default("num_threads"))
     p.add_argument("--quick", action="store_true",
                    help="a small grid (about a minute on 2 CPU cores with the bundled model)")
+    p.add_argument("--repeats", type=int, default=3,
+                   help="timings per prefill point, the fastest kept (more on a busy machine)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="profile.yaml", help="where to write the profile")
     add_common_flags(p, "profile")
@@ -61,11 +63,12 @@ def _profile(args) -> int:
         model=args.model, dtype=args.dtype, device=args.device, max_batch=args.max_batch,
         max_context=args.max_context, max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs, num_threads=args.num_threads, quick=args.quick,
-        seed=args.seed)
+        repeats=args.repeats, seed=args.seed)
     profile = run_profile(settings)
     profile.save(args.out)
     pc, dc = profile.prefill, profile.decode
-    print(f"prefill_s(tokens) = {pc.a:.4g} + {pc.b:.4g} * tokens   "
+    print(f"prefill_s(tokens) = {pc.a:.4g} + {pc.b:.4g} * tokens + {pc.q:.4g} * "
+          "tokens (tokens + 1) / 2   "
           f"(rmse {pc.rmse_s:.3g} s, max error {pc.max_rel_error:.1%}, {len(pc.points)} points)")
     print(f"decode_step_s(batch, ctx_total) = {dc.c:.4g} + {dc.d:.4g} * batch + "
           f"{dc.e:.4g} * ctx_total   (rmse {dc.rmse_s:.3g} s, max error "

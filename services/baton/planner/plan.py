@@ -21,8 +21,8 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from baton.planner.profile import Profile
-from baton.planner.simulate import (SimResult, SimSettings, Workload, draw_trace, simulate,
-                                    simulate_prefill)
+from baton.planner.simulate import (SimResult, SimSettings, Trace, Workload, draw_trace,
+                                    simulate, simulate_prefill)
 
 
 @dataclass(frozen=True)
@@ -108,8 +108,11 @@ class PlanError(Exception):
         self.rows = rows
 
 
-def plan(profile: Profile, workload: Workload, settings: PlanSettings) -> Plan:
-    search = _Search(profile, workload, settings)
+def plan(profile: Profile, workload: Workload, settings: PlanSettings,
+         trace: Trace | None = None) -> Plan:
+    """`trace`: the requests to plan for (e.g. the ones a load test will send); None draws
+    them from `workload`."""
+    search = _Search(profile, workload, settings, trace)
     p = search.prefill_pool()
     d = search.decode_pool(p)
     p, d = search.verify(p, d)
@@ -117,9 +120,11 @@ def plan(profile: Profile, workload: Workload, settings: PlanSettings) -> Plan:
 
 
 class _Search:
-    def __init__(self, profile: Profile, workload: Workload, settings: PlanSettings) -> None:
+    def __init__(self, profile: Profile, workload: Workload, settings: PlanSettings,
+                 trace: Trace | None = None) -> None:
         self.profile, self.settings, self.slo = profile, settings, settings.slo
-        self.trace = draw_trace(workload, profile.limits.max_model_len)
+        self.trace = trace if trace is not None else draw_trace(
+            workload, profile.limits.max_model_len)
         self.sim = SimSettings.for_profile(profile, settings.transfer_s,
                                            settings.slo.percentile, settings.max_num_seqs)
         self.rows: list[PlanRow] = []

@@ -1,8 +1,11 @@
 """A hardware profile: what one engine step costs on this machine, as two fitted cost models.
 
-    prefill_s(tokens)                    = a + b * tokens             (one prefill step)
+    prefill_s(tokens)                    = a + b * tokens + q * tokens (tokens + 1) / 2
     decode_step_s(batch, ctx_tokens_total) = c + d * batch + e * ctx_tokens_total
 
+`q` prices attention inside the prompt: token i of a prompt attends to the i tokens before
+it and itself, so a prompt of n tokens costs n (n + 1) / 2 such pairs however it is chunked
+(on one CPU core a 512-token prompt costs ~1.5x per token what a 64-token one does).
 `ctx_tokens_total` is the sum of the running sequences' contexts (batch x context length).
 The coefficients are fitted by non-negative least squares on measured points
 (`planner.measure`), saved as YAML with the raw points, the fit residuals, the hardware and
@@ -38,24 +41,31 @@ class DecodePoint:
 
 @dataclass(frozen=True)
 class PrefillCost:
-    """`seconds(tokens) = a + b * tokens` for one prefill step."""
+    """`seconds(tokens) = a + b * tokens + q * pairs(tokens)` for one prefill step."""
 
     a: float  # seconds per step
     b: float  # seconds per prompt token
+    q: float = 0.0  # seconds per (token, earlier token) pair attended inside the prompt
     rmse_s: float = 0.0  # root-mean-square residual of the fit
     max_rel_error: float = 0.0  # largest |fit - measured| / measured over the points
     points: tuple[PrefillPoint, ...] = ()
 
     def __post_init__(self) -> None:
-        _check_coefficients("prefill", {"a": self.a, "b": self.b})
+        _check_coefficients("prefill", {"a": self.a, "b": self.b, "q": self.q})
 
     def seconds(self, tokens: int) -> float:
-        return self.a + self.b * tokens
+        return self.a + self.b * tokens + self.q * attention_pairs(tokens)
 
     def chunked_seconds(self, tokens: np.ndarray, chunk: int) -> np.ndarray:
-        """Service time of whole prompts cut into steps of at most `chunk` tokens."""
+        """Service time of whole prompts cut into steps of at most `chunk` tokens (the
+        attention pairs are the same however the prompt is cut)."""
         steps = np.ceil(tokens / chunk)
-        return self.a * steps + self.b * tokens
+        return self.a * steps + self.b * tokens + self.q * attention_pairs(tokens)
+
+
+def attention_pairs(tokens):
+    """(query, key) pairs of causal attention over a prompt of `tokens` tokens."""
+    return tokens * (tokens + 1) / 2
 
 
 @dataclass(frozen=True)
@@ -116,7 +126,7 @@ class Profile:
         return {
             "version": self.version, "model": self.model, "dtype": self.dtype,
             "hardware": vars(self.hardware).copy(), "engine": vars(self.limits).copy(),
-            "prefill": _cost_dict(self.prefill, ("a", "b")),
+            "prefill": _cost_dict(self.prefill, ("a", "b", "q")),
             "decode": _cost_dict(self.decode, ("c", "d", "e")),
         }
 
@@ -169,13 +179,17 @@ _LIMIT_FIELDS = ("max_num_batched_tokens", "max_num_seqs", "max_model_len", "blo
 
 # -- fitting ------------------------------------------------------------------------------
 def fit_prefill(points: list[PrefillPoint]) -> PrefillCost:
-    """Fit `a + b * tokens` to measured prefill steps (needs two distinct token counts)."""
-    if len({p.tokens for p in points}) < 2:
+    """Fit `a + b * tokens + q * pairs` to measured prefill steps; with only two distinct
+    token counts the attention term cannot be told apart and q is 0."""
+    distinct = len({p.tokens for p in points})
+    if distinct < 2:
         raise ValueError("prefill fit: needs points at >= 2 distinct token counts")
-    x = np.array([[1.0, p.tokens] for p in points])
+    x = np.array([[1.0, p.tokens, attention_pairs(p.tokens)] for p in points])
+    x = x if distinct >= 3 else x[:, :2]
     y = np.array([p.seconds for p in points])
-    (a, b), rmse, rel = nonnegative_lstsq(x, y)
-    return PrefillCost(a, b, rmse, rel, tuple(points))
+    coef, rmse, rel = nonnegative_lstsq(x, y)
+    a, b, q = (*coef, 0.0)[:3]
+    return PrefillCost(a, b, q, rmse, rel, tuple(points))
 
 
 def fit_decode(points: list[DecodePoint]) -> DecodeCost:
@@ -225,7 +239,9 @@ def _prefill_from(raw: dict) -> PrefillCost:
                    for i, p in enumerate(_points(raw, "prefill")))
     a, b, rmse, rel = (_field(raw, "prefill", k, float)
                        for k in ("a", "b", "rmse_s", "max_rel_error"))
-    return PrefillCost(a, b, rmse, rel, points)
+    # profiles recorded before the attention term have no q: theirs is the linear model
+    q = _field(raw, "prefill", "q", float) if "q" in raw else 0.0
+    return PrefillCost(a, b, q, rmse, rel, points)
 
 
 def _decode_from(raw: dict) -> DecodeCost:

@@ -6,15 +6,20 @@ The model (documented choices, all conservative or neutral):
   lognormal with the given means, clipped to [1, max] and to the model's context window.
   The same seeded trace is replayed for every candidate (common random numbers), so that
   comparing two replica counts compares the deployments, not two samples.
-- Prefill pods are FCFS servers: a prompt's service time is `prefill_s` summed over its
-  chunks of `max_num_batched_tokens`. A request goes to the pod whose queue empties first
-  (the least loaded). The real engine also batches several short prompts in one step; one
-  at a time is the pessimistic bound.
+- Prefill pods run the engine's steps: each step takes the waiting prompts first come first
+  served up to `max_num_batched_tokens` tokens (the last one cut into a chunk that fits, its
+  rest first in the next step) and costs `prefill_s` of those tokens and of their attention
+  pairs; a prompt is done when the step holding its last chunk ends, so prompts batched
+  together finish together. Prompts arriving during a step wait for the next. A request goes
+  to the pod whose queue empties first (the least loaded).
 - After prefill, the KV hand-off costs `transfer_s`, then the request waits for the decode
   pod with the fewest sequences (running + waiting). A decode pod runs continuous batching:
   each step takes `decode_step_s(batch, sum of contexts)`, every running sequence gains one
   token, sequences join at step boundaries (at most `max_num_seqs` run) and leave when done.
-- TTFT = prefill queue + prefill + transfer + decode queue (the breakdown of docs/design.md §2).
+- TTFT = prefill queue + prefill + transfer + decode queue (the breakdown of docs/design.md §2):
+  the decode pod streams the prefill's first token when its engine takes the request in, at
+  its next step boundary (it pulls the KV after that, off the TTFT path); `transfer_s` is the
+  hand-off between the pods, the router's hops.
   ITL = the durations of the decode steps a sequence runs in, one sample per token.
   A request with one output token ends at prefill.
 
@@ -28,11 +33,11 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
-from baton.planner.profile import DecodeCost, Profile
+from baton.planner.profile import DecodeCost, PrefillCost, Profile
 
 
 @dataclass(frozen=True)
@@ -95,10 +100,19 @@ class SimSettings:
     max_num_seqs: int  # decode pods' largest batch
     transfer_s: float = 0.005  # KV hand-off from prefill to decode, per request
     percentile: float = 90.0
+    # The fraction of its cores a pod's threads got while they were runnable: 1 when the
+    # pod has its device to itself (what a plan assumes); below 1 on a machine shared with
+    # other work, as measured by `baton-loadtest planner-check` from the kernel's run-queue
+    # accounting. Every step of that pool then takes cost / share.
+    prefill_cpu_share: float = 1.0
+    decode_cpu_share: float = 1.0
 
     def __post_init__(self) -> None:
         if self.chunk_tokens < 1 or self.max_num_seqs < 1:
             raise ValueError("SimSettings.chunk_tokens and max_num_seqs must be >= 1")
+        for name in ("prefill_cpu_share", "decode_cpu_share"):
+            if not 0 < getattr(self, name) <= 1:
+                raise ValueError(f"SimSettings.{name}={getattr(self, name)} must be in (0, 1]")
         if not self.transfer_s >= 0:
             raise ValueError(f"SimSettings.transfer_s={self.transfer_s} must be >= 0")
         if not 0 < self.percentile < 100:
@@ -133,7 +147,8 @@ def simulate(trace: Trace, prefill: int, decode: int, profile: Profile, s: SimSe
     ready = prefill_ready_times(trace, prefill, profile, s)
     admitted = ready.copy()  # requests with one output token never reach decode
     log = _StepLog()
-    pods = [_DecodePod(profile.decode, s.max_num_seqs, admitted, log) for _ in range(decode)]
+    cost = _scaled(profile.decode, s.decode_cpu_share)
+    pods = [_DecodePod(cost, s.max_num_seqs, admitted, log) for _ in range(decode)]
     for i in np.argsort(ready, kind="stable"):
         if trace.output[i] < 2:
             continue
@@ -156,15 +171,60 @@ def prefill_ready_times(trace: Trace, prefill: int, profile: Profile, s: SimSett
     """When each request's KV is ready on the decode side (prefill done + transfer)."""
     if prefill < 1:
         raise ValueError(f"prefill replicas={prefill} must be >= 1")
-    service = profile.prefill.chunked_seconds(trace.prompt, s.chunk_tokens)
+    cost = _scaled(profile.prefill, s.prefill_cpu_share)
+    service = cost.chunked_seconds(trace.prompt, s.chunk_tokens)
     free = [(0.0, k) for k in range(prefill)]  # (time the pod's queue empties, pod)
-    done = np.empty_like(trace.arrivals)
-    for i, (arrival, cost) in enumerate(zip(trace.arrivals.tolist(), service.tolist())):
+    pod_of = np.empty(len(trace.arrivals), np.int64)
+    for i, (arrival, seconds) in enumerate(zip(trace.arrivals.tolist(), service.tolist())):
         free_at, pod = heapq.heappop(free)
-        end = max(arrival, free_at) + cost
-        done[i] = end
-        heapq.heappush(free, (end, pod))
+        pod_of[i] = pod
+        heapq.heappush(free, (max(arrival, free_at) + seconds, pod))
+    done = np.empty_like(trace.arrivals)
+    for pod in range(prefill):
+        mine = np.flatnonzero(pod_of == pod)
+        done[mine] = batched_prefill(trace.arrivals[mine], trace.prompt[mine],
+                                     cost, s.chunk_tokens)
     return done + s.transfer_s
+
+
+def _scaled(cost, share: float):
+    """A cost model whose every step takes 1 / share as long (`share` of the core)."""
+    if share == 1.0:
+        return cost
+    names = ("a", "b", "q") if isinstance(cost, PrefillCost) else ("c", "d", "e")
+    return replace(cost, **{n: getattr(cost, n) / share for n in names})
+
+
+def batched_prefill(arrivals: np.ndarray, prompt: np.ndarray, cost: PrefillCost,
+                    budget: int) -> np.ndarray:
+    """One pod's prefill steps over its requests (arrivals increasing): when each is done."""
+    done = np.empty_like(arrivals)
+    queue: deque[list[int]] = deque()  # [request, tokens computed so far]
+    t, nxt, n = 0.0, 0, len(arrivals)
+    while nxt < n or queue:
+        if not queue:
+            t = max(t, float(arrivals[nxt]))
+        while nxt < n and arrivals[nxt] <= t:
+            queue.append([nxt, 0])
+            nxt += 1
+        room, tokens, pairs, finished = budget, 0, 0.0, []
+        for entry in queue:
+            i, computed = entry
+            chunk = min(int(prompt[i]) - computed, room)
+            tokens += chunk
+            pairs += chunk * computed + chunk * (chunk + 1) / 2  # attention inside the prompt
+            room -= chunk
+            entry[1] += chunk
+            if entry[1] < prompt[i] or room == 0:
+                if entry[1] == prompt[i]:
+                    finished.append(i)
+                break
+            finished.append(i)
+        t += cost.a + cost.b * tokens + cost.q * pairs
+        for i in finished:
+            done[i] = t
+            queue.popleft()
+    return done
 
 
 class _StepLog:

@@ -115,3 +115,31 @@ def test_load_names_the_file_and_the_field(tmp_path):
     path.write_text("- just\n- a list\n")
     with pytest.raises(ValueError, match="the file must be a mapping"):
         Profile.load(path)
+
+
+def test_prefill_fit_recovers_the_attention_term():
+    # a + b n + q n (n + 1) / 2: what a prompt's causal attention adds per token grows with n
+    points = [PrefillPoint(n, 0.05 + 3e-3 * n + 2e-5 * n * (n + 1) / 2)
+              for n in (64, 128, 256, 512)]
+    cost = fit_prefill(points)
+    assert (cost.a, cost.b, cost.q) == pytest.approx((0.05, 3e-3, 2e-5), rel=1e-6)
+    assert cost.seconds(1024) == pytest.approx(0.05 + 3.072 + 2e-5 * 1024 * 1025 / 2)
+    # the linear model cannot follow the curve: its worst point is far off
+    linear = nonnegative_lstsq(np.array([[1.0, p.tokens] for p in points]),
+                               np.array([p.seconds for p in points]))
+    assert linear[2] > 0.2 and cost.max_rel_error < 1e-6
+
+
+def test_chunking_does_not_change_the_attention_pairs():
+    cost = make_profile(a=0.01, b=1e-4).prefill
+    quad = type(cost)(0.01, 1e-4, 1e-8)
+    whole, cut = quad.chunked_seconds(np.array([3000]), 4096), quad.chunked_seconds(
+        np.array([3000]), 1000)
+    assert cut[0] - whole[0] == pytest.approx(2 * 0.01)  # two more steps, same attention
+    assert whole[0] == pytest.approx(0.01 + 0.3 + 1e-8 * 3000 * 3001 / 2)
+
+
+def test_a_profile_without_the_attention_term_loads_as_linear():
+    raw = _raw()
+    raw["prefill"].pop("q")
+    assert Profile.from_dict(raw).prefill.q == 0.0

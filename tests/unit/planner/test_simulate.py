@@ -6,8 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from baton.planner.simulate import (LengthDist, SimSettings, Trace, Workload, draw_trace,
-                                    simulate, simulate_prefill, weighted_percentile)
+from baton.planner.simulate import (LengthDist, SimSettings, Trace, Workload, batched_prefill,
+                                    draw_trace, simulate, simulate_prefill,
+                                    weighted_percentile)
 from tests.unit.planner.factories import make_profile, make_workload
 
 PROFILE = make_profile(a=0.01, b=1e-4, c=0.02, d=1e-3, e=1e-6)
@@ -29,8 +30,11 @@ def test_one_request_alone_gets_exactly_its_service_times():
 
 def test_two_requests_share_decode_steps_and_the_prefill_queue():
     t = trace([0.0, 0.0], [1000, 1000], [3, 3])
-    # one prefill pod: the second prompt waits for the first (TTFTs 0.115 and 0.225 s)
-    assert simulate_prefill(t, 1, PROFILE, SETTINGS).ttft_s == pytest.approx(0.17)
+    # one prefill pod: both prompts fit one step's budget and finish together (0.21 s)
+    assert simulate_prefill(t, 1, PROFILE, SETTINGS).ttft_s == pytest.approx(0.215)
+    # a budget of one prompt: the second waits for the first (TTFTs 0.115 and 0.225 s)
+    one_at_a_time = SimSettings(1000, 128, 0.005, 50)
+    assert simulate_prefill(t, 1, PROFILE, one_at_a_time).ttft_s == pytest.approx(0.17)
     assert simulate_prefill(t, 2, PROFILE, SETTINGS).ttft_s == pytest.approx(0.115)
     # both ready at once on one decode pod: the second joins when the first's step ends
     one_pod = simulate(t, 2, 1, PROFILE, SETTINGS)
@@ -104,3 +108,28 @@ def test_length_validation_names_the_distribution():
         LengthDist(0.5, name="prompt")
     with pytest.raises(ValueError, match=r"output\.sigma=-1 must be in \[0, 4\]"):
         LengthDist(10, -1, name="output")
+
+
+def test_prefill_steps_fill_the_budget_chunking_the_last_prompt():
+    cost = make_profile(a=0.01, b=1e-4).prefill
+    quad = type(cost)(0.01, 1e-4, 1e-8)
+    # 300 + 500 tokens arrive together under a budget of 600: step 1 holds the first and
+    # 300 tokens of the second, step 2 its last 200 (at offset 300 in its prompt)
+    done = batched_prefill(np.array([0.0, 0.0]), np.array([300, 500]), quad, 600)
+    step1 = 0.01 + 600e-4 + 1e-8 * (300 * 301 / 2 + 300 * 301 / 2)
+    step2 = 0.01 + 200e-4 + 1e-8 * (200 * 300 + 200 * 201 / 2)
+    assert done.tolist() == pytest.approx([step1, step1 + step2])
+    # a prompt arriving during a step waits for the next one; an idle pod starts at once
+    late = batched_prefill(np.array([0.0, 0.001, 5.0]), np.array([100, 100, 100]), cost, 600)
+    one = 0.01 + 100e-4
+    assert late.tolist() == pytest.approx([one, 2 * one, 5.0 + one])
+
+
+def test_a_pod_with_half_its_core_takes_twice_as_long_per_step():
+    t = trace([0.0], [1000], [4])
+    half = SimSettings(2048, 128, 0.005, 50, prefill_cpu_share=0.5, decode_cpu_share=0.5)
+    r = simulate(t, 1, 1, PROFILE, half)
+    assert r.ttft_s == pytest.approx(2 * (0.01 + 0.1) + 0.005)
+    assert r.itl_s == pytest.approx(2 * (0.02 + 1e-3 + 1e-6 * 1002))
+    with pytest.raises(ValueError, match="decode_cpu_share=0 must be in"):
+        SimSettings(2048, 128, decode_cpu_share=0)
