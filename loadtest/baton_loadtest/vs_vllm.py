@@ -44,10 +44,10 @@ SYSTEMS = ("vllm", "baton-colocated", "baton-disagg")
 MODEL = "SmolLM2-135M-Instruct"
 WORKLOAD_DIR = Path(__file__).resolve().parents[1] / "workloads"
 DEFAULT_WORKLOADS = ("chat", "shared_prefix", "long_prefill")
-# Offered rates (req/s; sessions/s for shared_prefix) that bracket the 2-core machine's
-# knee for each workload; `--rates name=a,b,c` replaces one.
-DEFAULT_RATES = {"chat": (1.0, 2.0, 3.0, 4.0, 6.0), "shared_prefix": (0.25, 0.5, 1.0, 1.5),
-                 "long_prefill": (0.5, 1.0, 1.5, 2.0, 3.0)}
+# Offered rates (req/s; sessions/s for shared_prefix) around the 2-core machine's knee.
+DEFAULT_RATES = {"chat": (0.25, 0.5, 1.0, 1.5, 2.0, 3.0), "shared_prefix": (0.05, 0.1, 0.2),
+                 "long_prefill": (0.1, 0.2, 0.4, 0.8)}
+WARMUP_SEED = 1_000_003
 FALLBACK_RATES = (0.5, 1.0, 2.0, 4.0)
 
 
@@ -228,15 +228,18 @@ def workload_paths(value: str) -> dict[str, Path]:
     return out
 
 
-def point_spec(base: WorkloadSpec, rate: float, args) -> WorkloadSpec:
+def point_spec(base: WorkloadSpec, rate: float, args, point: int = 0) -> WorkloadSpec:
     """One sweep point: Poisson arrivals at `rate` for `--seconds-per-point` (or exactly
-    `--num-requests`); a session workload's rate starts sessions, so it gets whole sessions."""
+    `--num-requests`); a session workload's rate starts sessions, so it gets whole sessions.
+    Point `point` of a sweep draws its own requests (seed + 1 + point): a point that replayed
+    an earlier point's prompts would find them in the prefix cache and measure cache hits,
+    not prefills (what a workload shares inside one point, it still shares)."""
     turns = base.sessions.turns if base.sessions.count else 1
     starts = max(1, round(max(args.min_requests, rate * args.seconds_per_point * turns) / turns))
     n = args.num_requests or starts * turns
     if base.sessions.count:
         base = replace(base, sessions=replace(base.sessions, count=-(-n // turns)))
-    return base.with_overrides(num_requests=n, rate=rate)
+    return replace(base, seed=base.seed + 1 + point).with_overrides(num_requests=n, rate=rate)
 
 
 def request_timeout(spec: WorkloadSpec, slo: vs_vllm_report.TpotSLO) -> float:
@@ -267,17 +270,18 @@ def sweep(server, name: str, args, workloads: dict[str, Path], rates, tok, run_o
         server.start()
         print(f"   ready in {time.monotonic() - t0:.0f}s; warming up", flush=True)
         settings = ClientSettings(server.url, MODEL, "chat")
+        # chat's prompt shapes with short answers, drawn apart from every sweep point's
         warm = replace(WorkloadSpec.load(WORKLOAD_DIR / "chat.yaml").with_overrides(
             num_requests=args.warmup_requests, concurrency=4),
-            output_tokens=LengthSpec("fixed", 16))  # chat's prompt shapes, short answers
+            output_tokens=LengthSpec("fixed", 16), seed=WARMUP_SEED)
         run_once(warm, tok, settings, slo, None, False)
         for w, path in workloads.items():
             base = WorkloadSpec.load(path)
             per_request = ClientSettings(server.url, MODEL, "chat",
                                          timeout_s=request_timeout(base, slo))
             rows[w] = []
-            for rate in rates[w]:
-                row = run_point(point_spec(base, rate, args), tok, per_request, slo,
+            for k, rate in enumerate(rates[w]):
+                row = run_point(point_spec(base, rate, args, k), tok, per_request, slo,
                                 args.out / name / w / f"rate_{rate:g}", not args.no_progress,
                                 run_once)
                 rows[w].append(row)

@@ -168,6 +168,21 @@ def test_point_spec_sizes_runs_by_time_and_whole_sessions():
     assert vs_vllm.point_spec(chat, 2.0, A).num_requests == 10
 
 
+def test_every_point_and_the_warm_up_draw_their_own_prompts(tokenizer):
+    """A point replaying an earlier point's prompts would measure prefix-cache hits."""
+    from baton_loadtest.generator import RequestFactory
+
+    class A:
+        seconds_per_point, min_requests, num_requests = 10.0, 4, 4
+
+    chat = WorkloadSpec.load(vs_vllm.WORKLOAD_DIR / "chat.yaml")
+    specs = [vs_vllm.point_spec(chat, 1.0, A, k) for k in range(3)]
+    assert len({s.seed for s in specs} | {chat.seed, vs_vllm.WARMUP_SEED}) == 5
+    firsts = [[RequestFactory(s, tokenizer).request(i).prompt for i in range(4)]
+              for s in specs]
+    assert not set(firsts[0]) & set(firsts[1]) and not set(firsts[1]) & set(firsts[2])
+
+
 def test_request_timeout_is_the_latest_a_request_could_still_meet_the_slos():
     chat = WorkloadSpec.load(vs_vllm.WORKLOAD_DIR / "chat.yaml")  # outputs up to 512 tokens
     assert vs_vllm.request_timeout(chat, SLO) == pytest.approx(2.0 + 0.2 * 511 + 10)
