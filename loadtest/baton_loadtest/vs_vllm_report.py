@@ -200,9 +200,10 @@ def _targets_md(t: dict) -> list[str]:
     met = {True: "met", False: "not met", None: "undetermined"}
     lines = ["## Targets", ""]
     if c.get("value") is not None:
-        vllm_rate = "none" if c["vllm_rate"] is None else f"{c['vllm_rate']:g} req/s"
+        vllm_rate, baton_rate = (("none" if r is None else f"{r:g} req/s")
+                                 for r in (c["vllm_rate"], c["baton_rate"]))
         lines.append(f"- chat.yaml, highest rate meeting the SLOs, Baton best ({c['baton_system']}"
-                     f", {c['baton_rate']:g} req/s) / vLLM ({vllm_rate}): {c['kind']} "
+                     f", {baton_rate}) / vLLM ({vllm_rate}): {c['kind']} "
                      f"**{c['value']:.2f}x** (target >= {CHAT_RATE_TARGET}x: {met[c['met']]})"
                      + (f"; {c['note']}" if c.get("note") else ""))
     else:

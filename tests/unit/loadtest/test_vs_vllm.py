@@ -84,6 +84,16 @@ def test_chat_ratio_is_baton_best_over_vllm_with_its_kind():
     assert vr.chat_rate_ratio({"baton-disagg": chat["baton-disagg"]})["kind"] == "not run"
 
 
+def test_report_when_no_baton_system_met_the_slos_but_vllm_did(tmp_path):
+    results = {"vllm": {"chat": [row(0.5, 1), row(1, 1)]},
+               "baton-colocated": {"chat": [row(0.5, 0.67), row(1, 0.2)]}}
+    vr.write(tmp_path, meta(), results, vr.analyse(results, None))
+    md = (tmp_path / "report.md").read_text()
+    assert "Baton best (baton-colocated, none) / vLLM (>= 1 req/s" in md or \
+        "Baton best (baton-colocated, none) / vLLM (1 req/s)" in md
+    assert "(target >= 1.3x: not met)" in md
+
+
 def test_long_prefill_ratio_at_the_common_rate_and_every_shared_rate():
     long = {"vllm": [row(0.5, 1, 0.4), row(1, 1, 0.8)],
             "baton-disagg": [row(0.5, 1, 0.1), row(1, 1, 0.5), row(2, 1, 0.6)]}
