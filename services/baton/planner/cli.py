@@ -70,9 +70,10 @@ def _profile(args) -> int:
     print(f"prefill_s(tokens) = {pc.a:.4g} + {pc.b:.4g} * tokens + {pc.q:.4g} * "
           "tokens (tokens + 1) / 2   "
           f"(rmse {pc.rmse_s:.3g} s, max error {pc.max_rel_error:.1%}, {len(pc.points)} points)")
-    print(f"decode_step_s(batch, ctx_total) = {dc.c:.4g} + {dc.d:.4g} * batch + "
-          f"{dc.e:.4g} * ctx_total   (rmse {dc.rmse_s:.3g} s, max error "
-          f"{dc.max_rel_error:.1%}, {len(dc.points)} points)")
+    knots = ", ".join(f"{b}: {t:.4g}" for b, t in dc.knots)
+    print(f"decode_step_s(batch, ctx_total) = g(batch) + {dc.e:.4g} * ctx_total, g piecewise "
+          f"linear through {{{knots}}} s (straight line {dc.c:.4g} + {dc.d:.4g} * batch)   "
+          f"(rmse {dc.rmse_s:.3g} s, max error {dc.max_rel_error:.1%}, {len(dc.points)} points)")
     if max(pc.max_rel_error, dc.max_rel_error) > POOR_FIT:
         print(f"warning: a measured point is more than {POOR_FIT:.0%} off its fitted cost: "
               "was something else using this machine? Re-run it idle before planning with "

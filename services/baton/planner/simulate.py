@@ -14,7 +14,8 @@ The model (documented choices, all conservative or neutral):
   to the pod whose queue empties first (the least loaded).
 - After prefill, the KV hand-off costs `transfer_s`, then the request waits for the decode
   pod with the fewest sequences (running + waiting). A decode pod runs continuous batching:
-  each step takes `decode_step_s(batch, sum of contexts)`, every running sequence gains one
+  each step takes `decode_step_s(batch, sum of contexts)` (piecewise linear in the batch,
+  see planner.profile), every running sequence gains one
   token, sequences join at step boundaries (at most `max_num_seqs` run) and leave when done.
 - TTFT = prefill queue + prefill + transfer + decode queue (the breakdown of docs/design.md §2):
   the decode pod streams the prefill's first token when its engine takes the request in, at
@@ -191,8 +192,10 @@ def _scaled(cost, share: float):
     """A cost model whose every step takes 1 / share as long (`share` of the core)."""
     if share == 1.0:
         return cost
-    names = ("a", "b", "q") if isinstance(cost, PrefillCost) else ("c", "d", "e")
-    return replace(cost, **{n: getattr(cost, n) / share for n in names})
+    if isinstance(cost, PrefillCost):
+        return replace(cost, **{n: getattr(cost, n) / share for n in ("a", "b", "q")})
+    return replace(cost, c=cost.c / share, d=cost.d / share, e=cost.e / share,
+                   knots=tuple((b, t / share) for b, t in cost.knots))
 
 
 def batched_prefill(arrivals: np.ndarray, prompt: np.ndarray, cost: PrefillCost,
@@ -300,7 +303,7 @@ class _DecodePod:
 
     def _coefficients(self) -> tuple[float, float]:
         c = self.cost
-        return c.c + c.d * self.batch + c.e * self.ctx, c.e * self.batch
+        return c.batch_seconds(self.batch) + c.e * self.ctx, c.e * self.batch
 
     def _steps_ending_within(self, span: float, k: int) -> int:
         """The largest n <= k with n * alpha + beta * n (n - 1) / 2 <= span."""

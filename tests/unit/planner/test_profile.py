@@ -143,3 +143,66 @@ def test_a_profile_without_the_attention_term_loads_as_linear():
     raw = _raw()
     raw["prefill"].pop("q")
     assert Profile.from_dict(raw).prefill.q == 0.0
+
+
+def concave_points(knots, e, contexts=(64, 256)):
+    """Decode steps whose cost is piecewise linear in the batch (as on a CPU, where a few
+    sequences share the weights' read) plus e per context token."""
+    return [DecodePoint(b, ctx, b * ctx, t + e * b * ctx) for b, t in knots for ctx in contexts]
+
+
+def test_decode_fit_follows_a_step_cost_that_is_not_linear_in_the_batch():
+    knots = ((1, 0.045), (2, 0.062), (4, 0.089), (8, 0.105), (16, 0.120))
+    cost = fit_decode(concave_points(knots, 2e-7))
+    assert [b for b, _ in cost.knots] == [b for b, _ in knots]
+    assert [t for _, t in cost.knots] == pytest.approx([t for _, t in knots], rel=1e-6)
+    assert cost.e == pytest.approx(2e-7, rel=1e-6) and cost.max_rel_error < 1e-6
+    # between knots along the segment, past the last one along the last segment
+    assert cost.batch_seconds(3) == pytest.approx((0.062 + 0.089) / 2)
+    assert cost.batch_seconds(24) == pytest.approx(0.120 + 8 * (0.120 - 0.105) / 8)
+    assert cost.seconds(6, 6 * 100) == pytest.approx(0.097 + 2e-7 * 600)
+    # the straight-line summary through the same points is far off at batch 1
+    assert cost.c + cost.d > 0.045 * 1.15
+    line = nonnegative_lstsq(np.array([[1.0, p.batch, p.ctx_tokens_total] for p in cost.points]),
+                             np.array([p.seconds for p in cost.points]))
+    assert line[2] > 0.15
+
+
+def test_noisy_intercepts_are_made_non_decreasing_in_the_batch():
+    # batch 4 measured faster than batch 2 (noise): a step never gets cheaper with more work
+    cost = fit_decode(concave_points(((1, 0.04), (2, 0.07), (4, 0.065), (8, 0.1)), 1e-7))
+    assert [t for _, t in cost.knots] == pytest.approx([0.04, 0.07, 0.07, 0.1], rel=1e-6)
+    assert cost.batch_seconds(3) == pytest.approx(0.07)
+
+
+def test_a_decode_cost_without_knots_is_the_straight_line():
+    cost = make_profile(c=0.01, d=5e-4, e=2e-7).decode
+    assert cost.knots == ()
+    assert cost.seconds(8, 1000) == pytest.approx(0.01 + 8 * 5e-4 + 2e-7 * 1000)
+
+
+def test_knots_round_trip_and_a_profile_recorded_before_them_loads_as_linear(tmp_path):
+    base = make_profile()
+    cost = fit_decode(concave_points(((1, 0.045), (4, 0.089), (16, 0.12)), 1e-7))
+    profile = Profile(base.model, base.dtype, base.hardware, base.limits, base.prefill, cost)
+    profile.save(tmp_path / "p.yaml")
+    loaded = Profile.load(tmp_path / "p.yaml")
+    assert loaded == profile and loaded.decode.batch_seconds(2) == cost.batch_seconds(2)
+    raw = profile.to_dict()
+    assert raw["decode"]["knots"][0] == {"batch": 1, "seconds": pytest.approx(0.045)}
+    raw["decode"].pop("knots")
+    old = Profile.from_dict(raw).decode
+    assert old.knots == () and old.batch_seconds(2) == pytest.approx(cost.c + 2 * cost.d)
+
+
+@pytest.mark.parametrize("knots, message", [
+    ([{"batch": 4, "seconds": 0.1}, {"batch": 1, "seconds": 0.2}], "distinct and increasing"),
+    ([{"batch": 1, "seconds": 0.2}, {"batch": 4, "seconds": 0.1}], "non-decreasing"),
+    ([{"batch": 1}], r"decode\.knots\[0\]\.seconds is missing"),
+    ([{"batch": 0, "seconds": 0.1}], "each >= 1"),
+])
+def test_bad_knots_are_refused_with_the_field_named(knots, message):
+    raw = _raw()
+    raw["decode"]["knots"] = knots
+    with pytest.raises(ValueError, match=message):
+        Profile.from_dict(raw)

@@ -22,25 +22,24 @@ def test_there_is_a_recorded_run_to_check():
     assert FIXTURES, "record one: see baton_loadtest.planner_check"
 
 
-# Below this CPU share a pod's core was largely someone else's while the run was recorded
-# (the two-core development machine shared with other sessions): the simulation slows each
-# step by the measured share, which reproduces the typical step (median ITL measured /
-# predicted: 180 / 177 ms in chat_1p1d_a.json at a 41% share, 102 / 92 ms in _b at 78%)
-# but not the tail the kernel's scheduler adds on a contended core (p90: -48%, -24%). The
-# ITL p90 of such a run is a known miss, checked strictly so that a model that starts to
-# reproduce it is noticed; re-recorded on a quiet machine (shares near 1) the run is held
-# to the 15% target on both metrics.
-QUIET_SHARE = 0.8
+# Known misses, each checked strictly so that a model that starts to reproduce it is
+# noticed. chat_1p1d_a was recorded with 41% of the decode core (the two-core development
+# machine shared with other sessions): the simulation slows each step by the measured share,
+# which reproduces the typical step (median ITL measured / predicted 180 / 177 ms) but not
+# the tail the kernel's scheduler adds on a contended core (p90 -41%). chat_1p1d_b (78% of
+# the core) missed by -24% too until the decode cost became piecewise linear in the batch;
+# it now lands at -14%.
+KNOWN_MISSES = {
+    ("chat_1p1d_a", "itl"): "recorded with 41% of the decode core: the ITL tail of a "
+                            "contended core is not modelled",
+}
 
 
 def _cases():
     for path in FIXTURES:
-        run = RecordedRun.load(path)
         for metric in ("ttft", "itl"):
-            contended = metric == "itl" and run.settings.decode_cpu_share < QUIET_SHARE
-            marks = [pytest.mark.xfail(strict=True, reason=(
-                f"recorded with {run.settings.decode_cpu_share:.0%} of the decode core: the "
-                "ITL tail of a contended core is not modelled"))] if contended else []
+            reason = KNOWN_MISSES.get((path.stem, metric))
+            marks = [pytest.mark.xfail(strict=True, reason=reason)] if reason else []
             yield pytest.param(path, metric, marks=marks, id=f"{path.stem}-{metric}")
 
 

@@ -133,3 +133,23 @@ def test_a_pod_with_half_its_core_takes_twice_as_long_per_step():
     assert r.itl_s == pytest.approx(2 * (0.02 + 1e-3 + 1e-6 * 1002))
     with pytest.raises(ValueError, match="decode_cpu_share=0 must be in"):
         SimSettings(2048, 128, decode_cpu_share=0)
+
+
+def test_decode_steps_cost_what_the_knots_say_at_each_batch():
+    # with knots the straight line c + d * batch (21 / 22 ms here) is not used: batch-1
+    # steps cost 40 ms, batch-2 steps 50 ms; half a core doubles them
+    from dataclasses import replace
+
+    from baton.planner.profile import DecodeCost
+
+    cost = DecodeCost(0.02, 1e-3, 1e-6, knots=((1, 0.04), (2, 0.05), (16, 0.12)))
+    profile = replace(PROFILE, decode=cost)
+    alone = simulate(trace([0.0], [1000], [4]), 1, 1, profile, SETTINGS)
+    assert alone.itl_s == pytest.approx(0.04 + 1e-6 * 1002)
+    # the second joins after the first's first step: 4 of the 6 ITL samples are batch-2
+    # steps (contexts 2003 and 2005), so the median is one
+    pair = simulate(trace([0.0, 0.0], [1000, 1000], [4, 4]), 2, 1, profile, SETTINGS)
+    assert pair.itl_s == pytest.approx(0.05 + 1e-6 * 2003)
+    half = SimSettings(2048, 128, 0.005, 50, decode_cpu_share=0.5)
+    assert simulate(trace([0.0], [1000], [4]), 1, 1, profile, half).itl_s == pytest.approx(
+        2 * (0.04 + 1e-6 * 1002))
