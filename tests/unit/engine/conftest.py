@@ -7,7 +7,7 @@ import pytest
 
 from baton.engine.attention import cpu_native, cpu_prefill
 from baton.engine.models import cpu_ops
-from baton.engine.models.cpu_packing import load_linear_kernels
+from baton.engine.models.cpu_packing import load_gemv_f32, load_linear_kernels
 
 
 @pytest.fixture(scope="session")
@@ -39,3 +39,8 @@ def native_ops(kernel_cache):
 @pytest.fixture(scope="session")
 def native_linear(kernel_cache):
     return _built(load_linear_kernels(kernel_cache), "the native linear kernels")
+
+
+@pytest.fixture(scope="session")
+def gemv_f32(kernel_cache):
+    return _built(load_gemv_f32(kernel_cache), "the fp32 GEMV (or this CPU has no AVX2 + FMA)")

@@ -112,13 +112,22 @@ class CausalLM(nn.Module):
                 module.native = ops
 
     def prepack_for_cpu(self, cache_dir) -> None:
-        """Swap linears for packed ones (`cpu_packing`: the native GEMM, else oneDNN's;
-        bf16 on CPU); a tied head gets its own packed copy of the embedding."""
-        from baton.engine.models.cpu_packing import load_linear_kernels, pack_linears
+        """Swap linears for packed ones (`cpu_packing`: in bf16 the native GEMM, else
+        oneDNN's; in fp32 the small-batch GEMV, when it can be built here); a tied head gets
+        its own linear over the embedding."""
+        from baton.engine.models.cpu_packing import (load_gemv_f32, load_linear_kernels,
+                                                     pack_linears)
 
+        if self.embed_tokens.weight.dtype == torch.float32:
+            gemv = load_gemv_f32(cache_dir)
+            if gemv is None:
+                return  # F.linear it is
+            native = None
+        else:
+            gemv, native = None, load_linear_kernels(cache_dir)
         if self.lm_head is None:
             weight = self.embed_tokens.weight
             self.lm_head = nn.Linear(weight.shape[1], weight.shape[0], bias=False,
                                      device=weight.device, dtype=weight.dtype)
             self.lm_head.weight = weight
-        pack_linears(self, load_linear_kernels(cache_dir))
+        pack_linears(self, native, gemv)

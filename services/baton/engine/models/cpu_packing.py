@@ -1,4 +1,5 @@
-"""Linear layers for bfloat16 on CPU: our own GEMM over weights packed once, or oneDNN's.
+"""Linear layers on CPU: for bfloat16 our own GEMM over weights packed once, or oneDNN's;
+for float32 a GEMV for the few rows of a small decode batch (`csrc/linear_f32.c`).
 
 Where the CPU has AVX512-BF16, every linear runs the native GEMM of `csrc/linear_bf16.c`
 over its weight packed into pairs of k (the same bytes as the weight; the row-major and
@@ -12,6 +13,11 @@ all (no AVX512BW/VL/DQ nor AVX-NE-CONVERT: its prepack raises), the row-major we
 through the native GEMV for small batches and `F.linear` for the rest (slow there: 61 ms
 for 512 x 576 -> 1536 on AVX2. An fp32 GEMM over per-call upcasts takes 7 ms but page-faults
 its buffers in every prefill step, which the malloc tuning exists to stop; not taken).
+
+In float32 the weight stays torch's own (no copy): up to `gemv_f32_max_rows` rows go through
+the native GEMV, which reads each weight row once for all of them (torch's sgemm reads them
+per row on AVX2: a batch-2 decode step cost 1.8x a batch-1 step), more rows through
+`F.linear`.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ from torch import nn
 from baton.engine.native import load_library
 
 _SOURCE = Path(__file__).parent / "csrc" / "linear_bf16.c"
+_SOURCE_F32 = Path(__file__).parent / "csrc" / "linear_f32.c"
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 
 
@@ -125,15 +132,61 @@ class PackedLinear(nn.Module):
         return nn.functional.linear(x, self.weight, self.bias)
 
 
+class NativeGemvF32:
+    """`gemv_f32` of linear_f32.c: y (M, N) from x (M, K) and a row-major (N, K) weight, for
+    1 <= M <= max_rows (0 where it was built without AVX2 + FMA)."""
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        lib.gemv_f32_max_rows.restype = ctypes.c_int
+        self.max_rows = int(lib.gemv_f32_max_rows())
+        self._kernel = lib.gemv_f32
+        self._kernel.restype, self._kernel.argtypes = ctypes.c_int, [_P] * 4 + [_I] * 3
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor,
+                 bias: torch.Tensor | None) -> torch.Tensor:
+        return NativeLinear._run(self._kernel, x, weight, bias, weight.shape[0], "fp32 GEMV")
+
+
+def load_gemv_f32(cache_dir: Path) -> NativeGemvF32 | None:
+    lib = load_library(_SOURCE_F32, cache_dir)
+    gemv = None if lib is None else NativeGemvF32(lib)
+    return gemv if gemv is not None and gemv.max_rows > 0 else None
+
+
+class SmallBatchLinear(nn.Module):
+    """A float32 linear over torch's own weight: the native GEMV for a few rows (a decode
+    step of a small batch), `F.linear` for more."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None,
+                 gemv: NativeGemvF32) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.weight = weight.detach().contiguous()
+        self.bias = None if bias is None else bias.detach().contiguous()
+        self.gemv = gemv
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and 0 < x.shape[0] <= self.gemv.max_rows:
+            return self.gemv(x, self.weight, self.bias)
+        return nn.functional.linear(x, self.weight, self.bias)
+
+
 def can_pack(dtype: torch.dtype, device: torch.device) -> bool:
-    return (device.type == "cpu" and dtype == torch.bfloat16
-            and torch.backends.mkldnn.is_available())
+    if device.type != "cpu":
+        return False
+    return dtype == torch.float32 or (dtype == torch.bfloat16
+                                      and torch.backends.mkldnn.is_available())
 
 
-def pack_linears(model: nn.Module, native: NativeLinear | None = None) -> None:
-    """Replace every nn.Linear under `model` by a PackedLinear (in place)."""
+def pack_linears(model: nn.Module, native: NativeLinear | None = None,
+                 gemv_f32: NativeGemvF32 | None = None) -> None:
+    """Replace every nn.Linear under `model` (in place): a bf16 one by a PackedLinear, a
+    float32 one by a SmallBatchLinear when the fp32 GEMV could be built."""
     for name, child in list(model.named_children()):
         if isinstance(child, nn.Linear):
-            setattr(model, name, PackedLinear(child.weight, child.bias, native))
+            if child.weight.dtype == torch.bfloat16:
+                setattr(model, name, PackedLinear(child.weight, child.bias, native))
+            elif child.weight.dtype == torch.float32 and gemv_f32 is not None:
+                setattr(model, name, SmallBatchLinear(child.weight, child.bias, gemv_f32))
         else:
-            pack_linears(child, native)
+            pack_linears(child, native, gemv_f32)
