@@ -2,7 +2,7 @@
 
     baton-loadtest planner-check --workload loadtest/workloads/chat.yaml --rate 0.12 \\
         --ttft-slo 30 --itl-slo 0.3 --out runs/planner_chat [--profile profile.yaml] \\
-        [--num-requests 20] [--record tests/unit/planner/fixtures/chat_1p1d_c.json]
+        [--num-requests 20] [--record tests/unit/planner/fixtures/chat_1p1d_d.json]
 
 1. `baton profile --quick` with one thread pinned to core 0 (unless `--profile` is given):
    every pod here gets one core, so the profile describes a one-core pod.
@@ -31,7 +31,7 @@ Re-record the suite's fixture (about 10 minutes on two cores; longer on a busy m
 
     baton-loadtest planner-check --workload loadtest/workloads/chat.yaml --rate 0.12 \
         --num-requests 20 --ttft-slo 30 --itl-slo 0.3 --out runs/planner_chat \
-        --record tests/unit/planner/fixtures/chat_1p1d_c.json
+        --record tests/unit/planner/fixtures/chat_1p1d_d.json
 """
 
 from __future__ import annotations

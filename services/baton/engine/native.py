@@ -1,6 +1,7 @@
 """Small C kernels for CPU, built with the system C compiler on first use and loaded with
 ctypes (`attention/csrc/paged_decode.c`, `attention/csrc/paged_prefill.c`,
-`models/csrc/linear_bf16.c`, `models/csrc/cpu_ops.c`, `models/csrc/llama_decode.c`).
+`models/csrc/linear_bf16.c`, `models/csrc/linear_f32.c`, `models/csrc/cpu_ops.c`,
+`models/csrc/llama_decode.c`).
 
 A library is built once per source version into `<cache_dir>/kernels/` (an atomic rename, so
 concurrent builders agree). It links the libgomp that torch has loaded (by soname), so both
