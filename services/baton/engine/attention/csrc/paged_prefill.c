@@ -44,11 +44,24 @@
 
 #define MAX_G 16
 #define MAX_D 256
-#define NV 64 /* query vectors per task (rows x G): 4 registers of 16 floats */
 #define KT 32 /* keys per tile (measured: 16 and 64 no faster) */
 
-/* 16 floats in whatever vector registers the target has; unaligned, may alias float. */
-typedef float v16 __attribute__((vector_size(64), aligned(4), may_alias));
+/* VW floats fill one vector register: 16 with AVX-512, 8 with AVX2. The register blocks are
+ * counted in such registers: AVX-512 has 32 of them, AVX2 16, so on AVX2 the blocks below
+ * hold half the keys (scores) or query vectors (accumulate) that they hold on AVX-512; with
+ * AVX-512's blocks AVX2 spilled its accumulators to the stack on every FMA (5.7 GFLOP/s on
+ * two cores, a third of torch's SDPA). */
+#if defined(__AVX512F__)
+#define VW 16
+#else
+#define VW 8
+#endif
+#define NV (4 * VW) /* query vectors per task (rows x G): 4 registers */
+#define SCORE_KEYS(NC) (VW == 16 || (NC) <= 2 ? 4 : 2) /* keys per block in `scores` */
+#define ACC_VECS (VW == 16 ? 4 : 2) /* query vectors per block in `accumulate` */
+
+/* VW floats; unaligned, may alias float. */
+typedef float vreg __attribute__((vector_size(4 * VW), aligned(4), may_alias));
 
 struct task { int64_t seq, head, r0, r1, cost; };
 
@@ -86,9 +99,9 @@ static inline float exp2_nonpos(float x) {
 }
 
 /* Keeps a vector in a register: without it GCC re-loads it as a memory operand of every FMA
- * that uses it, and the loads, not the FMAs, set the pace. Only where 16 floats fill one
- * register (AVX-512); elsewhere the compiler splits the vector and chooses. */
-#if defined(__AVX512F__) && defined(__GNUC__)
+ * that uses it, and the loads, not the FMAs, set the pace. Where VW floats fill one register
+ * (AVX-512, AVX2); elsewhere the compiler splits the vector and chooses. */
+#if (defined(__AVX512F__) || defined(__AVX2__)) && defined(__GNUC__)
 #define IN_REGISTER(x) __asm__("" : "+v"(x))
 #else
 #define IN_REGISTER(x) (void)0
@@ -160,27 +173,28 @@ static inline __attribute__((always_inline)) void load_tile(
     }
 }
 
-/* s[j][0:16 NC] = kf[j] . qt[:, 0:16 NC] for the tile's keys, 4 keys at a time (4 NC
- * accumulators; a key element is broadcast, 16 query vectors per register). */
+/* s[j][0:VW NC] = kf[j] . qt[:, 0:VW NC] for the tile's keys, SCORE_KEYS at a time (a key
+ * element is broadcast, VW query vectors per register, no horizontal sums). */
 static inline __attribute__((always_inline)) void scores(
         const float *qt, const float *kf, float *s, const int NC, const int64_t D) {
-    for (int64_t j = 0; j < KT; j += 4) {
-        v16 a[4][4];
-        for (int i = 0; i < 4; i++)
-            for (int c = 0; c < NC; c++) a[i][c] = (v16){0};
+    const int K = SCORE_KEYS(NC);
+    for (int64_t j = 0; j < KT; j += K) {
+        vreg a[4][4];
+        for (int i = 0; i < K; i++)
+            for (int c = 0; c < NC; c++) a[i][c] = (vreg){0};
         for (int64_t d = 0; d < D; d++) {
-            v16 x[4];
+            vreg x[4];
             for (int c = 0; c < NC; c++) {
-                x[c] = *(const v16 *)(qt + d * 16 * NC + 16 * c);
+                x[c] = *(const vreg *)(qt + d * VW * NC + VW * c);
                 IN_REGISTER(x[c]);
             }
-            for (int i = 0; i < 4; i++) {
+            for (int i = 0; i < K; i++) {
                 const float kd = kf[(j + i) * D + d];
                 for (int c = 0; c < NC; c++) a[i][c] += kd * x[c];
             }
         }
-        for (int i = 0; i < 4; i++)
-            for (int c = 0; c < NC; c++) *(v16 *)(s + (j + i) * 16 * NC + 16 * c) = a[i][c];
+        for (int i = 0; i < K; i++)
+            for (int c = 0; c < NC; c++) *(vreg *)(s + (j + i) * VW * NC + VW * c) = a[i][c];
     }
 }
 
@@ -190,7 +204,7 @@ static inline __attribute__((always_inline)) void scores(
 static inline __attribute__((always_inline)) void softmax_tile(
         float *s, float *m, float *l, float *acc, const float *lim, int64_t t0, const int NC,
         const int64_t D, const int MASKED) {
-    const int V = 16 * NC;
+    const int V = VW * NC;
     float mx[NV], sum[NV];
     for (int v = 0; v < V; v++) mx[v] = m[v], sum[v] = 0.f;
     for (int j = 0; j < KT; j++) {
@@ -219,29 +233,29 @@ static inline __attribute__((always_inline)) void softmax_tile(
     }
 }
 
-/* acc[v][0:D] += sum_j s[j][v] * vf[j][0:D] for v < nv (a multiple of 4), 4 vectors x 64
- * dims at a time (16 accumulators). */
+/* acc[v][0:D] += sum_j s[j][v] * vf[j][0:D] for v < nv (a multiple of 4), ACC_VECS vectors x
+ * 4 VW dims at a time. */
 static inline __attribute__((always_inline)) void accumulate(
         const float *s, const float *vf, float *acc, int64_t nv, const int NC, const int64_t D) {
-    for (int64_t v = 0; v < nv; v += 4) {
-        for (int64_t c = 0; c < D; c += 64) {
-            const int64_t nc = D - c >= 64 ? 4 : (D - c) / 16;
-            v16 a[4][4];
-            for (int i = 0; i < 4; i++)
-                for (int64_t k = 0; k < nc; k++) a[i][k] = *(v16 *)(acc + (v + i) * D + c + 16 * k);
+    for (int64_t v = 0; v < nv; v += ACC_VECS) {
+        for (int64_t c = 0; c < D; c += 4 * VW) {
+            const int64_t nc = D - c >= 4 * VW ? 4 : (D - c) / VW;
+            vreg a[ACC_VECS][4];
+            for (int i = 0; i < ACC_VECS; i++)
+                for (int64_t k = 0; k < nc; k++) a[i][k] = *(vreg *)(acc + (v + i) * D + c + VW * k);
             for (int j = 0; j < KT; j++) {
-                v16 x[4];
+                vreg x[4];
                 for (int64_t k = 0; k < nc; k++) {
-                    x[k] = *(const v16 *)(vf + j * D + c + 16 * k);
+                    x[k] = *(const vreg *)(vf + j * D + c + VW * k);
                     IN_REGISTER(x[k]);
                 }
-                for (int i = 0; i < 4; i++) {
-                    const float p = s[j * 16 * NC + v + i];
+                for (int i = 0; i < ACC_VECS; i++) {
+                    const float p = s[j * VW * NC + v + i];
                     for (int64_t k = 0; k < nc; k++) a[i][k] += p * x[k];
                 }
             }
-            for (int i = 0; i < 4; i++)
-                for (int64_t k = 0; k < nc; k++) *(v16 *)(acc + (v + i) * D + c + 16 * k) = a[i][k];
+            for (int i = 0; i < ACC_VECS; i++)
+                for (int64_t k = 0; k < nc; k++) *(vreg *)(acc + (v + i) * D + c + VW * k) = a[i][k];
         }
     }
 }
@@ -252,12 +266,12 @@ static inline __attribute__((always_inline)) void accumulate(
 #define HAVE_BF16_DOT 0
 #endif
 
-/* One task with at most 16 NC query vectors; w is the thread's workspace (WORKSPACE_FLOATS).
+/* One task with at most VW NC query vectors; w is the thread's workspace (WORKSPACE_FLOATS).
  * BF16: the queries' type (0 f32); CK: the cache's kind (load_kv). */
 static inline __attribute__((always_inline)) void run_task(
         const struct call *c, const struct task *t, float *w, const int BF16, const int CK,
         const int DOT, const int NC, const int64_t D) {
-    const int64_t V = 16 * NC;
+    const int64_t V = VW * NC;
     const int64_t G = c->H / c->KVH, h = t->head, r0 = t->r0;
     const int64_t first = c->seqs[3 * t->seq], ctx = c->seqs[3 * t->seq + 2];
     const int64_t nvec = (t->r1 - r0) * G;
@@ -317,13 +331,13 @@ static inline __attribute__((always_inline)) void run_task(
     }
 }
 
-/* The task with as few 16-vector register columns as it needs. */
+/* The task with as few VW-vector register columns as it needs. */
 static inline __attribute__((always_inline)) void dispatch(
         const struct call *c, const struct task *t, float *w, const int BF16, const int CK,
         const int DOT, const int64_t D) {
     const int64_t nvec = (t->r1 - t->r0) * (c->H / c->KVH);
-    if (nvec > 32) run_task(c, t, w, BF16, CK, DOT, 4, D);
-    else if (nvec > 16) run_task(c, t, w, BF16, CK, DOT, 2, D);
+    if (nvec > 2 * VW) run_task(c, t, w, BF16, CK, DOT, 4, D);
+    else if (nvec > VW) run_task(c, t, w, BF16, CK, DOT, 2, D);
     else run_task(c, t, w, BF16, CK, DOT, 1, D);
 }
 
