@@ -1,8 +1,8 @@
 """The planner checked against measured runs: profile, plan, serve, compare.
 
-    baton-loadtest planner-check --workload loadtest/workloads/chat.yaml --rate 0.12 \\
-        --ttft-slo 30 --itl-slo 0.3 --out runs/planner_chat [--profile profile.yaml] \\
-        [--num-requests 20] [--record tests/unit/planner/fixtures/chat_1p1d_d.json]
+    baton-loadtest planner-check --workload loadtest/workloads/chat.yaml --rate 0.3 \\
+        --ttft-slo 5 --itl-slo 0.2 --out runs/planner_chat [--profile profile.yaml] \\
+        [--num-requests 20] [--record tests/unit/planner/fixtures/chat_1p1d_e.json]
 
 1. `baton profile --quick` with one thread pinned to core 0 (unless `--profile` is given):
    every pod here gets one core, so the profile describes a one-core pod.
@@ -27,11 +27,12 @@
    as `report.json` and `report.md`; `--record` saves the run as a `RecordedRun` fixture
    that tests/unit/planner/test_recorded.py replays.
 
-Re-record the suite's fixture (about 10 minutes on two cores; longer on a busy machine):
+Re-record the suite's newest fixture (about 5 minutes on two cores; longer on a busy machine;
+TTFT 5 s because one core prefills chat's p90 prompt in about 2.5 s before any queueing):
 
-    baton-loadtest planner-check --workload loadtest/workloads/chat.yaml --rate 0.12 \
-        --num-requests 20 --ttft-slo 30 --itl-slo 0.3 --out runs/planner_chat \
-        --record tests/unit/planner/fixtures/chat_1p1d_d.json
+    baton-loadtest planner-check --workload loadtest/workloads/chat.yaml --rate 0.3 \
+        --num-requests 20 --ttft-slo 5 --itl-slo 0.2 --out runs/planner_chat \
+        --record tests/unit/planner/fixtures/chat_1p1d_e.json
 """
 
 from __future__ import annotations

@@ -358,6 +358,7 @@ def run(args, run_once, load_tokenizer) -> int:
 
 def settings_meta(args, budget: Budget, workloads: dict[str, Path], rates) -> dict:
     per_point = (f"{args.num_requests} requests" if args.num_requests else
+                 f"{args.min_requests} requests" if args.seconds_per_point <= 0 else
                  f"{args.seconds_per_point:g} s of arrivals, at least {args.min_requests} "
                  "requests")
     return {"model": MODEL, "model_dir": budget.model_dir, "dtype": budget.dtype,
