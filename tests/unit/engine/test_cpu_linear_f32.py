@@ -17,7 +17,7 @@ def reference(x, w, b):
     return y if b is None else y + b.double()
 
 
-@pytest.mark.parametrize("rows", range(1, 13))
+@pytest.mark.parametrize("rows", [*range(1, 9), 11, 13, 23, 24])
 @pytest.mark.parametrize("n,k", [(1, 1), (5, 7), (13, 8), (26, 45), (960, 576), (577, 1536)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_gemv_matches_reference(gemv_f32, rows, n, k, with_bias):
@@ -31,10 +31,10 @@ def test_gemv_matches_reference(gemv_f32, rows, n, k, with_bias):
     assert ((y.double() - reference(x, w, b)).abs() <= scale).all()
 
 
-def test_gemv_serves_up_to_twelve_rows_and_refuses_more(gemv_f32):
-    assert gemv_f32.max_rows == 12
+def test_gemv_serves_up_to_24_rows_and_refuses_more(gemv_f32):
+    assert gemv_f32.max_rows == 24
     with pytest.raises(RuntimeError, match=r"fp32 GEMV failed \(code -1\)"):
-        gemv_f32(torch.zeros(13, 4), torch.zeros(3, 4), None)
+        gemv_f32(torch.zeros(25, 4), torch.zeros(3, 4), None)
 
 
 def test_small_batch_linear_routes_by_rows(gemv_f32):
@@ -44,7 +44,7 @@ def test_small_batch_linear_routes_by_rows(gemv_f32):
         base.weight.copy_(torch.randn(40, 64, generator=g))
     linear = SmallBatchLinear(base.weight, base.bias, gemv_f32)
     assert linear.weight.data_ptr() == base.weight.data_ptr()  # torch's own weight, no copy
-    for rows in (1, 8, 12, 13, 64):
+    for rows in (1, 8, 13, 24, 25, 64):
         x = torch.randn(rows, 64, generator=g)
         torch.testing.assert_close(linear(x), base(x), rtol=1e-5, atol=1e-5)
     # above max_rows, and any batch of another rank, is F.linear exactly

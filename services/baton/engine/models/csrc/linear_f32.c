@@ -1,7 +1,7 @@
 /* Linear layers on CPU in float32 for a few rows: y[m, o] = sum_k x[m, k] * w[o, k] (+ b[o]).
  *
  * A decode step of a small batch is bound by reading the weights once. torch's F.linear
- * (MKL's sgemm) does not read them once at 2-12 rows on AVX2: a 1536 x 576 linear took
+ * (MKL's sgemm) does not read them once at 2-24 rows on AVX2: a 1536 x 576 linear took
  * 132 us at 1 row, 239 us at 2, 338 us at 8, so a batch-2 decode step cost 1.8x a batch-1
  * step. Here the threads split the outputs in blocks of 12; a block's weight rows are read
  * from memory once, by the first group of rows, and stay in L2 for the next: register tiles
@@ -20,9 +20,13 @@
 #define HAVE_AVX2 0
 #endif
 
-/* Measured against F.linear (the bundled model's 1536 x 576 and 576 x 1536 layers): at 12 rows
- * 1.15-1.2x faster on one core, 1.3-2.3x on two; at 16 rows 0.9-1.05x on one core. */
-#define GEMV_F32_MAX_ROWS 12
+/* Measured against F.linear over a decode step's worth of distinct weights (the bundled
+ * model's 30 layers and head, 540 MB, so they stream from memory as served; one weight
+ * timed in a loop stays in cache and favours MKL), one step's linears in ms, F.linear / GEMV:
+ * two cores 8 rows 73 / 45, 16 rows 99 / 76, 24 rows 126 / 114, 32 rows 143 / 120, 48 rows
+ * 198 / 230; one core 8 rows 107 / 74, 16 rows 131 / 113, 24 rows 166 / 153, 32 rows 187 /
+ * 261. Up to 24 rows the GEMV is faster on both. */
+#define GEMV_F32_MAX_ROWS 24
 
 int gemv_f32_max_rows(void) { return HAVE_AVX2 ? GEMV_F32_MAX_ROWS : 0; }
 
