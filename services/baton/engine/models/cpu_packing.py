@@ -148,9 +148,12 @@ class NativeGemvF32:
 
 
 def load_gemv_f32(cache_dir: Path) -> NativeGemvF32 | None:
+    """The fp32 GEMV, or None where it cannot be built or this CPU has no AVX2 + FMA."""
     lib = load_library(_SOURCE_F32, cache_dir)
-    gemv = None if lib is None else NativeGemvF32(lib)
-    return gemv if gemv is not None and gemv.max_rows > 0 else None
+    if lib is None:
+        return None
+    gemv = NativeGemvF32(lib)
+    return gemv if gemv.max_rows > 0 else None
 
 
 class SmallBatchLinear(nn.Module):

@@ -17,7 +17,8 @@
  *     vectorised over the query vectors (a key element broadcast, no horizontal sums) and
  *     the softmax runs lane-wise; the K/V tile is converted row by row (contiguous);
  *   - acc[v][0:D] += s[j][v] * v[j][0:D], vectorised over D;
- *   both register-blocked (4 keys or 4 vectors x 4 registers of 16 floats).
+ *   both register-blocked (SCORE_KEYS keys or ACC_VECS vectors x up to 4 registers of VW
+ *   floats: sized for the target's registers, AVX-512 or AVX2).
  * fp32 accumulation. bf16 on CPUs with AVX512-BF16 multiplies bf16 pairs directly
  * (vdpbf16ps, twice the FMA rate), with the probabilities rounded to bf16 for P.V as the
  * torch path does; `dot` = 0 keeps the fp32 path (`paged_prefill_dot.h`). The summation
@@ -100,7 +101,7 @@ static inline float exp2_nonpos(float x) {
 
 /* Keeps a vector in a register: without it GCC re-loads it as a memory operand of every FMA
  * that uses it, and the loads, not the FMAs, set the pace. Where VW floats fill one register
- * (AVX-512, AVX2); elsewhere the compiler splits the vector and chooses. */
+ * (AVX-512, AVX2); without AVX2 a vector spans two SSE registers and the compiler chooses. */
 #if (defined(__AVX512F__) || defined(__AVX2__)) && defined(__GNUC__)
 #define IN_REGISTER(x) __asm__("" : "+v"(x))
 #else

@@ -1,7 +1,7 @@
 /* Linear layers on CPU in float32 for a few rows: y[m, o] = sum_k x[m, k] * w[o, k] (+ b[o]).
  *
  * A decode step of a small batch is bound by reading the weights once. torch's F.linear
- * (MKL's sgemm) does not read them once at 2-24 rows on AVX2: a 1536 x 576 linear took
+ * (MKL's sgemm) does not read them once at 2-8 rows on AVX2: a 1536 x 576 linear took
  * 132 us at 1 row, 239 us at 2, 338 us at 8, so a batch-2 decode step cost 1.8x a batch-1
  * step. Here the threads split the outputs in blocks of 12; a block's weight rows are read
  * from memory once, by the first group of rows, and stay in L2 for the next: register tiles
