@@ -11,7 +11,7 @@ PORT     ?= 8000
 # transport installed (NIXL, else TCP). Colocated instead: make run CLUSTER="--workers 2"
 CLUSTER  ?= --prefill 1 --decode 1 --transport auto
 
-.PHONY: setup system-deps k8s-tools run test test-fast bench bench-gpu gpu-check bench-router bench-loadgen bench-structured bench-serving bench-vs-vllm clean
+.PHONY: setup system-deps k8s-tools run test test-fast bench bench-gpu gpu-check gpu-kit bench-router bench-loadgen bench-structured bench-serving bench-vs-vllm clean
 
 setup: $(STAMP)
 
@@ -62,17 +62,30 @@ bench: $(STAMP)
 bench-gpu: $(STAMP)
 	$(PY) -m baton_loadtest.gpu_bench all
 
-# On a CUDA machine, one command and one JSON report (GPU_CHECK_JSON): the gpu-marked tests
-# (tests/gpu), the GPU serving scenarios (prefill + decode on the device, KV over nixl / nccl,
-# answers equal to a colocated worker's, no leaked blocks) and bench-gpu. `ok` is true only
-# when tensors really ran on CUDA and everything passed (exit 1 otherwise). Without CUDA it
-# says so, runs what it can and exits 0 with ok false. Runs from the source tree with the venv
-# when there is one, else $(PYTHON) (GPU machines with torch and triton preinstalled).
+# On a CUDA machine, one command and one JSON report (GPU_CHECK_JSON), in pieces under one
+# deadline (GPU_CHECK_DEADLINE s), the report rewritten after every piece: preflight imports,
+# the CUDA probe, the model (bundled, or a stand-in of its shape), the GPU tests, bench-gpu and
+# the serving scenarios (colocated vs prefill + decode over tcp / nixl on one GPU; nccl and
+# TP on two). `ok` is true only when tensors really ran on CUDA and everything this machine
+# can run passed (exit 1 otherwise). Without CUDA it says so, runs what it can and exits 0
+# with ok false. Runs from the source tree with the venv when there is one, else $(PYTHON).
+# On a lent GPU machine use the kit instead (make gpu-kit; README, "GPUs").
 GPU_CHECK_JSON ?= gpu-check.json
+GPU_CHECK_DEADLINE ?= 480
+GPU_CHECK_ARGS ?=
 gpu-check:
 	@if [ -x $(PY) ]; then py=$(PY); else py=$(PYTHON); fi; \
 	PYTHONPATH=services:kernels:loadtest:.$${PYTHONPATH:+:$$PYTHONPATH} \
-		$$py -m baton_loadtest.gpu_check --json $(GPU_CHECK_JSON)
+		$$py -m baton_loadtest.gpu_check --json $(GPU_CHECK_JSON) \
+		--deadline-s $(GPU_CHECK_DEADLINE) $(GPU_CHECK_ARGS)
+
+# The folder a GPU lease carries (git-ignored, under 60 MiB): Python 3.12 wheels of what the
+# GPU machine lacks, a slimmed NIXL, the bundled model's config and tokenizer, the tracked
+# files, and gpu-check.sh. Prints its path and size.
+GPU_KIT ?= gpu-kit
+GPU_KIT_PYTHON ?= 3.12
+gpu-kit: $(STAMP)
+	$(PY) scripts/gpu_kit.py --out $(GPU_KIT) --python-version $(GPU_KIT_PYTHON)
 
 bench-router: $(STAMP)
 	$(PY) -m baton_loadtest.router_bench --pin

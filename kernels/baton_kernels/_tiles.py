@@ -6,6 +6,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from baton_kernels._common import interpreting
+
 LOG2E = 1.4426950408889634
 NO_WINDOW = 1 << 30  # a window no sequence reaches: full causal attention
 
@@ -60,3 +62,17 @@ def online_softmax_step(q, kt, v, visible, m_i, l_i, acc, qk_scale, cap_in, cap_
     else:
         pv = tl.dot(p.to(q.dtype), v.to(q.dtype))
     return m_new, l_i, acc * alpha[:, None] + pv
+
+
+if interpreting():
+    def loop_bound(x):
+        """A loop bound computed in the kernel, as a Python int for the interpreter's
+        ``range``. The interpreter holds a scalar as a 1-element 1-d numpy array, and triton
+        3.6's ``tensor.__index__`` converts it with ``int(data)``, which NumPy >= 2.4 refuses
+        ("only 0-dimensional arrays can be converted to Python scalars"); 3.7 squeezes first."""
+        return x.handle.data.item() if isinstance(x, tl.tensor) else x
+else:
+    @triton.jit
+    def loop_bound(x):
+        """Compiled: the bound itself (inlined, so the loop compiles exactly as without it)."""
+        return x

@@ -25,8 +25,8 @@ import triton
 import triton.language as tl
 
 from baton_kernels._common import check_attention_common, interpreting, next_pow2
-from baton_kernels._tiles import (LOG2E, NO_WINDOW, load_kv_tile, online_softmax_step,
-                                  softcap_args)
+from baton_kernels._tiles import (LOG2E, NO_WINDOW, load_kv_tile, loop_bound,
+                                  online_softmax_step, softcap_args)
 from baton_kernels._variants import jit
 
 SPLIT_COUNTS = (1, 2, 4, 8, 16, 32)  # what `choose_num_splits` picks from
@@ -97,7 +97,7 @@ def paged_decode_split_kernel(
         l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
         acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
         bt_row = block_tables_ptr + b.to(tl.int64) * stride_bt
-        for n0 in range(start, end, BLOCK_N):
+        for n0 in range(loop_bound(start), loop_bound(end), BLOCK_N):
             pos = n0 + offs_n
             n_mask = pos < end
             kt, v = load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row, pos, n_mask, offs_d,

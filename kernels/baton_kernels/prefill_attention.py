@@ -15,8 +15,8 @@ import torch
 import triton.language as tl
 
 from baton_kernels._common import check_attention_common, check_tensor, interpreting, next_pow2
-from baton_kernels._tiles import (LOG2E, NO_WINDOW, load_kv_tile, online_softmax_step,
-                                  softcap_args)
+from baton_kernels._tiles import (LOG2E, NO_WINDOW, load_kv_tile, loop_bound,
+                                  online_softmax_step, softcap_args)
 from baton_kernels._variants import jit
 
 BLOCK_B = 64  # sequences per step of the tile -> sequence search
@@ -39,7 +39,7 @@ def paged_prefill_kernel(
     # Which sequence does this tile belong to: count the sequences whose first tile is at or
     # before it, BLOCK_B of them per step.
     count = tl.zeros([], dtype=tl.int32)
-    for b0 in range(0, num_seqs, BLOCK_B):
+    for b0 in range(0, loop_bound(num_seqs), BLOCK_B):
         offs_b = b0 + tl.arange(0, BLOCK_B)
         b_mask = offs_b < num_seqs
         starts = tl.load(query_start_loc_ptr + offs_b, mask=b_mask, other=0)
@@ -75,7 +75,7 @@ def paged_prefill_kernel(
         kv_end = tl.minimum(seq_len, ctx_len + (j + 1) * BLOCK_Q)
         # The tile's first row (position ctx_len + j * BLOCK_Q) sees the earliest key.
         kv_start = tl.maximum(ctx_len + j * BLOCK_Q - window + 1, 0)
-        for n0 in range(kv_start, kv_end, BLOCK_N):
+        for n0 in range(loop_bound(kv_start), loop_bound(kv_end), BLOCK_N):
             pos = n0 + offs_n
             n_mask = pos < kv_end
             kt, v = load_kv_tile(k_cache_ptr, v_cache_ptr, bt_row, pos, n_mask, offs_d,

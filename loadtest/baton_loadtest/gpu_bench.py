@@ -201,14 +201,15 @@ def summarize_kernels(points: list[dict]) -> dict | None:
 
 
 # -- engine ------------------------------------------------------------------------------------
-def write_model_dir(shape: ModelShape, out: Path) -> Path:
-    """config.json of `shape` plus the bundled model's tokenizer: enough for dummy weights."""
+def write_model_dir(shape: ModelShape, out: Path, tokenizer_dir: Path | None = None) -> Path:
+    """config.json of `shape` plus the bundled model's tokenizer (or `tokenizer_dir`'s, where
+    the bundled model is not installed): enough for dummy weights."""
     from baton.engine.models.loader import resolve_model_dir
 
-    bundled = resolve_model_dir(None)
+    source = tokenizer_dir or resolve_model_dir(None)
     (out / "config.json").write_text(json.dumps(shape.config_json(), indent=1))
     for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(bundled / name, out / name)
+        shutil.copy(source / name, out / name)
     return out
 
 
@@ -285,7 +286,7 @@ def weight_floor(engine, step_ms: float, batch: int, copy_gbps: float) -> dict:
 def run_engine(args: argparse.Namespace, device: torch.device, shape: ModelShape,
                copy_gbps: float) -> dict:
     with tempfile.TemporaryDirectory(prefix="baton-gpu-bench-") as tmp:
-        engine = make_engine(args, write_model_dir(shape, Path(tmp)), device)
+        engine = make_engine(args, write_model_dir(shape, Path(tmp), args.tokenizer_dir), device)
     try:
         backend, graphs = engine.runner.backend.name, engine.runner.graphs is not None
         print(f"\nengine: {args.shape} shape ({shape.layers} layers, hidden "
@@ -346,6 +347,8 @@ def build_parser() -> argparse.ArgumentParser:
     e = ap.add_argument_group("engine")
     e.add_argument("--decode-batches", type=int_list, default=[1, 32, 256])
     e.add_argument("--prompt-len", type=int, default=128)
+    e.add_argument("--tokenizer-dir", type=Path, default=None,
+                   help="a model folder with the bundled tokenizer (default: the bundled model)")
     e.add_argument("--max-tokens", type=int, default=None,
                    help="output tokens per request (default 128 on CUDA, 16 on CPU)")
     e.add_argument("--max-num-batched-tokens", type=int, default=8192)

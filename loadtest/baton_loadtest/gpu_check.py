@@ -1,26 +1,33 @@
-"""`make gpu-check`: everything Baton claims on a GPU, run on this machine, in one JSON report.
+"""`make gpu-check` / `bash gpu-kit/gpu-check.sh`: everything Baton claims on a GPU, in pieces
+under one total deadline, one JSON report rewritten after every piece.
 
-    python -m baton_loadtest.gpu_check [--json gpu-check.json] [--budget-s 3000]
-        [--skip-tests] [--skip-scenarios] [--skip-bench]
+    python -m baton_loadtest.gpu_check [--out DIR | --json PATH] [--deadline-s 480]
+        [--only NAME,...] [--skip NAME,...] [--limit NAME=SECONDS ...] [--kit DIR]
 
-In order:
+The pieces, in order (`PIECES`); each runs in a subprocess of its own session with a limit of
+its own, cut to what is left of the deadline, so a piece that hangs loses only itself:
 
-1. the environment: torch and its CUDA line, triton, NIXL, the devices and the driver;
-2. `cuda_ran`: a real op on a CUDA tensor, read back and checked (False without CUDA);
-3. the `gpu`-marked tests (tests/gpu) under pytest, counted from its JUnit XML;
-4. the serving scenarios (baton_loadtest.gpu_scenarios): a prefill and a decode worker on one
-   GPU with KV over nixl (and nccl where two devices exist), and `baton up --prefill 1
-   --decode 1 --device cuda --gpu-memory-utilization 0.4` answering the OpenAI client exactly
-   as a colocated worker does, with no KV block left held;
-5. `make bench-gpu` (baton_loadtest.gpu_bench all): decode attention's KV read rate against
-   the copy bandwidth, the 8B-shaped engine's decode tok/s at batch 1/32/256 and its batch-1
-   step against the weight-streaming floor; the KV pull GB/s of each transport comes from 4.
+- `preflight`: every module of baton, baton_kernels and baton_loadtest imported; each missing
+  import named with the modules that need it (before any pytest run);
+- `probe`: a matmul on a CUDA tensor read back and checked: `cuda_ran` (in this process);
+- `model`: the bundled model when it is installed, else a stand-in: random weights of its
+  shape (seeded) beside its real config and tokenizer (the kit's), said so in the report;
+- `kernel_tests`: the Triton kernels against their references on the device (tests/gpu), and
+  the sm_80 / sm_90 compile check (tests/kernels/test_compile.py, runs on CPU too);
+- `engine_tests`: CUDA-graph replays equal eager, greedy tokens equal transformers on the
+  device (the model above and an 8B-shaped random model), a seeded sampled request;
+- `bench_kernels`, `bench_engine`: decode attention's KV read rate as a share of the copy
+  bandwidth; the 8B-shaped engine's decode tok/s and its batch-1 step over the weight-streaming
+  floor (baton_loadtest.gpu_bench);
+- `colocated`, `kv_tcp`, `kv_nixl` (one GPU) and `kv_nccl`, `tp2` (two GPUs): `baton up`
+  clusters answering the OpenAI client, prefill + decode equal to colocated, no KV block or
+  lease left held (baton_loadtest.gpu_scenarios).
 
-`ok` is True only when tensors really ran on CUDA, every GPU test ran and passed (none
-skipped), and every scenario and the benchmark ran and passed; the exit status is 1 then
-when not ok. Without CUDA it says so ("no CUDA device: ..."), runs what it can (the
-environment, the probe, the GPU tests, which all skip), writes the report with `ok` False
-and exits 0: a CPU machine cannot fail a GPU check, nor pass one.
+A piece that needs more GPUs than the machine has is skipped with the reason; the report lists
+the one-GPU and the multi-GPU pieces apart. `ok` is True only when tensors really ran on CUDA
+and every piece this machine can run ran and passed; the exit status is 1 when a CUDA machine
+is not ok. Without CUDA it says so, runs what runs on CPU (preflight, model, test collection,
+the compile check) and exits 0 with `ok` False: a CPU machine can neither fail nor pass it.
 """
 
 from __future__ import annotations
@@ -28,198 +35,349 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
-import subprocess
 import sys
 import tempfile
 import time
-import xml.etree.ElementTree as ET
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
 
-import torch
+from baton_loadtest.gpu_pieces import (Deadline, cuda_probe, environment, junit_counts,
+                                       run_subprocess, sweep_orphans, become_subreaper)
 
 ROOT = Path(__file__).resolve().parents[2]
-GPU_TESTS = "tests/gpu"
+DEFAULT_DEADLINE_S = 480.0
+RESERVE_S = 5.0        # kept back for the last report
+MIN_PIECE_S = 15.0     # a piece the deadline leaves less than this is skipped, not started
 
 
-def environment() -> dict:
-    """Versions and devices: what the report's numbers were measured on."""
-    import importlib.util
-
-    try:
-        import triton
-
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = None
-    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    devices = [{"name": torch.cuda.get_device_name(i),
-                "capability": ".".join(map(str, torch.cuda.get_device_capability(i))),
-                "memory_gib": round(torch.cuda.get_device_properties(i).total_memory / 2**30, 1)}
-               for i in range(count)]
-    nixl = [m for m in ("nixl_cu13", "nixl_cu12", "nixl") if importlib.util.find_spec(m)]
-    return {"python": sys.version.split()[0], "torch": str(torch.__version__),
-            "torch_cuda": torch.version.cuda, "triton": triton_version, "nixl": nixl,
-            "cuda_available": torch.cuda.is_available(), "device_count": count,
-            "devices": devices, "driver": driver_version(),
-            "triton_interpret": os.environ.get("TRITON_INTERPRET")}
+@dataclass(frozen=True)
+class Piece:
+    name: str
+    gpus: int          # CUDA devices it needs to run at all (0: runs on CPU too)
+    limit_s: float     # its own limit, before the deadline cuts it
+    what: str
+    needs_model: bool = True  # runs on the model piece's model (or its tokenizer)
 
 
-def driver_version() -> str | None:
-    smi = shutil.which("nvidia-smi")
-    if smi is None:
+PIECES = (
+    Piece("preflight", 0, 120, "every module imports; missing imports named", False),
+    Piece("probe", 0, 5, "a CUDA op read back and checked (in this process)", False),
+    Piece("model", 0, 120, "the bundled model, or a seeded stand-in of its shape", False),
+    Piece("kernel_tests", 0, 150, "Triton kernels vs references on the device; sm_80/90 "
+          "compile", False),
+    Piece("engine_tests", 0, 180, "graph replay == eager, greedy == transformers on the device"),
+    Piece("bench_kernels", 1, 90, "decode attention GB/s as a share of copy bandwidth", False),
+    Piece("bench_engine", 1, 150, "8B-shaped decode tok/s, batch-1 step vs weight floor"),
+    Piece("colocated", 1, 120, "baton up --workers 1 on the device: the reference answers"),
+    Piece("kv_nixl", 1, 120, "prefill + decode on one GPU, KV over nixl (VRAM to VRAM)"),
+    Piece("kv_tcp", 1, 120, "prefill + decode on one GPU, KV over tcp (staged via the host)"),
+    Piece("kv_nccl", 2, 120, "prefill + decode on two GPUs, KV over nccl"),
+    Piece("tp2", 2, 150, "one worker, tensor parallel over two GPUs"),
+)
+NAMES = tuple(p.name for p in PIECES)
+
+
+class Check:
+    """One run: the report, the scratch folder and the deadline, and how each piece runs."""
+
+    min_piece_s = MIN_PIECE_S
+
+    def __init__(self, args: argparse.Namespace, report_path: Path, logs: Path, scratch: Path):
+        self.args, self.report_path, self.logs, self.scratch = args, report_path, logs, scratch
+        self.deadline = Deadline(args.deadline_s)
+        self.env = piece_env(scratch, kit=args.kit is not None)
+        self.report: dict = {"done": False, "ok": False, "cuda_ran": False,
+                             "deadline_s": args.deadline_s, "pieces": {}}
+        self.model_dir: Path | None = None
+
+    # -- report ---------------------------------------------------------------------------
+    def write(self) -> None:
+        self.report["elapsed_s"] = round(self.deadline.elapsed(), 1)
+        tmp = self.report_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(self.report, indent=2) + "\n")
+        tmp.replace(self.report_path)
+
+    def record(self, piece: Piece, result: dict) -> None:
+        result.setdefault("needs", f"{piece.gpus} GPU{'s' if piece.gpus > 1 else ''}"
+                          if piece.gpus else "runs without a GPU")
+        self.report["pieces"][piece.name] = result
+        print(f"{piece.name}: {summary(result)}", flush=True)
+        self.write()
+
+    # -- pieces ---------------------------------------------------------------------------
+    def run(self) -> dict:
+        device_count = self.report["environment"]["device_count"]
+        for piece in PIECES:
+            if not self.selected(piece.name):
+                continue
+            if why := self.cannot_run(piece, device_count):
+                self.record(piece, {"status": "skipped", "reason": why})
+                continue
+            timeout = min(self.limit(piece), self.deadline.left() - RESERVE_S)
+            if timeout < min(self.min_piece_s, self.limit(piece)):
+                self.record(piece, {"status": "skipped", "reason": (
+                    f"deadline: {self.deadline.left():.0f} s left of {self.args.deadline_s:.0f}")})
+                continue
+            for stale in (f"{piece.name}.json", f"{piece.name}.xml"):  # an earlier call's
+                (self.scratch / stale).unlink(missing_ok=True)
+            started = time.monotonic()
+            result = getattr(self, f"piece_{piece.name}", self.scenario)(piece, timeout)
+            sweep_orphans()  # whatever the piece left running
+            result.update(seconds=round(time.monotonic() - started, 1), limit_s=round(timeout))
+            self.record(piece, result)
+        return self.report
+
+    def selected(self, name: str) -> bool:
+        return ((not self.args.only or name in self.args.only)
+                and name not in self.args.skip)
+
+    def limit(self, piece: Piece) -> float:
+        return self.args.limits.get(piece.name, piece.limit_s)
+
+    def cannot_run(self, piece: Piece, device_count: int) -> str | None:
+        if piece.gpus and not self.report["cuda_ran"]:
+            return self.report["probe_reason"]
+        if piece.gpus > device_count:
+            return (f"needs {piece.gpus} CUDA devices, this machine has {device_count}"
+                    + (" (NCCL pairs two ranks)" if piece.name == "kv_nccl" else ""))
+        if piece.needs_model and self.model_dir is None:
+            return "no model: the model piece did not run or failed"
         return None
-    try:
-        out = subprocess.run([smi, "--query-gpu=driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True, timeout=30)
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return out.stdout.strip().splitlines()[0] if out.returncode == 0 and out.stdout else None
+
+    def python(self, name: str, argv: list[str], timeout: float, env: dict | None = None
+               ) -> dict:
+        return run_subprocess([sys.executable, *argv], self.logs / f"{name}.log", timeout,
+                              env or self.env, cwd=ROOT)
+
+    def piece_preflight(self, piece: Piece, timeout: float) -> dict:
+        out = self.scratch / "preflight.json"
+        result = self.python(piece.name, ["-m", "baton_loadtest.gpu_preflight", "--json",
+                                          str(out)], timeout)
+        if out.exists():
+            result.update(json.loads(out.read_text()))
+        return result
+
+    def piece_probe(self, piece: Piece, timeout: float) -> dict:
+        probe = cuda_probe()
+        return {"status": "ok" if probe["cuda_ran"] else "failed", **probe}
+
+    def piece_model(self, piece: Piece, timeout: float) -> dict:
+        out = self.scratch / "model.json"
+        argv = ["-m", "baton_loadtest.gpu_standin", "--out", str(self.scratch / "model"),
+                "--json", str(out)]
+        if self.args.kit:
+            argv += ["--config-dir", str(self.args.kit / "model" / "SmolLM2-135M-Instruct")]
+        result = self.python(piece.name, argv, timeout)
+        if out.exists():
+            result.update(json.loads(out.read_text()))
+            self.model_dir = Path(result["path"])
+            self.report["model"] = {k: result[k] for k in ("source", "path", "note")}
+        return result
+
+    def pytest(self, piece: Piece, timeout: float, paths: list[str]) -> dict:
+        xml = self.scratch / f"{piece.name}.xml"
+        env = dict(self.env)
+        if self.model_dir is not None:
+            env["BATON_TEST_MODEL_DIR"] = str(self.model_dir)
+        result = self.python(piece.name, ["-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
+                                          f"--junitxml={xml}", *paths], timeout, env)
+        if result["status"] == "timeout":
+            return result
+        if not xml.exists():
+            return {**result, "status": "error", "error": "pytest wrote no JUnit XML"}
+        result.update(junit_counts(xml))
+        on_cuda = self.report["cuda_ran"]
+        bad = result["failed"] or result["errors"] or not (result["passed"] or not on_cuda)
+        if on_cuda and result["skipped"]:
+            bad = True  # on a GPU nothing may skip
+        result["status"] = "failed" if bad else "ok"
+        return result
+
+    def piece_kernel_tests(self, piece: Piece, timeout: float) -> dict:
+        return self.pytest(piece, timeout, ["tests/gpu/test_kernels.py",
+                                            "tests/kernels/test_compile.py"])
+
+    def piece_engine_tests(self, piece: Piece, timeout: float) -> dict:
+        return self.pytest(piece, timeout, ["tests/gpu/test_engine.py"])
+
+    def bench(self, piece: Piece, timeout: float, what: str) -> dict:
+        out = self.scratch / f"{piece.name}.json"
+        argv = ["-m", "baton_loadtest.gpu_bench", what, "--json", str(out)]
+        if what == "engine":
+            argv += ["--tokenizer-dir", str(self.model_dir)]
+        result = self.python(piece.name, argv, timeout)
+        if result["status"] == "ok" and out.exists():
+            result["results"] = json.loads(out.read_text())
+        elif result["status"] == "ok":
+            result.update(status="error", error="gpu_bench wrote no JSON")
+        return result
+
+    def piece_bench_kernels(self, piece: Piece, timeout: float) -> dict:
+        return self.bench(piece, timeout, "kernels")
+
+    def piece_bench_engine(self, piece: Piece, timeout: float) -> dict:
+        return self.bench(piece, timeout, "engine")
+
+    def scenario(self, piece: Piece, timeout: float) -> dict:
+        out = self.scratch / f"{piece.name}.json"
+        reference = self.scratch / "colocated.json"
+        argv = ["-m", "baton_loadtest.gpu_scenarios", piece.name, "--model",
+                str(self.model_dir), "--json", str(out), "--logs", str(self.logs),
+                "--timeout-s", str(timeout)]
+        if piece.name != "colocated":
+            if not reference.exists():
+                return {"status": "skipped", "reason": "no colocated reference answers"}
+            argv += ["--reference", str(reference)]
+        result = self.python(piece.name, argv, timeout)
+        if out.exists():
+            scenario = json.loads(out.read_text())
+            result.update(scenario, status=scenario["status"] if result["status"] == "ok"
+                          else result["status"])
+        return result
+
+    # -- verdict --------------------------------------------------------------------------
+    def finish(self) -> None:
+        pieces = self.report["pieces"]
+        count = self.report["environment"]["device_count"]
+        groups = {"cpu_or_any": 0, "one_gpu": 1, "multi_gpu": 2}
+        for group, gpus in groups.items():
+            self.report[group] = {p.name: pieces[p.name]["status"] for p in PIECES
+                                  if p.gpus == gpus and p.name in pieces}
+        runnable = [pieces[p.name] for p in PIECES if p.name in pieces and p.gpus <= count]
+        self.report["ok"] = bool(self.report["cuda_ran"]) and bool(runnable) and all(
+            r["status"] == "ok" for r in runnable) and not self.args.only
+        self.report["numbers"] = headline_numbers(pieces)
+        if not self.report["cuda_ran"]:
+            self.report["message"] = (f"{self.report['probe_reason']}; ran what runs without "
+                                      "one, nothing is proven")
+        self.report["done"] = True
+        self.write()
 
 
-def cuda_probe() -> dict:
-    """Runs a matmul on a CUDA tensor and checks the value read back: the proof that work
-    really ran on the device (not a CPU fallback, not Triton's interpreter)."""
-    if not torch.cuda.is_available():
-        return {"cuda_ran": False, "reason": "no CUDA device: torch.cuda.is_available() is "
-                f"False (torch {torch.__version__}, built for CUDA {torch.version.cuda})"}
-    try:
-        a = torch.arange(1, 1025, device="cuda", dtype=torch.float32).reshape(32, 32)
-        b = torch.eye(32, device="cuda") * 2
-        c = a @ b
-        torch.cuda.synchronize()
-        ran = c.is_cuda and c.sum().item() == 2 * sum(range(1, 1025))
-        return {"cuda_ran": bool(ran), "device": str(c.device),
-                "reason": None if ran else "the CUDA result read back was wrong"}
-    except RuntimeError as err:
-        return {"cuda_ran": False, "reason": f"a CUDA op failed: {err}"}
+def headline_numbers(pieces: dict) -> dict:
+    """The few numbers a closing note quotes, pulled out of the pieces."""
+    numbers: dict = {}
+    kernels = pieces.get("bench_kernels", {}).get("results", {})
+    if best := kernels.get("kernels", {}).get("best_large"):
+        numbers["decode_attention_share_of_copy"] = round(best["fraction_of_copy"], 3)
+    if copy := kernels.get("copy"):
+        numbers["copy_gbps"] = round(copy["gbps"], 1)
+    engine = pieces.get("bench_engine", {}).get("results", {}).get("engine", {})
+    if floor := engine.get("weight_floor"):
+        numbers["batch1_step_over_weight_floor"] = round(floor["step_over_floor"], 2)
+        numbers["batch1_step_ms"] = round(floor["step_ms"], 3)
+    for row in engine.get("batches", []):
+        numbers[f"decode_tok_s_batch{row['batch']}"] = round(row["output_tok_s"], 1)
+    for name in ("kernel_tests", "engine_tests"):
+        if "passed" in pieces.get(name, {}):
+            numbers[name] = {k: pieces[name][k] for k in ("passed", "failed", "errors",
+                                                          "skipped")}
+    for name in ("kv_tcp", "kv_nixl", "kv_nccl"):
+        if gbps := pieces.get(name, {}).get("kv_pull", {}).get("gbps"):
+            numbers[f"{name}_pull_gbps"] = gbps
+    return numbers
 
 
-def run_gpu_tests(out_dir: Path, timeout_s: float) -> dict:
-    """pytest on tests/gpu; counts from its JUnit XML (and the skip reasons)."""
-    xml = out_dir / "gpu-tests.xml"
+def piece_env(scratch: Path, kit: bool) -> dict:
+    """The pieces' environment: kernels on the device (never the interpreter). From a kit,
+    the caches (Triton's compiled kernels, the engine's) live in the kit's run folder, kept
+    for a second call on the same machine."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", GPU_TESTS,
-           f"--junitxml={xml}"]
-    try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
-                              timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        return {"status": "error", "error": f"pytest {GPU_TESTS} ran past {timeout_s:.0f} s"}
-    result = {"returncode": proc.returncode, "output_tail": proc.stdout[-3000:]}
-    if not xml.exists():
-        return {**result, "status": "error", "error": "pytest wrote no JUnit XML"}
-    result.update(junit_counts(xml))
-    bad = result["failed"] or result["errors"] or result["skipped"] or not result["passed"]
-    result["status"] = "failed" if bad else "ok"
-    return result
+    if kit:
+        env.setdefault("TRITON_CACHE_DIR", str(scratch / "triton-cache"))
+        env.setdefault("XDG_CACHE_HOME", str(scratch / "cache"))
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
 
 
-def junit_counts(path: Path) -> dict:
-    """passed / failed / errors / skipped and the skip reasons, from a JUnit XML file."""
-    counts = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0}
-    reasons: dict[str, int] = {}
-    for case in ET.parse(path).getroot().iter("testcase"):
-        outcome = next((child.tag for child in case
-                        if child.tag in ("failure", "error", "skipped")), None)
-        key = {"failure": "failed", "error": "errors", "skipped": "skipped"}.get(outcome,
-                                                                                "passed")
-        counts[key] += 1
-        if outcome == "skipped":
-            reason = case.find("skipped").get("message", "")
-            reasons[reason] = reasons.get(reason, 0) + 1
-    return {**counts, "skip_reasons": reasons}
+def summary(result: dict) -> str:
+    status = result.get("status", "?")
+    seconds = f" in {result['seconds']} s" if "seconds" in result else ""
+    if "passed" in result:
+        return (f"{status}{seconds}: {result['passed']} passed, {result['failed']} failed, "
+                f"{result['errors']} errors, {result['skipped']} skipped")
+    detail = (result.get("reason") or result.get("error")
+              or "; ".join(result.get("problems", [])[:3]))
+    return f"{status}{seconds}: {detail}" if detail else f"{status}{seconds}"
 
 
-def run_bench(out_dir: Path, timeout_s: float) -> dict:
-    """`make bench-gpu` (gpu_bench all) in a subprocess; its JSON results."""
-    path = out_dir / "bench-gpu.json"
-    cmd = [sys.executable, "-m", "baton_loadtest.gpu_bench", "all", "--json", str(path)]
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True,
-                              timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        return {"status": "error", "error": f"gpu_bench ran past {timeout_s:.0f} s"}
-    if proc.returncode != 0 or not path.exists():
-        return {"status": "error", "error": f"gpu_bench exited {proc.returncode}",
-                "output_tail": (proc.stdout + proc.stderr)[-3000:]}
-    return {"status": "ok", "results": json.loads(path.read_text())}
+def parse_limits(items: list[str]) -> dict[str, float]:
+    limits = {}
+    for item in items:
+        name, _, value = item.partition("=")
+        if name not in NAMES or not value:
+            raise argparse.ArgumentTypeError(f"--limit {item!r}: NAME=SECONDS, NAME one of "
+                                             f"{', '.join(NAMES)}")
+        limits[name] = float(value)
+    return limits
 
 
-def skipped(reason: str) -> dict:
-    return {"status": "skipped", "reason": reason}
-
-
-def overall_ok(report: dict) -> bool:
-    """True only when tensors ran on CUDA and everything else ran and passed."""
-    parts = [report["gpu_tests"], report["bench"], *report["scenarios"].values()]
-    return bool(report["cuda_ran"]) and all(p.get("status") == "ok" for p in parts)
+def name_list(text: str) -> set[str]:
+    names = {n for n in text.split(",") if n}
+    if unknown := names - set(NAMES):
+        raise argparse.ArgumentTypeError(f"unknown pieces {sorted(unknown)}; the pieces: "
+                                         f"{', '.join(NAMES)}")
+    return names
 
 
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--json", default="gpu-check.json", help="where the report is written")
-    ap.add_argument("--budget-s", type=float, default=3000,
-                    help="the tests' time limit; scenarios get up to a third of it each")
-    ap.add_argument("--skip-tests", action="store_true")
-    ap.add_argument("--skip-scenarios", action="store_true")
-    ap.add_argument("--skip-bench", action="store_true")
+    ap.add_argument("--out", type=Path, default=None,
+                    help="folder for gpu-check.json and logs/ (default: $OUT, else beside "
+                         "--json)")
+    ap.add_argument("--json", type=Path, default=None, help="the report's path")
+    ap.add_argument("--kit", type=Path, default=None,
+                    help="the gpu kit this runs from (its model config and tokenizer)")
+    ap.add_argument("--deadline-s", type=float, default=DEFAULT_DEADLINE_S,
+                    help="one limit for the whole check (default %(default)s)")
+    ap.add_argument("--only", type=name_list, default=set(), help="run only these pieces")
+    ap.add_argument("--skip", type=name_list, default=set(), help="leave these pieces out")
+    ap.add_argument("--limit", dest="limits", action="append", default=[],
+                    help="NAME=SECONDS: one piece's own limit")
     return ap
 
 
-def main(argv: list[str] | None = None) -> int:
-    from baton_loadtest.gpu_scenarios import run_all
-
-    args = build_parser().parse_args(argv)
-    started = time.monotonic()
-    report: dict = {"environment": environment()}
-    probe = cuda_probe()
-    report.update(cuda_ran=probe["cuda_ran"], cuda_probe=probe)
-    on_cuda = probe["cuda_ran"]
-    no_cuda = probe["reason"] or "no CUDA device"
-    print(f"gpu-check: torch {torch.__version__} (CUDA {torch.version.cuda}), "
-          f"{report['environment']['device_count']} CUDA device(s), cuda_ran={on_cuda}",
-          flush=True)
+@contextmanager
+def scratch_folder(kit: Path | None):
+    """The kit's run folder (kept: a second call reuses its stand-in model and compiled
+    kernels), else a temporary one."""
+    if kit is not None:
+        (kit / "run").mkdir(exist_ok=True)
+        yield (kit / "run").resolve()
+        return
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
-        out_dir = Path(tmp)
-        report["gpu_tests"] = (skipped("--skip-tests") if args.skip_tests
-                               else run_gpu_tests(out_dir, args.budget_s))
-        print(f"gpu tests: {summary(report['gpu_tests'])}", flush=True)
-        logs = Path(args.json).resolve().with_suffix(".logs")
-        if args.skip_scenarios or not on_cuda:
-            reason = "--skip-scenarios" if args.skip_scenarios else no_cuda
-            report["scenarios"] = {k: skipped(reason) for k in
-                                   ("colocated", "disagg_up", "kv_nixl", "kv_nccl")}
-        else:
-            logs.mkdir(parents=True, exist_ok=True)
-            report["scenarios"] = run_all(report["environment"]["device_count"], logs,
-                                          args.budget_s / 3)
-        for name, result in report["scenarios"].items():
-            print(f"scenario {name}: {summary(result)}", flush=True)
-        report["kv_pull_gbps"] = {k: v["kv_pull"]["gbps"] for k, v in report["scenarios"].items()
-                                  if "kv_pull" in v}
-        report["bench"] = (skipped("--skip-bench") if args.skip_bench else
-                           run_bench(out_dir, args.budget_s) if on_cuda else skipped(no_cuda))
-        print(f"bench: {summary(report['bench'])}", flush=True)
-    report["ok"] = overall_ok(report)
-    report["seconds"] = round(time.monotonic() - started, 1)
-    if not on_cuda:
-        report["message"] = f"{no_cuda}; ran what runs without one, nothing is proven"
-    Path(args.json).write_text(json.dumps(report, indent=2) + "\n")
+        yield Path(tmp)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    args.limits = parse_limits(args.limits)
+    out = args.out or (Path(os.environ["OUT"]) if os.environ.get("OUT") else None)
+    report_path = args.json or ((out or Path.cwd()) / "gpu-check.json")
+    logs = (out / "logs") if out else report_path.with_suffix(".logs")
+    logs.mkdir(parents=True, exist_ok=True)
+    report_path.parent.mkdir(parents=True, exist_ok=True)
+    become_subreaper()  # a piece's orphans come back to us, to be stopped
+    with scratch_folder(args.kit) as scratch:
+        check = Check(args, report_path, logs, scratch)
+        check.report["environment"] = environment()
+        if args.kit and (args.kit / "manifest.json").exists():
+            check.report["kit"] = json.loads((args.kit / "manifest.json").read_text())
+        probe = cuda_probe()
+        check.report.update(cuda_ran=probe["cuda_ran"], probe_reason=probe["reason"])
+        env = check.report["environment"]
+        print(f"gpu-check: torch {env['torch']} (CUDA {env['torch_cuda']}), "
+              f"{env['device_count']} CUDA device(s), cuda_ran={probe['cuda_ran']}, deadline "
+              f"{args.deadline_s:.0f} s; report {report_path}", flush=True)
+        check.write()
+        check.run()
+        check.finish()
+    report = check.report
     print(report.get("message") or f"gpu-check: ok={report['ok']}", flush=True)
-    print(f"report: {args.json}", flush=True)
-    return 0 if report["ok"] or not on_cuda else 1
-
-
-def summary(result: dict) -> str:
-    status = result.get("status", "?")
-    if "passed" in result:
-        return (f"{status}: {result['passed']} passed, {result['failed']} failed, "
-                f"{result['errors']} errors, {result['skipped']} skipped")
-    detail = result.get("reason") or result.get("error") or "; ".join(result.get("problems", []))
-    return f"{status}: {detail}" if detail else status
+    print(f"report: {report_path}", flush=True)
+    return 0 if report["ok"] or not report["cuda_ran"] else 1
 
 
 if __name__ == "__main__":

@@ -2,10 +2,15 @@
 with `baton up` in a subprocess, on the bundled model, every worker on `--device cuda`.
 
 - `colocated`: one colocated worker; its greedy answers are the reference.
-- `disagg_up` (scenario 2): `baton up --prefill 1 --decode 1 --device cuda
-  --gpu-memory-utilization 0.4` behind the router, asked through the OpenAI client.
-- `kv_nixl` / `kv_nccl` (scenario 1): the same pair, KV forced over one transport (NIXL
-  VRAM to VRAM on one GPU; NCCL needs two devices and is skipped with the reason on one).
+- `kv_tcp`, `kv_nixl`, `kv_nccl`: `baton up --prefill 1 --decode 1 --device cuda
+  --gpu-memory-utilization 0.4` behind the router, asked through the OpenAI client, KV forced
+  over one transport (tcp staged through host buffers, NIXL VRAM to VRAM; NCCL needs two
+  devices: gpu_check skips it with the reason on one).
+- `tp2`: one worker with tensor parallelism over two GPUs (answers reported, not compared:
+  two ranks reduce in another order).
+
+    python -m baton_loadtest.gpu_scenarios NAME --json OUT --logs DIR [--model DIR]
+        [--reference colocated.json] [--timeout-s 120]
 
 Each disaggregated run passes only when its greedy answers equal the colocated ones, the long
 prompts' KV really moved (bytes pulled, no failed pull, no fallback) and every worker holds
@@ -176,24 +181,55 @@ def check_disaggregated(router: str, decode: str, answers: list[str], reference:
     return problems
 
 
-def run_all(device_count: int, out_dir: Path, timeout_s: float) -> dict[str, dict]:
-    """Every scenario in order (the colocated reference first)."""
+SCENARIOS = {
+    # name: (flags after the model's, workers, compared with the colocated answers)
+    "colocated": (["--workers", "1"], 1, False),
+    "kv_tcp": (["--prefill", "1", "--decode", "1", "--kv-transport", "tcp"], 2, True),
+    "kv_nixl": (["--prefill", "1", "--decode", "1", "--kv-transport", "nixl"], 2, True),
+    "kv_nccl": (["--prefill", "1", "--decode", "1", "--kv-transport", "nccl"], 2, True),
+    "tp2": (["--workers", "1", "--tensor-parallel-size", "2"], 1, False),
+}
+
+
+def run_scenario(name: str, model: str | None, reference: list[str] | None, out_dir: Path,
+                 timeout_s: float) -> dict:
+    """One scenario on the device; `reference` (the colocated answers) where it compares."""
+    flags, workers, compares = SCENARIOS[name]
     cuda = ["--device", "cuda", "--gpu-memory-utilization", GPU_MEMORY_UTILIZATION]
-    disagg = ["--prefill", "1", "--decode", "1", *cuda]
-    results = {"colocated": run_cluster("colocated", ["--workers", "1", *cuda], 1, None,
-                                        out_dir, timeout_s)}
-    reference = results["colocated"].get("answers")
-    if reference is None:
-        reason = "the colocated reference run did not answer"
-        return {**results, **{k: {"status": "skipped", "reason": reason}
-                              for k in ("disagg_up", "kv_nixl", "kv_nccl")}}
-    results["disagg_up"] = run_cluster("disagg_up", disagg, 2, reference, out_dir, timeout_s)
-    results["kv_nixl"] = run_cluster("kv_nixl", [*disagg, "--kv-transport", "nixl"], 2,
-                                     reference, out_dir, timeout_s)
-    if device_count < 2:
-        results["kv_nccl"] = {"status": "skipped", "reason": (
-            f"nccl needs two CUDA devices (a pair group of two ranks); {device_count} here")}
-    else:
-        results["kv_nccl"] = run_cluster("kv_nccl", [*disagg, "--kv-transport", "nccl"], 2,
-                                         reference, out_dir, timeout_s)
-    return results
+    model_flags = ["--model", model] if model else []
+    if compares and reference is None:
+        return {"status": "skipped", "reason": "no colocated reference answers"}
+    result = run_cluster(name, [*model_flags, *flags, *cuda], workers,
+                         reference if compares else None, out_dir, timeout_s)
+    if name == "tp2" and reference is not None and "answers" in result:
+        # Reported, not required: two ranks reduce in another order than one.
+        result["equal_to_colocated"] = result["answers"] == reference
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    import json
+
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("name", choices=tuple(SCENARIOS))
+    ap.add_argument("--model", default=None, help="model directory (default: the bundled)")
+    ap.add_argument("--reference", type=Path, default=None,
+                    help="the colocated scenario's JSON (its answers)")
+    ap.add_argument("--json", type=Path, required=True)
+    ap.add_argument("--logs", type=Path, required=True)
+    ap.add_argument("--timeout-s", type=float, default=120.0)
+    args = ap.parse_args(argv)
+    # gpu_check stops a piece with SIGTERM: unwind, so the cluster is stopped too.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    reference = (json.loads(args.reference.read_text()).get("answers")
+                 if args.reference else None)
+    args.logs.mkdir(parents=True, exist_ok=True)
+    result = run_scenario(args.name, args.model, reference, args.logs, args.timeout_s)
+    args.json.write_text(json.dumps(result, indent=1) + "\n")
+    return 0 if result["status"] in ("ok", "skipped") else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

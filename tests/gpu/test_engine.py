@@ -71,7 +71,7 @@ def test_bundled_model_greedy_equals_hf_on_the_device(model_dir, tokenizer):
     expected = hf_tokens(hf.eval(), prompts)
     del hf
     torch.cuda.empty_cache()
-    llm = LLM(device="cuda", dtype="float32", block_size=16)
+    llm = LLM(str(model_dir), device="cuda", dtype="float32", block_size=16)
     assert llm.engine.runner.device.type == "cuda"
     assert engine_tokens(llm, prompts, greedy()) == expected
 
