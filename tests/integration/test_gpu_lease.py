@@ -106,6 +106,8 @@ def test_gpu_check_runs_whole_from_the_kit_in_the_lease_environment(kit, lease_p
     assert kernels["status"] == "ok" and kernels["tests"][
         "test_kernels_compile_for_sm90_and_sm80"] == "passed"
     assert pieces["engine_tests"]["status"] == "ok" and pieces["engine_tests"]["skipped"] >= 4
+    # The engine on CPU equals transformers 5.17 (the lease's) token for token.
+    assert pieces["engine_cpu"]["status"] == "ok" and pieces["engine_cpu"]["equal"]
     for piece in PIECES:
         if piece.gpus:
             assert pieces[piece.name]["status"] == "skipped"

@@ -45,6 +45,7 @@ def test_make_gpu_check_without_cuda_reports_every_piece_and_exits_0(tmp_path):
     assert set(pieces) == {p.name for p in PIECES} - {"kernel_tests"}
     assert pieces["preflight"]["status"] == "ok", pieces["preflight"]
     assert pieces["model"]["source"] == "bundled"
+    assert pieces["engine_cpu"]["status"] == "ok" and pieces["engine_cpu"]["equal"]
     # The GPU tests were collected, every one skipped with the reason, none passed.
     tests = pieces["engine_tests"]
     assert tests["status"] == "ok" and tests["passed"] == 0 and tests["skipped"] >= 4
@@ -215,6 +216,7 @@ def test_the_deadline_cuts_each_piece_and_skips_what_it_cannot_start(tmp_path, m
     assert 0.3 < check.given["engine_tests"] < 2.0 - 1.2 - 0.2 + 0.05
     assert pieces["engine_tests"]["status"] == "timeout"
     late = [n for n, r in pieces.items() if r.get("reason", "").startswith("deadline")]
-    assert late == ["bench_kernels", "bench_engine", "colocated", "kv_nixl", "kv_tcp"]
+    assert late == ["bench_kernels", "bench_engine", "colocated", "kv_nixl", "kv_tcp",
+                    "engine_cpu"]
     assert pieces["kv_nccl"]["reason"].startswith("needs 2 CUDA devices")
     assert json.loads((tmp_path / "r.json").read_text())["pieces"] == pieces  # written as it went
