@@ -284,7 +284,8 @@ def weight_floor(engine, step_ms: float, batch: int, copy_gbps: float) -> dict:
 
 
 def run_engine(args: argparse.Namespace, device: torch.device, shape: ModelShape,
-               copy_gbps: float) -> dict:
+               copy_gbps: float, on_row=lambda rows: None) -> dict:
+    """`on_row(rows)` after each batch is measured (the caller saves what it has so far)."""
     with tempfile.TemporaryDirectory(prefix="baton-gpu-bench-") as tmp:
         engine = make_engine(args, write_model_dir(shape, Path(tmp), args.tokenizer_dir), device)
     try:
@@ -300,6 +301,7 @@ def run_engine(args: argparse.Namespace, device: torch.device, shape: ModelShape
         for batch in args.decode_batches:
             row = decode_throughput(engine, batch, args.prompt_len, args.max_tokens, rng)
             rows.append(row)
+            on_row(rows)
             print(f"{batch:>7}{row['steps']:>7}{row['step_ms_mean']:>10.3f}"
                   f"{row['output_tok_s']:>12.1f}")
         smallest = min(rows, key=lambda r: r["batch"])
@@ -402,19 +404,28 @@ def main(argv: list[str] | None = None) -> int:
     args, device, shape = resolve_args(build_parser(), argv)
     torch.manual_seed(args.seed)
     results: dict = {"device": header(device)}
+
+    def save() -> None:  # after every part: a run stopped mid-way keeps what it measured
+        if args.json:
+            Path(args.json).write_text(json.dumps(results) + "\n")
+
     copy = measure_copy_bandwidth(device, args.copy_mib * MIB, args.repeats)
     release(device)  # the copy buffers, freed on return
     print(f"copy bandwidth: {args.copy_mib} MiB copied in {copy['best_s'] * 1e6:.1f} us "
           f"(best of {args.repeats}): {copy['gbps']:.1f} GB/s, read + write")
     results["copy"] = copy
+    save()
     if args.what in ("kernels", "all"):
         results["kernels"] = run_kernels(args, device, shape, copy["gbps"])
+        save()
     if args.what in ("engine", "all"):
-        results["engine"] = run_engine(args, device, shape, copy["gbps"])
-    text = json.dumps(results)
-    if args.json:
-        Path(args.json).write_text(text + "\n")
-    print(text)
+        def partial(rows: list[dict]) -> None:
+            results["engine"] = {"batches": rows, "partial": True}
+            save()
+
+        results["engine"] = run_engine(args, device, shape, copy["gbps"], partial)
+        save()
+    print(json.dumps(results))
     return 0
 
 

@@ -2,7 +2,7 @@
 under one total deadline, one JSON report rewritten after every piece.
 
     python -m baton_loadtest.gpu_check [--out DIR | --json PATH] [--deadline-s 480]
-        [--only NAME,...] [--skip NAME,...] [--limit NAME=SECONDS ...] [--kit DIR]
+        [--only NAME,...] [--skip NAME,...] [--limit NAME=SECONDS ...] [--kit DIR] [--run-dir DIR]
 
 The pieces, in order (`PIECES`); each runs in a subprocess of its own session with a limit of
 its own, cut to what is left of the deadline, so a piece that hangs loses only itself:
@@ -35,17 +35,27 @@ the compile check) and exits 0 with `ok` False: a CPU machine can neither fail n
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import sys
 import tempfile
 import time
+import traceback
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from baton_loadtest.gpu_pieces import (Deadline, cuda_probe, environment, junit_counts,
-                                       run_subprocess, sweep_orphans, become_subreaper)
+from baton_loadtest.gpu_pieces import (
+    Deadline,
+    become_subreaper,
+    cuda_probe,
+    descendants,
+    environment,
+    junit_counts,
+    run_subprocess,
+    sweep_orphans,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_DEADLINE_S = 480.0
@@ -58,26 +68,32 @@ class Piece:
     name: str
     gpus: int          # CUDA devices it needs to run at all (0: runs on CPU too)
     limit_s: float     # its own limit, before the deadline cuts it
+    group: str         # the report's grouping: setup, one_gpu, multi_gpu
     what: str
     needs_model: bool = True  # runs on the model piece's model (or its tokenizer)
 
 
+# In the order of what a lease most needs: the tests, then P/D on the device, then numbers.
+# The limits of what one GPU runs add up to about the deadline; the deadline cuts the rest.
 PIECES = (
-    Piece("preflight", 0, 120, "every module imports; missing imports named", False),
-    Piece("probe", 0, 5, "a CUDA op read back and checked (in this process)", False),
-    Piece("model", 0, 120, "the bundled model, or a seeded stand-in of its shape", False),
-    Piece("kernel_tests", 0, 150, "Triton kernels vs references on the device; sm_80/90 "
-          "compile", False),
-    Piece("engine_tests", 0, 180, "graph replay == eager, greedy == transformers on the device"),
-    Piece("bench_kernels", 1, 90, "decode attention GB/s as a share of copy bandwidth", False),
-    Piece("bench_engine", 1, 150, "8B-shaped decode tok/s, batch-1 step vs weight floor"),
-    Piece("colocated", 1, 120, "baton up --workers 1 on the device: the reference answers"),
-    Piece("kv_nixl", 1, 120, "prefill + decode on one GPU, KV over nixl (VRAM to VRAM)"),
-    Piece("kv_tcp", 1, 120, "prefill + decode on one GPU, KV over tcp (staged via the host)"),
-    Piece("kv_nccl", 2, 120, "prefill + decode on two GPUs, KV over nccl"),
-    Piece("tp2", 2, 150, "one worker, tensor parallel over two GPUs"),
+    Piece("preflight", 0, 60, "setup", "every module imports; missing imports named", False),
+    Piece("probe", 0, 5, "setup", "a CUDA op read back and checked (in this process)", False),
+    Piece("model", 0, 60, "setup", "the bundled model, or a seeded stand-in of its shape",
+          False),
+    Piece("kernel_tests", 0, 120, "one_gpu", "Triton kernels vs references on the device; "
+          "sm_80/90 compile", False),
+    Piece("colocated", 1, 90, "one_gpu", "baton up --workers 1 on the device: the reference"),
+    Piece("kv_nixl", 1, 60, "one_gpu", "prefill + decode on one GPU, KV over nixl (VRAM)"),
+    Piece("kv_tcp", 1, 60, "one_gpu", "prefill + decode on one GPU, KV over tcp (staged)"),
+    Piece("engine_tests", 0, 90, "one_gpu", "graph replay == eager, greedy == transformers"),
+    Piece("bench_kernels", 1, 40, "one_gpu", "decode attention GB/s as a share of copy "
+          "bandwidth", False),
+    Piece("bench_engine", 1, 90, "one_gpu", "8B-shaped decode tok/s, batch-1 step vs weight "
+          "floor"),
+    Piece("kv_nccl", 2, 60, "multi_gpu", "prefill + decode on two GPUs, KV over nccl"),
+    Piece("tp2", 2, 90, "multi_gpu", "one worker, tensor parallel over two GPUs"),
     # Last: on a GPU it only spends what is left; on CPU it is the versions' check.
-    Piece("engine_cpu", 0, 120, "greedy == this machine's transformers, on CPU"),
+    Piece("engine_cpu", 0, 120, "setup", "greedy == this machine's transformers, on CPU"),
 )
 NAMES = tuple(p.name for p in PIECES)
 
@@ -90,10 +106,11 @@ class Check:
     def __init__(self, args: argparse.Namespace, report_path: Path, logs: Path, scratch: Path):
         self.args, self.report_path, self.logs, self.scratch = args, report_path, logs, scratch
         self.deadline = Deadline(args.deadline_s)
-        self.env = piece_env(scratch, kit=args.kit is not None)
+        self.env = piece_env(scratch, kept=args.run_dir is not None)
         self.report: dict = {"done": False, "ok": False, "cuda_ran": False,
                              "deadline_s": args.deadline_s, "pieces": {}}
         self.model_dir: Path | None = None
+        self.wanted = with_dependencies(args.only, scratch) if args.only else set(NAMES)
 
     # -- report ---------------------------------------------------------------------------
     def write(self) -> None:
@@ -102,19 +119,23 @@ class Check:
         tmp.write_text(json.dumps(self.report, indent=2) + "\n")
         tmp.replace(self.report_path)
 
-    def record(self, piece: Piece, result: dict) -> None:
+    def record(self, piece: Piece, result: dict, quiet: bool = False) -> None:
         result.setdefault("needs", f"{piece.gpus} GPU{'s' if piece.gpus > 1 else ''}"
                           if piece.gpus else "runs without a GPU")
+        result.setdefault("what", piece.what)
         self.report["pieces"][piece.name] = result
-        print(f"{piece.name}: {summary(result)}", flush=True)
+        self.report["numbers"] = headline_numbers(self.report["pieces"])
+        if not quiet:
+            print(f"{piece.name}: {summary(result)}", flush=True)
         self.write()
 
     # -- pieces ---------------------------------------------------------------------------
     def run(self) -> dict:
         device_count = self.report["environment"]["device_count"]
-        for piece in PIECES:
-            if not self.selected(piece.name):
-                continue
+        chosen = [p for p in PIECES if self.selected(p.name)]
+        for piece in chosen:  # a report cut off mid-way still names every piece
+            self.record(piece, {"status": "pending"}, quiet=True)
+        for piece in chosen:
             if why := self.cannot_run(piece, device_count):
                 self.record(piece, {"status": "skipped", "reason": why})
                 continue
@@ -126,15 +147,22 @@ class Check:
             for stale in (f"{piece.name}.json", f"{piece.name}.xml"):  # an earlier call's
                 (self.scratch / stale).unlink(missing_ok=True)
             started = time.monotonic()
-            result = getattr(self, f"piece_{piece.name}", self.scenario)(piece, timeout)
-            sweep_orphans()  # whatever the piece left running
+            before = set(descendants(os.getpid()))
+            try:
+                result = getattr(self, f"piece_{piece.name}", self.scenario)(piece, timeout)
+            except Exception as err:  # noqa: BLE001 - one piece's bug loses only that piece
+                result = {"status": "error", "error": f"{type(err).__name__}: {err}",
+                          "traceback": traceback.format_exc()[-3000:]}
+            finally:
+                left = sweep_orphans(before)  # whatever the piece left running
+            if left:
+                result["stopped_leftovers"] = len(left)
             result.update(seconds=round(time.monotonic() - started, 1), limit_s=round(timeout))
             self.record(piece, result)
         return self.report
 
     def selected(self, name: str) -> bool:
-        return ((not self.args.only or name in self.args.only)
-                and name not in self.args.skip)
+        return name in self.wanted and name not in self.args.skip
 
     def limit(self, piece: Piece) -> float:
         return self.args.limits.get(piece.name, piece.limit_s)
@@ -184,8 +212,11 @@ class Check:
         env = dict(self.env)
         if self.model_dir is not None:
             env["BATON_TEST_MODEL_DIR"] = str(self.model_dir)
-        result = self.python(piece.name, ["-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
-                                          f"--junitxml={xml}", *paths], timeout, env)
+        argv = ["-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", f"--junitxml={xml}"]
+        if importlib.util.find_spec("pytest_timeout") is not None:
+            # A hung test fails before our limit, so the JUnit file is still written.
+            argv.append(f"--timeout={max(20, int(timeout - 15))}")
+        result = self.python(piece.name, [*argv, *paths], timeout, env)
         if result["status"] == "timeout":
             return result
         if not xml.exists():
@@ -219,7 +250,7 @@ class Check:
         if what == "engine":
             argv += ["--tokenizer-dir", str(self.model_dir)]
         result = self.python(piece.name, argv, timeout)
-        if result["status"] == "ok" and out.exists():
+        if out.exists():  # written as it goes: a timeout keeps what was measured
             result["results"] = json.loads(out.read_text())
         elif result["status"] == "ok":
             result.update(status="error", error="gpu_bench wrote no JSON")
@@ -234,12 +265,11 @@ class Check:
     def scenario(self, piece: Piece, timeout: float) -> dict:
         out = self.scratch / f"{piece.name}.json"
         reference = self.scratch / "colocated.json"
+        # Its own deadline a little inside ours, so it stops its cluster and writes its result.
         argv = ["-m", "baton_loadtest.gpu_scenarios", piece.name, "--model",
                 str(self.model_dir), "--json", str(out), "--logs", str(self.logs),
-                "--timeout-s", str(timeout)]
-        if piece.name != "colocated":
-            if not reference.exists():
-                return {"status": "skipped", "reason": "no colocated reference answers"}
+                "--timeout-s", str(max(10.0, timeout - 15))]
+        if piece.name != "colocated" and self.reference_ok(reference):
             argv += ["--reference", str(reference)]
         result = self.python(piece.name, argv, timeout)
         if out.exists():
@@ -248,14 +278,21 @@ class Check:
                           else result["status"])
         return result
 
+    def reference_ok(self, path: Path) -> bool:
+        """The colocated answers exist and came from this model (not an earlier call's)."""
+        try:
+            flags = json.loads(path.read_text()).get("flags", [])
+        except (OSError, ValueError):
+            return False
+        return str(self.model_dir) in flags
+
     # -- verdict --------------------------------------------------------------------------
     def finish(self) -> None:
         pieces = self.report["pieces"]
         count = self.report["environment"]["device_count"]
-        groups = {"cpu_or_any": 0, "one_gpu": 1, "multi_gpu": 2}
-        for group, gpus in groups.items():
+        for group in ("setup", "one_gpu", "multi_gpu"):
             self.report[group] = {p.name: pieces[p.name]["status"] for p in PIECES
-                                  if p.gpus == gpus and p.name in pieces}
+                                  if p.group == group and p.name in pieces}
         runnable = [pieces[p.name] for p in PIECES if p.name in pieces and p.gpus <= count]
         self.report["ok"] = bool(self.report["cuda_ran"]) and bool(runnable) and all(
             r["status"] == "ok" for r in runnable) and not self.args.only
@@ -265,6 +302,18 @@ class Check:
                                       "one, nothing is proven")
         self.report["done"] = True
         self.write()
+
+
+def with_dependencies(only: set[str], scratch: Path) -> set[str]:
+    """`--only` plus what those pieces need: the model (reused when built before), and the
+    colocated reference for the P/D pieces unless an earlier call left one."""
+    wanted = set(only) | {"probe"}
+    by_name = {p.name: p for p in PIECES}
+    if any(by_name[n].needs_model for n in only):
+        wanted.add("model")
+    if only & {"kv_tcp", "kv_nixl", "kv_nccl"} and not (scratch / "colocated.json").exists():
+        wanted.add("colocated")
+    return wanted
 
 
 def headline_numbers(pieces: dict) -> dict:
@@ -291,12 +340,12 @@ def headline_numbers(pieces: dict) -> dict:
     return numbers
 
 
-def piece_env(scratch: Path, kit: bool) -> dict:
-    """The pieces' environment: kernels on the device (never the interpreter). From a kit,
-    the caches (Triton's compiled kernels, the engine's) live in the kit's run folder, kept
-    for a second call on the same machine."""
+def piece_env(scratch: Path, kept: bool) -> dict:
+    """The pieces' environment: kernels on the device (never the interpreter). With a run
+    folder, the caches (Triton's compiled kernels, the engine's) live there, kept for a
+    second call on the same machine."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    if kit:
+    if kept:
         env.setdefault("TRITON_CACHE_DIR", str(scratch / "triton-cache"))
         env.setdefault("XDG_CACHE_HOME", str(scratch / "cache"))
     env["PYTHONUNBUFFERED"] = "1"
@@ -342,6 +391,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--json", type=Path, default=None, help="the report's path")
     ap.add_argument("--kit", type=Path, default=None,
                     help="the gpu kit this runs from (its model config and tokenizer)")
+    ap.add_argument("--run-dir", type=Path, default=None,
+                    help="a folder kept between calls (the stand-in model, compiled kernels); "
+                         "default: a temporary one")
     ap.add_argument("--deadline-s", type=float, default=DEFAULT_DEADLINE_S,
                     help="one limit for the whole check (default %(default)s)")
     ap.add_argument("--only", type=name_list, default=set(), help="run only these pieces")
@@ -352,12 +404,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 @contextmanager
-def scratch_folder(kit: Path | None):
-    """The kit's run folder (kept: a second call reuses its stand-in model and compiled
-    kernels), else a temporary one."""
-    if kit is not None:
-        (kit / "run").mkdir(exist_ok=True)
-        yield (kit / "run").resolve()
+def scratch_folder(run_dir: Path | None):
+    """The run folder kept between calls (a second call reuses its stand-in model and
+    compiled kernels), else a temporary one."""
+    if run_dir is not None:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        yield run_dir.resolve()
         return
     with tempfile.TemporaryDirectory(prefix="gpu-check-") as tmp:
         yield Path(tmp)
@@ -372,7 +424,7 @@ def main(argv: list[str] | None = None) -> int:
     logs.mkdir(parents=True, exist_ok=True)
     report_path.parent.mkdir(parents=True, exist_ok=True)
     become_subreaper()  # a piece's orphans come back to us, to be stopped
-    with scratch_folder(args.kit) as scratch:
+    with scratch_folder(args.run_dir) as scratch:
         check = Check(args, report_path, logs, scratch)
         check.report["environment"] = environment()
         if args.kit and (args.kit / "manifest.json").exists():

@@ -70,7 +70,8 @@ def descendants(pid: int) -> list[int]:
 
 
 def kill_tree(pids: list[int]) -> None:
-    """SIGTERM, a grace period, then SIGKILL for what is left; zombies reaped."""
+    """SIGTERM, a grace period, then SIGKILL for what is left; those that are our children
+    reaped (no other child's exit status is taken)."""
     for sig in (signal.SIGTERM, signal.SIGKILL):
         for pid in pids:
             try:
@@ -79,7 +80,7 @@ def kill_tree(pids: list[int]) -> None:
                 pass
         deadline = time.monotonic() + (TERM_GRACE_S if sig == signal.SIGTERM else 5)
         while time.monotonic() < deadline:
-            reap()
+            reap(pids)
             if not [p for p in pids if alive(p)]:
                 return
             time.sleep(0.2)
@@ -93,20 +94,18 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
-def reap() -> None:
-    while True:
+def reap(pids: list[int]) -> None:
+    for pid in pids:
         try:
-            pid, _ = os.waitpid(-1, os.WNOHANG)
-        except ChildProcessError:
-            return
-        if pid == 0:
-            return
+            os.waitpid(pid, os.WNOHANG)
+        except ChildProcessError:  # not our child (its own parent reaps it), or gone
+            pass
 
 
-def sweep_orphans() -> list[int]:
-    """Stops every process still descending from this one (a piece's leftovers: servers,
-    workers, rank processes); returns their ids."""
-    left = descendants(os.getpid())
+def sweep_orphans(before: set[int]) -> list[int]:
+    """Stops every process descending from this one that was not there `before` the piece
+    (its leftovers: servers, workers, rank processes); returns their ids."""
+    left = [pid for pid in descendants(os.getpid()) if pid not in before]
     if left:
         kill_tree(left)
     return left
@@ -123,7 +122,10 @@ def run_subprocess(cmd: list[str], log: Path, timeout_s: float, env: dict, cwd: 
             code = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             kill_tree([proc.pid, *descendants(proc.pid)])
-            proc.wait()
+            try:
+                proc.wait(timeout=5)
+            except subprocess.TimeoutExpired:  # stuck in the driver: reported, not waited on
+                pass
             return {"status": "timeout", "error": f"ran past its {timeout_s:.0f} s limit",
                     "log": str(log), "log_tail": tail(log)}
     result = {"status": "ok" if code == 0 else "failed", "returncode": code, "log": str(log)}

@@ -34,6 +34,17 @@ def on_the_device():
     yield
 
 
+@pytest.fixture(autouse=True)
+def free_the_device():
+    """What a test left on the device (its engine, its model) is freed before the next."""
+    yield
+    import gc
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
 @pytest.fixture
 def cuda() -> torch.device:
     return torch.device("cuda")

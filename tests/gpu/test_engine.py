@@ -12,6 +12,9 @@ from tests.conftest import parity_prompts
 from tests.gpu.models import LLAMA3_8B_2L, TINY, prompt_ids, save_random_llama
 
 MAX_NEW = 24
+# Each engine's share of the GPU: a failed test's engine may live on in its traceback, and the
+# next test's must still fit beside it.
+SHARE = {"gpu_memory_utilization": 0.3}
 
 
 def greedy(max_tokens: int = MAX_NEW, ignore_eos: bool = False) -> SamplingParams:
@@ -47,7 +50,7 @@ def tiny_model(tmp_path_factory, model_dir):
 
 def test_cuda_graph_replays_equal_eager(tiny_model):
     # No prefix caching: the second run must prefill exactly as the first.
-    llm = LLM(tiny_model, device="cuda", dtype="bfloat16", attention_backend="triton",
+    llm = LLM(tiny_model, device="cuda", dtype="bfloat16", attention_backend="triton", **SHARE,
               block_size=16, max_num_seqs=8, enable_prefix_caching=False)
     runner = llm.engine.runner
     assert runner.device.type == "cuda" and runner.kv_cache.is_cuda
@@ -71,7 +74,7 @@ def test_bundled_model_greedy_equals_hf_on_the_device(model_dir, tokenizer):
     expected = hf_tokens(hf.eval(), prompts)
     del hf
     torch.cuda.empty_cache()
-    llm = LLM(str(model_dir), device="cuda", dtype="float32", block_size=16)
+    llm = LLM(str(model_dir), device="cuda", dtype="float32", block_size=16, **SHARE)
     assert llm.engine.runner.device.type == "cuda"
     assert engine_tokens(llm, prompts, greedy()) == expected
 
@@ -82,13 +85,14 @@ def test_8b_shaped_random_model_greedy_equals_hf(tmp_path, model_dir):
     expected = hf_tokens(hf, prompts, 16)
     del hf
     torch.cuda.empty_cache()
-    llm = LLM(str(tmp_path), device="cuda", dtype="float32", block_size=16, max_model_len=1024)
+    llm = LLM(str(tmp_path), device="cuda", dtype="float32", block_size=16, max_model_len=1024,
+              **SHARE)
     assert llm.engine.runner.backend.name == "triton"
     assert engine_tokens(llm, prompts, greedy(16)) == expected
 
 
 def test_a_seeded_sampled_request_completes_on_the_device(tiny_model):
-    llm = LLM(tiny_model, device="cuda", dtype="bfloat16")
+    llm = LLM(tiny_model, device="cuda", dtype="bfloat16", **SHARE)
     params = SamplingParams(temperature=1.0, seed=1234, max_tokens=32, ignore_eos=True)
     prompts = prompt_ids(3, TINY["vocab_size"], seed=6)
     first = llm.generate(prompts, params, use_tqdm=False)

@@ -7,9 +7,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from baton_kernels import (paged_decode_attention, paged_decode_attention_ref,
-                           paged_prefill_attention, paged_prefill_attention_ref,
-                           reshape_and_cache, reshape_and_cache_ref)
+from baton_kernels import (
+    paged_decode_attention,
+    paged_decode_attention_ref,
+    paged_prefill_attention,
+    paged_prefill_attention_ref,
+    reshape_and_cache,
+    reshape_and_cache_ref,
+)
 from tests.kernels.paged_utils import assert_close, make_paged_cache
 
 H, KVH, D = 32, 8, 128

@@ -52,16 +52,37 @@ def lease_python(tmp_path_factory) -> Path:
     return python
 
 
-@pytest.fixture(scope="module")
-def kit(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("kit") / "gpu-kit"
-    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+def build_kit(out: Path, version: str) -> Path:
     proc = subprocess.run([sys.executable, "scripts/gpu_kit.py", "--out", str(out),
                            "--python-version", version], cwd=ROOT, capture_output=True,
                           text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert f"gpu kit: {out}" in proc.stdout
     return out
+
+
+@pytest.fixture(scope="module")
+def kit(tmp_path_factory) -> Path:
+    """The kit for this machine's Python (the simulated lease runs it)."""
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    return build_kit(tmp_path_factory.mktemp("kit") / "gpu-kit", version)
+
+
+@pytest.fixture(scope="module")
+def kit312(tmp_path_factory) -> Path:
+    """The kit a lease carries: `make gpu-kit`'s (CI builds it first), else one built here."""
+    made = ROOT / "gpu-kit"
+    if (made / "manifest.json").exists() and json.loads(
+            (made / "manifest.json").read_text())["python_version"] == "3.12":
+        return made
+    return build_kit(tmp_path_factory.mktemp("kit312") / "gpu-kit", "3.12")
+
+
+def lease_env(kit: Path, python: Path) -> dict:
+    """What gpu-check.sh gives its pieces: the kit's site first, then the kit's tree."""
+    paths = [kit.parent / ".gpu-run" / "site",
+             *(kit / "src" / p for p in ("services", "kernels", "loadtest", "."))]
+    return clean_env(PYTHONPATH=os.pathsep.join(map(str, paths)))
 
 
 def gpu_check(kit: Path, python: Path, out: Path, *args: str, timeout: float = 600):
@@ -72,6 +93,19 @@ def gpu_check(kit: Path, python: Path, out: Path, *args: str, timeout: float = 6
     seconds = time.monotonic() - started
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads((out / "gpu-check.json").read_text()), proc.stdout, seconds
+
+
+def test_the_carried_kit_is_the_simulated_one_built_for_python_312(kit, kit312):
+    ours = json.loads((kit / "manifest.json").read_text())
+    carried = json.loads((kit312 / "manifest.json").read_text())
+    assert carried["python_version"] == "3.12"
+    names = {w.split("-")[0].lower() for w in carried["wheels"]}
+    assert names == {w.split("-")[0].lower() for w in ours["wheels"]}  # the same packages
+    for wheel in carried["wheels"]:  # each one importable by CPython 3.12
+        python_tag, abi = wheel.split("-")[-3:-1]
+        assert python_tag.startswith("py3") or python_tag == "cp312" or abi == "abi3", wheel
+    size = sum(p.stat().st_size for p in kit312.rglob("*") if p.is_file())
+    assert size < 60 * MIB
 
 
 def test_the_kit_holds_what_the_lease_lacks_and_fits(kit):
@@ -123,3 +157,21 @@ def test_gpu_check_runs_whole_from_the_kit_in_the_lease_environment(kit, lease_p
     assert pieces["model"]["status"] == "ok" and pieces["model"]["seconds"] < 15  # reused
     assert pieces["kernel_tests"]["status"] == "timeout"
     assert pieces["engine_tests"]["status"] == "ok"
+    assert not (kit / "site").exists() and not (kit / "run").exists()  # the kit stays small
+
+
+def test_the_lease_environment_runs_the_kernels_and_nixl(kit, lease_python, tmp_path):
+    """In the lease's packages, from the kit: a Triton kernel test in triton 3.6's
+    interpreter, and the transport conformance suite over the slimmed NIXL (its UCX plugin
+    moving host memory between two agents)."""
+    if not (kit.parent / ".gpu-run" / "site").exists():
+        gpu_check(kit, lease_python, tmp_path / "out", "--only", "preflight")
+    env = lease_env(kit, lease_python)
+    for args in (["tests/kernels/test_paged_attention.py", "-k", "decode"],
+                 ["tests/unit/kv_transfer/test_conformance.py", "-k", "nixl"]):
+        proc = subprocess.run([str(lease_python), "-m", "pytest", "-q", "-p",
+                               "no:cacheprovider", *args], cwd=kit / "src", env=env,
+                              capture_output=True, text=True, timeout=600)
+        summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+        assert "passed" in summary and "skipped" not in summary, summary

@@ -53,13 +53,14 @@ def test_make_gpu_check_without_cuda_reports_every_piece_and_exits_0(tmp_path):
     for name in GPU_PIECES:  # what needs the device is skipped with the reason
         assert pieces[name]["status"] == "skipped"
         assert pieces[name]["reason"].startswith("no CUDA device")
-    assert set(report["one_gpu"]) | set(report["multi_gpu"]) == set(GPU_PIECES)
     assert set(report["multi_gpu"]) == {"kv_nccl", "tp2"}
+    assert set(GPU_PIECES) - {"kv_nccl", "tp2"} < set(report["one_gpu"])
+    assert report["setup"]["preflight"] == "ok"
     assert (report_path.parent / "report.logs" / "preflight.log").exists()
 
 
 def check_for(tmp_path, device_count: int, cuda_ran: bool = True, only=()) -> Check:
-    args = Namespace(deadline_s=480.0, only=set(only), skip=set(), limits={}, kit=None)
+    args = Namespace(deadline_s=480.0, only=set(only), skip=set(), limits={}, kit=None, run_dir=None)
     check = Check(args, tmp_path / "r.json", tmp_path, tmp_path)
     check.report.update(environment={"device_count": device_count}, cuda_ran=cuda_ran,
                         probe_reason=None if cuda_ran else "no CUDA device: x")
@@ -164,7 +165,7 @@ CHECKER = textwrap.dedent("""
     result = run_subprocess([sys.executable, "-c", sys.argv[2]], log, 2.0, dict(os.environ),
                             Path.cwd())
     server = int(log.read_text().split()[0])
-    swept = sweep_orphans()
+    swept = sweep_orphans(set())
     print(json.dumps({"result": result["status"], "seconds": time.monotonic() - started,
                       "server": server, "swept": swept, "server_alive": alive(server)}))
 """)
@@ -188,7 +189,7 @@ class TimedCheck(Check):
 
     def __init__(self, tmp_path, deadline_s: float, seconds: dict[str, float], limits=None):
         args = Namespace(deadline_s=deadline_s, only=set(), skip=set(), limits=limits or {},
-                         kit=None)
+                         kit=None, run_dir=None)
         super().__init__(args, tmp_path / "r.json", tmp_path, tmp_path)
         self.report.update(environment={"device_count": 1}, cuda_ran=True, probe_reason=None)
         self.model_dir, self.seconds, self.given = tmp_path, seconds, {}
@@ -216,7 +217,29 @@ def test_the_deadline_cuts_each_piece_and_skips_what_it_cannot_start(tmp_path, m
     assert 0.3 < check.given["engine_tests"] < 2.0 - 1.2 - 0.2 + 0.05
     assert pieces["engine_tests"]["status"] == "timeout"
     late = [n for n, r in pieces.items() if r.get("reason", "").startswith("deadline")]
-    assert late == ["bench_kernels", "bench_engine", "colocated", "kv_nixl", "kv_tcp",
-                    "engine_cpu"]
+    assert late == ["bench_kernels", "bench_engine", "engine_cpu"]
     assert pieces["kv_nccl"]["reason"].startswith("needs 2 CUDA devices")
     assert json.loads((tmp_path / "r.json").read_text())["pieces"] == pieces  # written as it went
+
+
+def test_only_brings_what_its_pieces_need(tmp_path):
+    from baton_loadtest.gpu_check import with_dependencies
+
+    assert with_dependencies({"kv_nixl"}, tmp_path) == {"kv_nixl", "probe", "model",
+                                                        "colocated"}
+    (tmp_path / "colocated.json").write_text("{}")  # an earlier call's reference
+    assert with_dependencies({"kv_nixl"}, tmp_path) == {"kv_nixl", "probe", "model"}
+    assert with_dependencies({"bench_kernels"}, tmp_path) == {"bench_kernels", "probe"}
+
+
+def test_a_piece_that_raises_loses_only_itself(tmp_path):
+    class Broken(TimedCheck):
+        def fake(self, piece, timeout):
+            if piece.name == "kernel_tests":
+                raise KeyError("a bug in the check")
+            return super().fake(piece, timeout)
+
+    report = Broken(tmp_path, 30.0, {}).run()
+    assert report["pieces"]["kernel_tests"]["status"] == "error"
+    assert "a bug in the check" in report["pieces"]["kernel_tests"]["error"]
+    assert report["pieces"]["engine_tests"]["status"] == "ok"
