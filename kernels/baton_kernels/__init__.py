@@ -14,8 +14,11 @@ from __future__ import annotations
 
 import importlib
 
-from baton_kernels.reference import (paged_decode_attention_ref, paged_prefill_attention_ref,
-                                     reshape_and_cache_ref)
+from baton_kernels.reference import (
+    paged_decode_attention_ref,
+    paged_prefill_attention_ref,
+    reshape_and_cache_ref,
+)
 
 __all__ = [
     "reshape_and_cache", "paged_decode_attention", "paged_prefill_attention", "warmup",

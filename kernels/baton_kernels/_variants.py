@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import triton
@@ -46,7 +47,7 @@ class Kernel:
     """A Triton kernel with the names of its per-step integers (`dynamic`) and per-step
     index pointers (`unaligned`); ``kernel[grid](*args, **constexprs)`` launches it."""
 
-    fn: object  # triton's JITFunction (or InterpretedFunction under TRITON_INTERPRET)
+    fn: Any  # triton's JITFunction (or InterpretedFunction under TRITON_INTERPRET)
     name: str
     runtime_args: tuple[str, ...]  # non-constexpr parameters, in order
     dynamic: frozenset[str]

@@ -12,8 +12,15 @@ import torch
 import triton
 import triton.language as tl
 
-from baton_kernels._common import (FP8_DTYPES, check_kv_cache, check_last_dim_contiguous,
-                                   check_same_device, check_tensor, interpreting, next_pow2)
+from baton_kernels._common import (
+    FP8_DTYPES,
+    check_kv_cache,
+    check_last_dim_contiguous,
+    check_same_device,
+    check_tensor,
+    interpreting,
+    next_pow2,
+)
 from baton_kernels._variants import jit
 
 # FP8 dtype -> (Triton type, mantissa bits, smallest normal exponent)

@@ -25,8 +25,14 @@ import triton
 import triton.language as tl
 
 from baton_kernels._common import check_attention_common, interpreting, next_pow2
-from baton_kernels._tiles import (LOG2E, NO_WINDOW, load_kv_tile, loop_bound,
-                                  online_softmax_step, softcap_args)
+from baton_kernels._tiles import (
+    LOG2E,
+    NO_WINDOW,
+    load_kv_tile,
+    loop_bound,
+    online_softmax_step,
+    softcap_args,
+)
 from baton_kernels._variants import jit
 
 SPLIT_COUNTS = (1, 2, 4, 8, 16, 32)  # what `choose_num_splits` picks from

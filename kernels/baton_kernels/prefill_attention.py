@@ -15,8 +15,14 @@ import torch
 import triton.language as tl
 
 from baton_kernels._common import check_attention_common, check_tensor, interpreting, next_pow2
-from baton_kernels._tiles import (LOG2E, NO_WINDOW, load_kv_tile, loop_bound,
-                                  online_softmax_step, softcap_args)
+from baton_kernels._tiles import (
+    LOG2E,
+    NO_WINDOW,
+    load_kv_tile,
+    loop_bound,
+    online_softmax_step,
+    softcap_args,
+)
 from baton_kernels._variants import jit
 
 BLOCK_B = 64  # sequences per step of the tile -> sequence search

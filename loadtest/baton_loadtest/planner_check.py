@@ -49,7 +49,8 @@ import numpy as np
 
 from baton_loadtest import report
 from baton_loadtest.client import ClientSettings, RequestRecord
-from baton_loadtest.generator import PlannedRequest, plan as plan_requests
+from baton_loadtest.generator import PlannedRequest
+from baton_loadtest.generator import plan as plan_requests
 from baton_loadtest.interference_bench import pin_process
 from baton_loadtest.procs import free_port_run
 from baton_loadtest.spec import WorkloadSpec

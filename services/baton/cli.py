@@ -22,8 +22,13 @@ import sys
 import time
 from functools import partial
 
-from baton.cli_common import (add_common_flags, add_model_flags, add_worker_flags,
-                              engine_config, field_default)
+from baton.cli_common import (
+    add_common_flags,
+    add_model_flags,
+    add_worker_flags,
+    engine_config,
+    field_default,
+)
 from baton.common.roles import ROLE_NAMES, Role
 from baton.engine.config import EngineConfig
 
@@ -207,8 +212,8 @@ def _disagg_default(name: str):
 
 
 def _policy_flag(p) -> None:
-    from baton.router.settings import RouterSettings
     from baton.router.scheduling.pipeline import POLICIES
+    from baton.router.settings import RouterSettings
 
     p.add_argument("--policy", default=field_default(RouterSettings, "policy"),
                    choices=tuple(POLICIES))

@@ -16,9 +16,18 @@ from typing import Any
 
 from baton.common.auth import internal_token
 from baton.common.roles import Role
-from baton.engine.config import (ATTENTION_BACKENDS, DEFAULT_GPU_MEMORY_UTILIZATION,
-                                 DEFAULT_KV_CACHE_BYTES, DEVICES, DTYPES, KV_CACHE_DTYPES,
-                                 KV_FAILURE_POLICIES, SCHEDULING_POLICIES, EngineConfig)
+from baton.engine.config import (
+    ATTENTION_BACKENDS,
+    DEFAULT_GPU_MEMORY_UTILIZATION,
+    DEFAULT_KV_CACHE_BYTES,
+    DEVICES,
+    DTYPES,
+    KV_CACHE_DTYPES,
+    KV_FAILURE_POLICIES,
+    SCHEDULING_POLICIES,
+    EngineConfig,
+)
+from baton.kv_transfer import TRANSPORTS
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
 # worker.tool_parsers.PARSER_CHOICES, spelled out: importing the parsers costs every
@@ -169,7 +178,7 @@ def _parallel_flags(g) -> None:
 
 def _kv_transfer_flags(g) -> None:
     g.add_argument("--kv-transport", "--transport", default=None,
-                   choices=["auto", "nixl", "tcp", "gloo", "nccl", "local", "none"],
+                   choices=["auto", *TRANSPORTS, "none"],
                    help="KV transfer transport (default for prefill/decode roles: auto = "
                         "nixl when installed, else tcp)")
     g.add_argument("--kv-host", default=engine_default("kv_host"),

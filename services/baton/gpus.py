@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from baton.engine.config import DEFAULT_GPU_MEMORY_UTILIZATION
+
 _SIZING_FLAGS = ("--gpu-memory-utilization", "--kv-cache-gib", "--num-kv-blocks")
 
 

@@ -86,10 +86,10 @@ class Proc:
             self.proc.send_signal(signal.SIGTERM)
         try:
             rc = self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
+        except subprocess.TimeoutExpired as err:
             self.proc.kill()
             rc = self.proc.wait()
-            raise AssertionError(f"{self.args[0]} ignored SIGTERM for {timeout}s")
+            raise AssertionError(f"{self.args[0]} ignored SIGTERM for {timeout}s") from err
         finally:
             self._log.close()
         return rc in (0, -signal.SIGTERM)
@@ -141,7 +141,7 @@ def kv_blocks_used(url: str) -> float:
 def assert_idle(urls: list[str], timeout: float = 15.0) -> None:
     """Every worker drains to zero running requests and zero used KV blocks."""
     for url in urls:
-        wait_for(lambda: kv_blocks_used(url) == 0
+        wait_for(lambda url=url: kv_blocks_used(url) == 0
                  and metric_value(url, "baton:num_requests_running") == 0,
                  timeout, f"{url} to hold zero blocks")
 

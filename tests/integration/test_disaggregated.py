@@ -10,8 +10,16 @@ import pytest
 
 from baton import SamplingParams
 from tests.conftest import make_text
-from tests.integration.conftest import (MODEL, Proc, assert_idle, free_port_run, http_get,
-                                        metric_value, post_json, wait_for)
+from tests.integration.conftest import (
+    MODEL,
+    Proc,
+    assert_idle,
+    free_port_run,
+    http_get,
+    metric_value,
+    post_json,
+    wait_for,
+)
 
 pytestmark = pytest.mark.slow
 FLAGS = ["--dtype", "float32", "--num-kv-blocks", "256", "--num-threads", "1"]

@@ -12,8 +12,16 @@ from urllib.parse import urlparse
 
 import pytest
 
-from tests.integration.conftest import (MODEL, Proc, assert_idle, free_port_run,
-                                        kv_blocks_used, metric_value, post_json, wait_for)
+from tests.integration.conftest import (
+    MODEL,
+    Proc,
+    assert_idle,
+    free_port_run,
+    kv_blocks_used,
+    metric_value,
+    post_json,
+    wait_for,
+)
 
 pytestmark = pytest.mark.slow
 

@@ -16,8 +16,15 @@ import time
 import aiohttp
 import pytest
 
-from tests.integration.conftest import (MODEL, Proc, assert_idle, free_port_run, http_get,
-                                        metric_value, wait_for)
+from tests.integration.conftest import (
+    MODEL,
+    Proc,
+    assert_idle,
+    free_port_run,
+    http_get,
+    metric_value,
+    wait_for,
+)
 
 pytestmark = pytest.mark.slow
 TOKEN = "internal-token-for-the-fault-suite"

@@ -14,9 +14,9 @@ from aiohttp import web
 
 from baton.router.app import ROUTER, listen
 from baton.router.settings import RouterSettings
+from baton_loadtest.procs import free_port_run
 from tests.integration.conftest import http_get, wait_for
 from tests.unit.router.fakes import FakePod
-from baton_loadtest.procs import free_port_run
 
 DEADLINE_S = 0.5
 SLOWLORIS = 40

@@ -9,8 +9,16 @@ import threading
 
 import pytest
 
-from tests.integration.conftest import (MODEL, Proc, assert_idle, free_port_run, http_get,
-                                        metric_value, post_json, wait_for)
+from tests.integration.conftest import (
+    MODEL,
+    Proc,
+    assert_idle,
+    free_port_run,
+    http_get,
+    metric_value,
+    post_json,
+    wait_for,
+)
 from tests.kubelet import KubeletDir
 
 pytestmark = pytest.mark.slow

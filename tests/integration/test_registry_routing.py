@@ -10,8 +10,17 @@ import signal
 import pytest
 
 from tests.conftest import make_text
-from tests.integration.conftest import (MODEL, WORKER_FLAGS, Proc, assert_idle, free_port_run,
-                                        http_get, metric_value, post_json, wait_for)
+from tests.integration.conftest import (
+    MODEL,
+    WORKER_FLAGS,
+    Proc,
+    assert_idle,
+    free_port_run,
+    http_get,
+    metric_value,
+    post_json,
+    wait_for,
+)
 from tests.redis_server import RedisServer, server_binary
 
 pytestmark = pytest.mark.slow

@@ -10,8 +10,7 @@ import threading
 import pytest
 from aiohttp import web
 
-from tests.integration.conftest import (MODEL, Proc, free_port_run, http_get, metric_value,
-                                        post_json)
+from tests.integration.conftest import MODEL, Proc, free_port_run, http_get, metric_value, post_json
 
 pytestmark = pytest.mark.slow
 

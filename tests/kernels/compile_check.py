@@ -10,14 +10,16 @@ import sys
 if os.environ.get("TRITON_INTERPRET"):
     sys.exit("compile_check must run without TRITON_INTERPRET")
 
+import triton.language as tl  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource, compile  # noqa: E402
-import triton.language as tl  # noqa: E402
 
 from baton_kernels.cache_ops import reshape_and_cache_kernel  # noqa: E402
-from baton_kernels.decode_attention import (MAX_SPLITS,  # noqa: E402
-                                            paged_decode_reduce_kernel,
-                                            paged_decode_split_kernel)
+from baton_kernels.decode_attention import (  # noqa: E402
+    MAX_SPLITS,
+    paged_decode_reduce_kernel,
+    paged_decode_split_kernel,
+)
 from baton_kernels.prefill_attention import BLOCK_B, paged_prefill_kernel  # noqa: E402
 
 

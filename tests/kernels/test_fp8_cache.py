@@ -11,9 +11,14 @@ from tests.kernels.conftest import ON_GPU
 
 pytest.importorskip("triton")
 
-from baton_kernels import (paged_decode_attention, paged_decode_attention_ref,  # noqa: E402
-                           paged_prefill_attention, paged_prefill_attention_ref,
-                           reshape_and_cache, reshape_and_cache_ref)
+from baton_kernels import (  # noqa: E402
+    paged_decode_attention,
+    paged_decode_attention_ref,
+    paged_prefill_attention,
+    paged_prefill_attention_ref,
+    reshape_and_cache,
+    reshape_and_cache_ref,
+)
 from tests.kernels.paged_utils import make_paged_cache  # noqa: E402
 
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]

@@ -16,8 +16,12 @@ from tests.kernels.paged_utils import assert_close, make_paged_cache
 
 pytest.importorskip("triton")
 
-from baton_kernels import (paged_decode_attention, paged_decode_attention_ref,  # noqa: E402
-                           paged_prefill_attention, paged_prefill_attention_ref)
+from baton_kernels import (  # noqa: E402
+    paged_decode_attention,
+    paged_decode_attention_ref,
+    paged_prefill_attention,
+    paged_prefill_attention_ref,
+)
 
 # dtype, head_dim, block_size, num_heads, num_kv_heads: representative combos on CPU (the
 # interpreter is slow), the full product on a GPU.

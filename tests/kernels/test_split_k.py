@@ -15,8 +15,12 @@ pytest.importorskip("triton")
 
 from baton_kernels import paged_decode_attention, paged_decode_attention_ref  # noqa: E402
 from baton_kernels._tiles import NO_WINDOW  # noqa: E402
-from baton_kernels.decode_attention import (SPLIT_COUNTS, decode_block_n,  # noqa: E402
-                                            decode_partials, split_range)
+from baton_kernels.decode_attention import (  # noqa: E402
+    SPLIT_COUNTS,
+    decode_block_n,
+    decode_partials,
+    split_range,
+)
 
 WIDE_TOKENS = 128 * 1024  # a 128k max_model_len
 

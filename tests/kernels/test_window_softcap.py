@@ -13,9 +13,12 @@ from tests.kernels.paged_utils import assert_close, make_paged_cache
 
 pytest.importorskip("triton")
 
-from baton_kernels import (paged_decode_attention, paged_decode_attention_ref,  # noqa: E402
-                           paged_prefill_attention, paged_prefill_attention_ref)
-
+from baton_kernels import (  # noqa: E402
+    paged_decode_attention,
+    paged_decode_attention_ref,
+    paged_prefill_attention,
+    paged_prefill_attention_ref,
+)
 from tests.kernels.test_paged_attention import make_prefill_inputs  # noqa: E402
 
 SPECS = [(24, None), (None, 5.0), (7, 3.0)]  # (window, softcap)

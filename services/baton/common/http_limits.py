@@ -78,6 +78,7 @@ class _AiohttpHeadGuard(asyncio.Protocol):
         self._deadline.arm()
 
     def data_received(self, data: bytes) -> None:
+        assert self._deadline is not None  # the loop calls connection_made first
         if self._body is None or self._body.is_eof():
             self._deadline.arm()
         messages = self.inner._messages  # aiohttp's queue of parsed (message, payload)

@@ -21,19 +21,25 @@ follows it; the router counts them as sent only once that content event went thr
 from __future__ import annotations
 
 import json
-from typing import Annotated, Literal
+from typing import Annotated, Final, Literal, TypeAlias
 
-from pydantic import (BaseModel, ConfigDict, Field, field_serializer, model_serializer,
-                      model_validator)
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    field_serializer,
+    model_serializer,
+    model_validator,
+)
 
 from baton.common.protocol import MAX_LOGPROBS, ChatCompletionRequest, CompletionRequest
 
-WIRE_VERSION = 1
+WIRE_VERSION: Final = 1
 TOKENS_EVENT = "baton.tokens"
 API_MODELS: dict[str, type[BaseModel]] = {"chat": ChatCompletionRequest,
                                           "completions": CompletionRequest}
 Api = Literal["chat", "completions"]
-OpenAIBody = ChatCompletionRequest | CompletionRequest
+OpenAIBody: TypeAlias = ChatCompletionRequest | CompletionRequest
 TokenId = Annotated[int, Field(ge=0)]
 _WIRE = ConfigDict(extra="forbid", frozen=True)
 

@@ -13,6 +13,7 @@ vLLM's `vllm:` names), and these are the only findings our pages may trigger (te
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -53,7 +54,7 @@ class ConfigMetrics:
 class WorkerMetrics(ConfigMetrics):
     """Per-request latencies and outcomes, plus the engine's own state via `snapshot`."""
 
-    def __init__(self, snapshot: Callable[[], dict[str, float]] | None = None) -> None:
+    def __init__(self, snapshot: Callable[[], dict[str, Any]] | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         super().__init__(r)
@@ -103,7 +104,8 @@ ENGINE_SERIES = {
 
 
 class EngineCollector(Collector):
-    def __init__(self, snapshot: Callable[[], dict[str, float]]) -> None:
+    # The snapshot's values are numbers, except "fallbacks": a dict of reason -> count.
+    def __init__(self, snapshot: Callable[[], dict[str, Any]]) -> None:
         self._snapshot = snapshot
 
     def describe(self) -> Iterable:

@@ -17,14 +17,25 @@ from __future__ import annotations
 import json
 from typing import Annotated, Literal
 
-from pydantic import (BaseModel, ConfigDict, Field, ValidationError, field_validator,
-                      model_validator)
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from baton.common.errors import OpenAIError
-from baton.common.sampling_params import (LOGIT_BIAS_MAX, SEED_MAX, SEED_MIN, SamplingParams,
-                                          StructuredOutput)
-from baton.common.tools import (STRICT as _STRICT, ParamError, Tool, ToolCallParam, ToolChoice,
-                                check_json_schema, forced_schema)
+from baton.common.sampling_params import (
+    LOGIT_BIAS_MAX,
+    SEED_MAX,
+    SEED_MIN,
+    SamplingParams,
+    StructuredOutput,
+)
+from baton.common.tools import STRICT as _STRICT
+from baton.common.tools import (
+    ParamError,
+    Tool,
+    ToolCallParam,
+    ToolChoice,
+    check_json_schema,
+    forced_schema,
+)
 
 MAX_LOGPROBS = 20
 MAX_STOP = 256  # stop strings, and stop token ids: each is checked on every token
@@ -69,6 +80,7 @@ class ResponseFormat(BaseModel):
 
     def structured(self) -> StructuredOutput | None:
         if self.type == "json_schema":
+            assert self.json_schema is not None  # _schema_iff_json_schema
             return StructuredOutput("json_schema", json.dumps(self.json_schema.schema_))
         return StructuredOutput("json_object") if self.type == "json_object" else None
 
@@ -186,7 +198,8 @@ class _SamplingFields(BaseModel):
     @property
     def continuous_usage(self) -> bool:
         """Usage on every chunk (vLLM's `continuous_usage_stats`, with `include_usage`)."""
-        return self.include_usage and self.stream_options.continuous_usage_stats
+        return (self.include_usage and self.stream_options is not None
+                and self.stream_options.continuous_usage_stats)
 
 
 class CompletionRequest(_SamplingFields):
@@ -253,10 +266,11 @@ class ChatMessage(BaseModel):
         return self
 
     def as_template_dict(self) -> dict:
-        text = self.content if isinstance(self.content, str) else "".join(
-            p.text for p in self.content)
+        content = self.content
+        assert content is not None  # _fields_of_role fills it in
+        text = content if isinstance(content, str) else "".join(p.text for p in content)
         role = "system" if self.role == "developer" else self.role
-        out = {"role": role, "content": text}
+        out: dict[str, object] = {"role": role, "content": text}
         if self.name is not None:
             out["name"] = self.name
         if self.tool_calls:

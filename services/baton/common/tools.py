@@ -17,7 +17,7 @@ output back into `tool_calls`.
 from __future__ import annotations
 
 import json
-from typing import Annotated, Literal
+from typing import Annotated, Literal, cast
 
 import jsonschema
 from pydantic import BaseModel, ConfigDict, Field, field_validator
@@ -166,7 +166,9 @@ def _hoisted(tool: Tool, i: int, defs: dict[str, object]) -> object:
     if '"$ref"' not in json.dumps(params):
         return params
     key = f"tool{i}"
-    own = {**params.get("$defs", {}), **params.get("definitions", {})}
+    # `parameters` passed its metaschema, so `$defs` / `definitions` are objects if present.
+    own: dict[str, object] = {**cast("dict[str, object]", params.get("$defs", {})),
+                              **cast("dict[str, object]", params.get("definitions", {}))}
     for name, sub in own.items():
         defs[f"{key}.{name}"] = _rebase(sub, key)
     defs[key] = _rebase({k: v for k, v in params.items()

@@ -22,7 +22,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, MutableMapping
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
+
+if TYPE_CHECKING:
+    from contextvars import Token
+
+    from opentelemetry.context import Context
 
 TRACES_PATH = "/v1/traces"
 ENDPOINT_ENV = "OTEL_EXPORTER_OTLP_ENDPOINT"  # a collector's base URL: /v1/traces appended
@@ -133,8 +138,7 @@ class Tracing:
         self._tracer = provider.get_tracer("baton") if provider is not None else None
         self._propagator = None
         if provider is not None:
-            from opentelemetry.trace.propagation.tracecontext import (
-                TraceContextTextMapPropagator)
+            from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
             self._propagator = TraceContextTextMapPropagator()
 
@@ -155,6 +159,7 @@ class Tracing:
         if parent is not None:
             context = trace.set_span_in_context(parent.raw)
         elif headers is not None:
+            assert self._propagator is not None  # set with the tracer
             context = self._propagator.extract(headers)
             kind = kind or "server"
         else:
@@ -208,7 +213,7 @@ class _Current:
 
     def __init__(self, span: Span) -> None:
         self.span = span
-        self._token = None
+        self._token: Token[Context] | None = None
 
     def __enter__(self) -> Span:
         from opentelemetry import context, trace
@@ -219,6 +224,7 @@ class _Current:
     def __exit__(self, exc_type, exc, _tb) -> None:
         from opentelemetry import context
 
+        assert self._token is not None  # __enter__ set it
         context.detach(self._token)
         if exc is not None:
             if isinstance(exc, Exception):

@@ -172,15 +172,18 @@ class ConfigWatcher:
         self._version = stamp
         try:
             new = load_tuning(self.path)
+            assert self.apply is not None  # given at construction or `start`, before polls
             self.restart_pending = self.apply(new, self.current)
         except TuningError as err:
             log.error("config reload rejected, keeping the old config: %s", err)
+            assert self.on_result is not None  # as `apply`
             self.on_result("rejected")
             return "rejected"
         self.current = new
         log.info("config reloaded from %s%s", self.path,
                  f"; needs a restart to take effect: {', '.join(self.restart_pending)}"
                  if self.restart_pending else "")
+        assert self.on_result is not None  # as `apply`
         self.on_result("applied")
         return "applied"
 

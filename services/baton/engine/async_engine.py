@@ -21,8 +21,8 @@ import ctypes
 import logging
 import queue
 import threading
-from dataclasses import dataclass
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 from baton.common.sampling_params import SamplingParams
 from baton.engine.config import EngineConfig, LiveSettings

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from baton.common.auth import MIN_TOKEN_CHARS
+from baton.kv_transfer import TRANSPORTS
 
 SCHEDULING_POLICIES = ("fcfs", "priority", "static")
 KV_FAILURE_POLICIES = ("recompute", "fail")
@@ -137,9 +138,9 @@ class EngineConfig:
                "tensor_parallel_size", self.tensor_parallel_size,
                f"must be 1 with kv_transport={self.kv_transport!r}: KV transfer between "
                "tensor-parallel pods (each rank its own KV heads) runs over 'tcp' only")
-        _check(self.kv_transport in (None, "local", "tcp", "gloo", "nccl", "nixl"),
+        _check(self.kv_transport is None or self.kv_transport in TRANSPORTS,
                "kv_transport", self.kv_transport,
-               "must be None, 'local', 'tcp', 'gloo', 'nccl' or 'nixl'")
+               f"must be None or one of {', '.join(map(repr, TRANSPORTS))}")
         _check(self.kv_lease_ttl_s > 0, "kv_lease_ttl_s", self.kv_lease_ttl_s, "must be > 0")
         _check(self.kv_transfer_timeout_s > 0, "kv_transfer_timeout_s",
                self.kv_transfer_timeout_s, "must be > 0")

@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from baton.common.sampling_params import SamplingParams
+from baton.engine import tokenizer as tok
 from baton.engine.config import EngineConfig, LiveSettings
 from baton.engine.context_window import fit_kv_pool
 from baton.engine.kv_cache import KVCacheManager
@@ -24,10 +25,9 @@ from baton.engine.request import Request, RequestStatus
 from baton.engine.runner import ModelRunner
 from baton.engine.sampler import TokenLogprobs
 from baton.engine.scheduler import SchedulerLimits, make_scheduler
+from baton.engine.stops import token_ends
 from baton.engine.structured.base import GrammarCompileError
 from baton.engine.structured.manager import StructuredOutputs, grammar_complete, rebuild
-from baton.engine.tokenizer import (NO_TOKENIZER_STOP, IncrementalDetokenizer, eos_token_id,
-                                    load_tokenizer)
 
 log = logging.getLogger(__name__)
 
@@ -63,7 +63,7 @@ class EngineCore:
         self.config = config
         torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
         self.model_dir = resolve_model_dir(config.model, config.cache_dir, config.revision)
-        self.tokenizer = load_tokenizer(self.model_dir, config.skip_tokenizer_init)
+        self.tokenizer = tok.load_tokenizer(self.model_dir, config.skip_tokenizer_init)
         self.runner = ModelRunner(config, self.model_dir, self._max_model_len())
         self.max_model_len = max_len = fit_kv_pool(self.runner.max_model_len, config,
                                                    self.runner.num_blocks)
@@ -75,10 +75,10 @@ class EngineCore:
         self.scheduler = make_scheduler(SchedulerLimits(
             config.max_num_batched_tokens, config.max_num_seqs, max_len,
             config.scheduling_policy), self.kv, self.connector)
-        self.eos_token_id = eos_token_id(self.tokenizer, self.model_config.eos_token_ids)
+        self.eos_token_id = tok.eos_token_id(self.tokenizer, self.model_config.eos_token_ids)
         self.structured = StructuredOutputs.for_tokenizer(
             self.tokenizer, self.model_config.vocab_size, self.eos_token_id)
-        self._detok: dict[str, IncrementalDetokenizer | None] = {}
+        self._detok: dict[str, tok.IncrementalDetokenizer | None] = {}
         self.stats = EngineStats()
         self._failed_steps = 0  # in a row
 
@@ -151,7 +151,7 @@ class EngineCore:
     def _check_params(self, params: SamplingParams) -> None:
         """What SamplingParams cannot check alone: token ids against this vocabulary."""
         if params.stop and self.tokenizer is None:  # matched in the text, which it has not
-            raise InvalidRequestError(NO_TOKENIZER_STOP, param="stop")
+            raise InvalidRequestError(tok.NO_TOKENIZER_STOP, param="stop")
         vocab = self.model_config.vocab_size
         for name, ids in (("stop_token_ids", params.stop_token_ids),
                           ("logit_bias", params.logit_bias or ())):
@@ -179,24 +179,24 @@ class EngineCore:
         a remote prefill's first token), which may already end it."""
         self.scheduler.add_request(req)
         p = req.sampling_params
-        self._detok[req.request_id] = IncrementalDetokenizer(
+        self._detok[req.request_id] = tok.IncrementalDetokenizer(
             self.tokenizer, req.prompt_token_ids, p.stop, p.include_stop_str_in_output,
             p.skip_special_tokens) if req.detokenize and self.tokenizer is not None else None
         error = rebuild(req)
         if error is not None:
             return self._fail([req], {req.request_id: error})
-        outputs = []
+        outputs: list[EngineOutput] = []
         for token in list(req.output_token_ids):
             status = self.scheduler.stop_status(req, token)
+            text, matched = self._detok_add(req, token)
+            if status is None and (matched is not None or grammar_complete(req)):
+                status, req.stop_reason = RequestStatus.FINISHED_STOPPED, matched
+            lp = _arrived_logprobs(req)
             if status is not None:
                 self.scheduler.finish_requests([req.request_id], status)
-                text = self._detok_add(req, token)[0]
-                lp = _arrived_logprobs(req)
                 return outputs + [self._final_output(req, [token], text,
                                                      [lp] if lp is not None else None)]
-            outputs.append(self._token_output(req, token, _arrived_logprobs(req), False))
-            if outputs[-1].finished:
-                break
+            outputs.append(self._token_output(req, token, lp, text, False))
         return outputs
 
     def _detok_add(self, req: Request, token: int):
@@ -241,23 +241,23 @@ class EngineCore:
             return outputs + self._step_failed(sched, err)
         self._failed_steps = 0
         sampled = result.sampled
-        finished = {r.request_id for r in self.scheduler.update_from_output(sched, sampled)}
+        texts, ends = token_ends(sched.scheduled, sampled, result.failed, self._detok_add)
+        finished = {r.request_id
+                    for r in self.scheduler.update_from_output(sched, sampled, ends)}
         self.stats.generation_tokens_total += len(sampled)
         self.stats.preemptions_total = self.scheduler.num_preemptions
-        outputs += self._fail([s.request for s in sched.scheduled
-                               if s.request.request_id in result.failed], result.failed)
         for s in sched.scheduled:
             req = s.request
             req.add_prompt_logprobs(result.prompt_logprobs.get(req.request_id))
             token = sampled.get(req.request_id)
+            if req.status == RequestStatus.FINISHED_ERROR:  # ended this step; no token sent
+                outputs.append(self._final_output(req, [], "", None))
+                continue
             if token is None:
                 continue
             lp = result.logprobs.get(req.request_id)
-            try:
-                outputs.append(self._token_output(req, token, lp,
-                                                  req.request_id in finished))
-            except Exception as err:  # noqa: BLE001 - its stop strings or detokenising
-                outputs += self._fail([req], {req.request_id: f"{type(err).__name__}: {err}"})
+            outputs.append(self._token_output(req, token, lp, texts[req.request_id],
+                                              req.request_id in finished))
         return outputs
 
     def _step_failed(self, sched, err: Exception) -> list[EngineOutput]:
@@ -273,28 +273,17 @@ class EngineCore:
         return self._fail(reqs, {r.request_id: f"{type(err).__name__}: {err}" for r in reqs})
 
     def _fail(self, reqs: list[Request], errors: dict[str, str]) -> list[EngineOutput]:
-        """End `reqs` with finish reason "error", their error as the stop reason."""
+        """End `reqs` (running, their step failed) with finish reason "error", their error as
+        the stop reason."""
         outputs = []
         for req in reqs:
-            if req.status.is_finished:  # it ended this step already: only mark it
-                req.status = RequestStatus.FINISHED_ERROR
-            else:
-                self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_ERROR)
             req.stop_reason = errors[req.request_id]
+            self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_ERROR)
             outputs.append(self._final_output(req, [], "", None))
         return outputs
 
-    def _token_output(self, req: Request, token: int, lp, finished: bool) -> EngineOutput:
-        text, matched = self._detok_add(req, token)
-        # A stop string, or a structured output now complete, ends it ("stop").
-        stopped = matched is not None or grammar_complete(req)
-        if stopped and not finished:
-            self.scheduler.finish_requests([req.request_id], RequestStatus.FINISHED_STOPPED)
-            req.stop_reason = matched
-            finished = True
-        elif stopped:  # on the very token that also ended it
-            req.status = RequestStatus.FINISHED_STOPPED
-            req.stop_reason = matched or req.stop_reason
+    def _token_output(self, req: Request, token: int, lp, text: str,
+                      finished: bool) -> EngineOutput:
         lps = [lp] if lp is not None else None
         if finished:
             return self._final_output(req, [token], text, lps)
@@ -390,10 +379,12 @@ def _arrived_logprobs(req: Request) -> TokenLogprobs | None:
 def _make_connector(config: EngineConfig, runner) -> KVConnector | None:
     if config.kv_transport is None:
         return None
+    from baton.engine.kv_connector.tp_ranks import TensorParallelKV
     from baton.engine.kv_connector.transport import TransportKVConnector
 
     size = config.tensor_parallel_size
-    tp = None if size == 1 else (runner.tp_leader, 0, runner.model_config.num_kv_heads, size)
+    tp = None if size == 1 else TensorParallelKV(runner.tp_leader, 0,
+                                                 runner.model_config.num_kv_heads, size)
     return TransportKVConnector(config.kv_transport, runner.kv_cache, config.engine_id,
                                 config.live_settings.kv, config.kv_host, config.kv_port,
                                 secret=config.kv_secret, tp=tp)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import replace
+from typing import cast
 
 from baton.common.sampling_params import SamplingParams, child_params
 from baton.engine.config import EngineConfig
@@ -36,13 +37,14 @@ class LLM:
         """Generate for every prompt (a string, a list of token ids, or a dict with
         `prompt` / `prompt_token_ids`); outputs come back in prompt order. All prompts are
         validated before any is queued, so a bad one raises ValueError and runs nothing."""
-        if isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int)):
-            prompts = [prompts]
-        params = _broadcast(sampling_params or SamplingParams(), len(prompts))
-        prio = list(priority) if priority is not None else [0] * len(prompts)
-        if len(prio) != len(prompts):
-            raise ValueError(f"priority has {len(prio)} entries for {len(prompts)} prompts")
-        return self._run([self._tokenize(p) for p in prompts], params, prio, use_tqdm)
+        single = isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int))
+        # one prompt (a string, a dict, or token ids) is a batch of one
+        batch = cast("Sequence[PromptType]", [prompts] if single else prompts)
+        params = _broadcast(sampling_params or SamplingParams(), len(batch))
+        prio = list(priority) if priority is not None else [0] * len(batch)
+        if len(prio) != len(batch):
+            raise ValueError(f"priority has {len(prio)} entries for {len(batch)} prompts")
+        return self._run([self._tokenize(p) for p in batch], params, prio, use_tqdm)
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,

@@ -45,9 +45,9 @@ class HostStaging:
             at += len(part)
         num_ints = at
         as_float = host[num_ints:total].view(np.float64)
-        for part in floats:
-            as_float[at - num_ints:at - num_ints + len(part)] = part
-            at += len(part)
+        for fpart in floats:
+            as_float[at - num_ints:at - num_ints + len(fpart)] = fpart
+            at += len(fpart)
         dev = self._to_device(host_t if host_t.numel() == total else host_t[:total])
         if not floats:
             return list(dev.split(sizes))

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-
 # Files one of which a checkpoint's tokenizer is read from (fast JSON, SentencePiece, BPE).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json")
 

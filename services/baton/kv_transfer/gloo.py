@@ -27,9 +27,15 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from baton.kv_transfer.base import (Endpoint, PeerUnreachableError, TransferError,
-                                    TransferTimeoutError, gather_blocks, scatter_blocks,
-                                    wire_view)
+from baton.kv_transfer.base import (
+    Endpoint,
+    PeerUnreachableError,
+    TransferError,
+    TransferTimeoutError,
+    gather_blocks,
+    scatter_blocks,
+    wire_view,
+)
 from baton.kv_transfer.pairs import Pair, PairTable, build_group, destroy
 from baton.kv_transfer.staging import on_stream, side_stream, wait_for
 from baton.kv_transfer.tcp import DataUnavailable, TcpTransport

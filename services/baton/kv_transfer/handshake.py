@@ -35,8 +35,13 @@ import threading
 import time
 from dataclasses import dataclass
 
-from baton.kv_transfer.base import (Endpoint, KVAuthError, LayoutMismatchError,
-                                    LeaseExpiredError, TransferError)
+from baton.kv_transfer.base import (
+    Endpoint,
+    KVAuthError,
+    LayoutMismatchError,
+    LeaseExpiredError,
+    TransferError,
+)
 from baton.kv_transfer.wire import MAGIC, FrameError, recv_magic, recv_msg, send_msg
 
 log = logging.getLogger(__name__)

@@ -11,9 +11,19 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from baton.kv_transfer.base import (Endpoint, KVAuthError, KVLayout, KVTransport,
-                                    LayoutMismatchError, PeerUnreachableError, Transfer,
-                                    TransferError, check_pull, gather_blocks, scatter_blocks)
+from baton.kv_transfer.base import (
+    Endpoint,
+    KVAuthError,
+    KVLayout,
+    KVTransport,
+    LayoutMismatchError,
+    PeerUnreachableError,
+    Transfer,
+    TransferError,
+    check_pull,
+    gather_blocks,
+    scatter_blocks,
+)
 from baton.kv_transfer.leases import LeaseTable
 
 _HOLDERS: dict[str, "LocalTransport"] = {}

@@ -46,14 +46,22 @@ from concurrent.futures import ThreadPoolExecutor
 import torch
 
 from baton.kv_transfer import handshake
-from baton.kv_transfer.base import (Endpoint, KVLayout, KVTransport, LayoutMismatchError,
-                                    LeaseExpiredError, PeerUnreachableError, Transfer,
-                                    TransferError, TransferTimeoutError, check_pull)
+from baton.kv_transfer.base import (
+    Endpoint,
+    KVLayout,
+    KVTransport,
+    LayoutMismatchError,
+    LeaseExpiredError,
+    PeerUnreachableError,
+    Transfer,
+    TransferError,
+    TransferTimeoutError,
+    check_pull,
+)
 from baton.kv_transfer.handshake import HolderTerms, PullerTerms, Refused
 from baton.kv_transfer.iov import block_views, host_bytes, recv_views, send_views
 from baton.kv_transfer.leases import LeaseTable, short
-from baton.kv_transfer.staging import (STAGING_BYTES, StagingCopyError, StagingPool,
-                                       wire_bytes)
+from baton.kv_transfer.staging import STAGING_BYTES, StagingCopyError, StagingPool, wire_bytes
 from baton.kv_transfer.wire import MAX_FRAME_BYTES, recv_msg, send_msg
 
 log = logging.getLogger(__name__)

@@ -10,6 +10,8 @@ Where the API server is: `api_url` when given (tests against an emulator, or a p
 
 from __future__ import annotations
 
+from typing import Any
+
 from baton.planner.base import KubeClient, KubeError
 
 
@@ -56,7 +58,9 @@ class KubernetesClient(KubeClient):
             raise KubeError(f"{where}: {type(err).__name__}: {err}") from None
 
 
-def _error_types(k8s) -> tuple[type, tuple[type, ...]]:
+def _error_types(k8s) -> tuple[type[Any], tuple[type[BaseException], ...]]:
+    """The client's ApiException (untyped: it has `status` and `reason`), and the transport
+    errors."""
     import urllib3
 
     return k8s.client.ApiException, (urllib3.exceptions.HTTPError, OSError, ValueError)

@@ -30,8 +30,15 @@ from pathlib import Path
 
 import numpy as np
 
-from baton.planner.profile import (DecodePoint, EngineLimits, Hardware, PrefillPoint, Profile,
-                                   fit_decode, fit_prefill)
+from baton.planner.profile import (
+    DecodePoint,
+    EngineLimits,
+    Hardware,
+    PrefillPoint,
+    Profile,
+    fit_decode,
+    fit_prefill,
+)
 
 log = logging.getLogger(__name__)
 

@@ -36,6 +36,7 @@ import urllib.parse
 import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import cast
 
 from baton.planner.base import MetricsError, MetricsSource, WorkloadEstimate
 
@@ -147,8 +148,10 @@ def resolve_addresses(host: str, port: int) -> list[str]:
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
     except OSError as err:
         raise MetricsError(f"cannot resolve {host!r}: {err}") from None
-    v4 = sorted({i[4][0] for i in infos if i[0] == socket.AF_INET})
-    return v4 or sorted({i[4][0] for i in infos if i[0] == socket.AF_INET6})
+    # an AF_INET / AF_INET6 sockaddr starts with the address, a str (`cast`: typeshed's
+    # sockaddr union also has AF_PACKET's int-first form)
+    v4 = sorted({cast(str, i[4][0]) for i in infos if i[0] == socket.AF_INET})
+    return v4 or sorted({cast(str, i[4][0]) for i in infos if i[0] == socket.AF_INET6})
 
 
 def expand(url: str, resolve: Resolver = resolve_addresses) -> list[str]:

@@ -21,8 +21,15 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from baton.planner.profile import Profile
-from baton.planner.simulate import (SimResult, SimSettings, Trace, Workload, draw_trace,
-                                    simulate, simulate_prefill)
+from baton.planner.simulate import (
+    SimResult,
+    SimSettings,
+    Trace,
+    Workload,
+    draw_trace,
+    simulate,
+    simulate_prefill,
+)
 
 
 @dataclass(frozen=True)
@@ -150,6 +157,7 @@ class _Search:
             if meets:
                 return p
             best = r if best is None or r.ttft_s < best.ttft_s else best
+        assert best is not None  # prefill_cap >= 1 (PlanSettings checks max_replicas >= 2)
         raise self.fail(f"TTFT {slo.label} <= {slo.ttft_s:g} s fails with up to "
                         f"{self.settings.prefill_cap} prefill replicas: the best is "
                         f"{best.ttft_s:.3f} s with {best.prefill} (raise --max-replicas)")

@@ -276,7 +276,7 @@ def nonnegative_lstsq(x: np.ndarray, y: np.ndarray) -> tuple[np.ndarray, float, 
 
 # -- YAML helpers -------------------------------------------------------------------------
 def _cost_dict(cost, names: tuple[str, ...]) -> dict:
-    out = {n: float(getattr(cost, n)) for n in names}
+    out: dict[str, object] = {n: float(getattr(cost, n)) for n in names}
     out |= {"rmse_s": float(cost.rmse_s), "max_rel_error": float(cost.max_rel_error),
             "points": [vars(p).copy() for p in cost.points]}
     return out
@@ -297,9 +297,9 @@ def _decode_from(raw: dict) -> DecodeCost:
     points = []
     for i, p in enumerate(_points(raw, "decode")):
         where = f"decode.points[{i}]"
-        points.append(DecodePoint(*(_field(p, where, k, int)
-                                    for k in ("batch", "ctx", "ctx_tokens_total")),
-                                  _field(p, where, "seconds", float)))
+        batch, ctx, ctx_total = (_field(p, where, k, int)
+                                 for k in ("batch", "ctx", "ctx_tokens_total"))
+        points.append(DecodePoint(batch, ctx, ctx_total, _field(p, where, "seconds", float)))
     c, d, e, rmse, rel = (_field(raw, "decode", k, float)
                           for k in ("c", "d", "e", "rmse_s", "max_rel_error"))
     # profiles recorded before the knots have none: theirs is the straight line

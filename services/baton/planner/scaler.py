@@ -23,8 +23,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
-from baton.planner.base import KubeClient, KubeError, MetricsError, MetricsSource, \
-    WorkloadEstimate
+from baton.planner.base import KubeClient, KubeError, MetricsError, MetricsSource, WorkloadEstimate
 from baton.planner.plan import PlanError, PlanSettings, plan
 from baton.planner.profile import Profile
 from baton.planner.simulate import Workload

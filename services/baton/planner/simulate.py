@@ -325,6 +325,7 @@ class _DecodePod:
     def _run(self, n: int) -> None:
         alpha, beta = self._coefficients()
         self.log.add(alpha, beta, n, self.batch)
+        assert self.start is not None  # advance runs steps only while busy
         self.start += _elapsed(n, alpha, beta)
         self.ctx += self.batch * n
         self.steps += n

@@ -98,6 +98,7 @@ class Discovery(ABC):
 
     endpoints: dict[str, Upstream]
     breaker: BreakerSettings
+    _first_round: asyncio.Event  # set once the first look at the workers is done
 
     def all(self) -> list[Upstream]:
         return list(self.endpoints.values())

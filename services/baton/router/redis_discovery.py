@@ -15,12 +15,16 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import TYPE_CHECKING
 
 import aiohttp
 
 from baton.common import registry as reg
 from baton.router.discovery import BreakerSettings, Discovery, Upstream, update
 from baton.router.prefix import BlockIndex
+
+if TYPE_CHECKING:
+    from redis.asyncio import Redis
 
 log = logging.getLogger("baton.router")
 
@@ -40,7 +44,12 @@ class RegistryDiscovery(Discovery):
         self.connected = False
         self._first_round = asyncio.Event()
         self._task: asyncio.Task | None = None
-        self._redis = None
+        self._redis: Redis | None = None
+
+    @property
+    def _client(self) -> Redis:
+        assert self._redis is not None  # start() made it, before anything talks to Redis
+        return self._redis
 
     async def start(self, session: aiohttp.ClientSession) -> None:
         self._redis = reg.redis_client(self.url, self.timeout_s)
@@ -57,7 +66,7 @@ class RegistryDiscovery(Discovery):
     async def _run(self) -> None:
         backoff = 0.1
         while True:
-            pubsub = self._redis.pubsub(ignore_subscribe_messages=True)
+            pubsub = self._client.pubsub(ignore_subscribe_messages=True)
             try:
                 await pubsub.subscribe(self.keys.channel)
                 await self._catch_up()  # after subscribing: nothing falls in between
@@ -133,8 +142,8 @@ class RegistryDiscovery(Discovery):
     # -- catching up from the keys ---------------------------------------------------------
     async def _catch_up(self) -> None:
         """Read every record and block set; workers whose keys are gone are dropped."""
-        keys = [k async for k in self._redis.scan_iter(self.keys.worker_pattern, count=500)]
-        records = await self._redis.mget(keys) if keys else []
+        keys = [k async for k in self._client.scan_iter(self.keys.worker_pattern, count=500)]
+        records = await self._client.mget(keys) if keys else []
         seen = set()
         for raw in records:
             if raw is None:
@@ -151,7 +160,7 @@ class RegistryDiscovery(Discovery):
                 self._remove(ep.worker_id, "is no longer registered")
 
     async def _catch_up_blocks(self, worker_id: str) -> None:
-        async with self._redis.pipeline(transaction=True) as p:
+        async with self._client.pipeline(transaction=True) as p:
             p.smembers(self.keys.blocks(worker_id))
             p.get(self.keys.blockseq(worker_id))
             members, seq = await p.execute()

@@ -97,15 +97,22 @@ class ClientSide:
                                                    "Cache-Control": "no-cache"})
             await self.out.prepare(self.request)
 
+    @property
+    def started(self) -> web.StreamResponse:
+        """`out`, which exists once `start` sent the 200 (as before any body write)."""
+        assert self.out is not None  # start() came first
+        return self.out
+
     async def write(self, chunk: bytes) -> None:
-        await self.out.write(chunk)
+        await self.started.write(chunk)
         if self.clock is not None:
             self.clock.sent(chunk)
 
     async def finish_with(self, events: bytes) -> web.StreamResponse:
-        await self.out.write(events)
-        await self.out.write_eof()
-        return self.out
+        out = self.started
+        await out.write(events)
+        await out.write_eof()
+        return out
 
     async def fail_in_band(self, error: OpenAIError) -> web.StreamResponse:
         """After the 200 went out, an error can only be an event in the stream."""
@@ -134,17 +141,18 @@ class Relay:
             with self.tracing.span("router.attempt", kind="client", attributes={
                     "baton.upstream": ep.url, "url.path": send.path}) as span:
                 self.tracing.inject(send.headers)
-                resp, first = await self._open(client, ep, send, stream, deadline, s)
-                span.set("http.response.status_code", resp.status)
-                if first is None:
-                    return resp
+                opened = await self._open(client, ep, send, stream, deadline, s)
+                span.set("http.response.status_code", opened[0].status)
+                if opened[1] is None:
+                    return opened[0]  # the whole answer
+                resp, first = opened
                 try:
                     await self._relay(client, ep, resp, first, deadline, s, send.tracker)
                 except BaseException:
                     resp.close()  # drops the connection: the worker aborts the request
                     raise
                 resp.release()  # read to the end: the connection goes back to the pool
-                return client.out
+                return client.started
         finally:
             ep.inflight -= 1
 
@@ -199,7 +207,7 @@ class Relay:
     async def _relay(self, client: ClientSide, ep: Upstream, resp: aiohttp.ClientResponse,
                      first: bytes, deadline: float, s: ProxySettings,
                      tracker: StreamTracker | None) -> None:
-        out = client.out
+        out = client.started  # `_open` started the client's stream
         write = client.write if tracker is None else _tracked(client, tracker)
         loop = asyncio.get_running_loop()
         idle = s.idle_timeout_s

@@ -25,8 +25,16 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 
-from baton.common.internal import (TOKENS_EVENT, Api, GenerateRequest, KVTransferParams,
-                                   OpenAIBody, ResumeState, StreamHeader, TokenEvent)
+from baton.common.internal import (
+    TOKENS_EVENT,
+    Api,
+    GenerateRequest,
+    KVTransferParams,
+    OpenAIBody,
+    ResumeState,
+    StreamHeader,
+    TokenEvent,
+)
 from baton.router.discovery import Upstream
 from baton.router.handover import Handover
 
@@ -135,6 +143,8 @@ class StreamTracker:
         stream left unfinished (a partial event, token events without their content) is
         dropped with it."""
         self._buf, self._pending = b"", []
+        # only a stream that `can_resume` is continued
+        assert self.prompt_ids is not None and self.header is not None
         return GenerateRequest(
             api=self.call.api, request=self._remaining_request(),
             prompt_token_ids=self.prompt_ids + self.sent, return_token_ids=True,
@@ -158,8 +168,10 @@ class StreamTracker:
     def closing_events(self) -> bytes:
         """When the pod died after the last allowed token but before saying so: the
         finish event (and usage, when asked for) and [DONE]."""
+        # only after a stream that `can_resume` was interrupted
+        assert self.prompt_ids is not None and self.header is not None
         header = self.header.model_dump()
-        choice = {"index": 0, "logprobs": None, "finish_reason": "length"}
+        choice: dict[str, object] = {"index": 0, "logprobs": None, "finish_reason": "length"}
         if self.call.api == "chat":
             choice["delta"] = {}
         else:

@@ -84,6 +84,7 @@ class Forwarder:
                             "retrying" if attempt < s.max_attempts else "giving up")
             except Interrupted as err:
                 ctx = self._failed(ep, ctx, "mid-stream", Phase.RESUME)
+                assert tracker is not None  # raised only for a stream that can resume
                 if tracker.exhausted:
                     return await client.finish_with(tracker.closing_events())
                 tracker.resumes += 1

@@ -12,8 +12,13 @@ from __future__ import annotations
 import asyncio
 
 from baton.router.discovery import Discovery
-from baton.router.prefix import (TOKENS_PER_BLOCK, ApproximatePrefixIndex, BlockIndex,
-                                 block_hashes, prompt_of)
+from baton.router.prefix import (
+    TOKENS_PER_BLOCK,
+    ApproximatePrefixIndex,
+    BlockIndex,
+    block_hashes,
+    prompt_of,
+)
 from baton.router.scheduling.context import RoutingContext
 from baton.router.tokens import TokenizerCache
 

@@ -48,6 +48,7 @@ class ClientClock:
             self._head = b""
             self._first = now
         else:
+            assert self._itl is not None  # set for streams, the only senders of chunks
             self._itl.observe(now - self._last)
         self.chunks += 1
         self._last = now

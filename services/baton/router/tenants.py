@@ -56,7 +56,7 @@ class TenantsFile(BaseModel):
     tenants: Annotated[tuple[TenantSpec, ...], Field(min_length=1)]
 
     @model_validator(mode="after")
-    def _unique(self):
+    def _unique(self) -> TenantsFile:
         owner: dict[str, str] = {}
         for i, spec in enumerate(self.tenants):
             if any(s.name == spec.name for s in self.tenants[:i]):

@@ -29,8 +29,13 @@ from starlette.responses import JSONResponse, Response
 from baton.common.auth import TOKEN_HEADER, bearer, token_matches
 from baton.common.errors import OpenAIError, install_error_handlers
 from baton.common.metrics import CONTENT_TYPE, render
-from baton.common.protocol import (ChatCompletionRequest, CompletionRequest,
-                                   DetokenizeRequest, parse_request, parse_tokenize_request)
+from baton.common.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    parse_request,
+    parse_tokenize_request,
+)
 from baton.common.roles import Role
 from baton.worker.internal import install_internal_routes
 from baton.worker.pipeline import Call

@@ -27,13 +27,18 @@ from fastapi import FastAPI, Request
 from starlette.responses import Response
 
 from baton.common.errors import OpenAIError
-from baton.common.internal import (FirstTokenLogprobs, GenerateRequest, PrefillRequest,
-                                   PrefillResponse, ReleaseRequest)
+from baton.common.internal import (
+    FirstTokenLogprobs,
+    GenerateRequest,
+    PrefillRequest,
+    PrefillResponse,
+    ReleaseRequest,
+)
 from baton.common.protocol import parse_request
 from baton.common.roles import Role
 from baton.common.sampling_params import SamplingParams
-from baton.engine.kv_connector import HoldKV, PullKV
 from baton.common.tracing import NO_SPAN, Span
+from baton.engine.kv_connector import HoldKV, PullKV
 from baton.worker import traces
 from baton.worker.openai_api import Internal
 from baton.worker.pipeline import Call, Pipeline

@@ -23,11 +23,10 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from baton.common.errors import OpenAIError
 from baton.common.internal import Api, OpenAIBody
+from baton.common.protocol import DetokenizeRequest, TokenizeChatRequest, TokenizeRequest
 from baton.common.sampling_params import SamplingParams
-from baton.common.protocol import (DetokenizeRequest, TokenizeChatRequest,
-                                   TokenizeRequest)
-from baton.engine.kv_connector import PullKV
 from baton.common.tracing import Span, Tracing
+from baton.engine.kv_connector import PullKV
 from baton.engine.tokenizer import apply_chat_template, require_tokenizer
 from baton.worker import openai_api, traces
 from baton.worker.openai_api import PUBLIC, Internal, OpenAIFormat

@@ -14,8 +14,14 @@ import asyncio
 import logging
 import uuid
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from baton.common import registry as reg
+
+if TYPE_CHECKING:
+    from redis.asyncio import Redis
+
+    from baton.engine.kv_cache.block_pool import BlockPool
 
 log = logging.getLogger("baton.worker")
 
@@ -33,13 +39,18 @@ class Registration:
         self.report = report
         self.interval_s, self.flush_s = interval_s, flush_s
         self.id = uuid.uuid4().hex[:16]
-        self.pool = None  # the engine's block events (its BlockPool), once loaded
+        self.pool: BlockPool | None = None  # the engine's block events, once loaded
         self._seq = 0
         self._popped = 0
         self._synced = False  # the block set in Redis is ours (written since connecting)
         self._failing = False  # the last attempt failed (logged once per outage)
         self._task: asyncio.Task | None = None
-        self._redis = None
+        self._redis: Redis | None = None
+
+    @property
+    def _client(self) -> Redis:
+        assert self._redis is not None  # start() made it, before anything talks to Redis
+        return self._redis
 
     def attach(self, pool) -> None:
         """Start recording the block pool's hash events: `pool` is what the engine's
@@ -59,14 +70,14 @@ class Registration:
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
         try:  # best effort: routers also drop us when the TTL runs out
-            async with self._redis.pipeline(transaction=True) as p:
+            async with self._client.pipeline(transaction=True) as p:
                 p.delete(self.keys.worker(self.id), self.keys.blocks(self.id),
                          self.keys.blockseq(self.id))
                 p.publish(self.keys.channel, reg.leave(self.id))
                 await p.execute()
         except Exception as err:  # noqa: BLE001 - Redis down at shutdown: the TTL does it
             log.info("registry: could not announce leaving (%r); the TTL will", err)
-        await self._redis.aclose()
+        await self._client.aclose()
 
     # -- the loop --------------------------------------------------------------------------
     async def _run(self) -> None:
@@ -102,7 +113,7 @@ class Registration:
         record = reg.WorkerRecord(id=self.id, url=self.advertise_url,
                                   ttl_s=3 * self.interval_s, **fields)
         ttl_ms = int(record.ttl_s * 1000)
-        async with self._redis.pipeline(transaction=True) as p:
+        async with self._client.pipeline(transaction=True) as p:
             p.set(self.keys.worker(self.id), record.model_dump_json(), px=ttl_ms)
             p.pexpire(self.keys.blocks(self.id), ttl_ms)
             p.pexpire(self.keys.blockseq(self.id), ttl_ms)
@@ -125,6 +136,7 @@ class Registration:
 
     async def _snapshot(self) -> None:
         self._drain()
+        assert self.pool is not None  # _flush checked
         await self._send(self.pool.cached_hashes(), [], reset=True)
         if not self._synced:
             log.info("registry: registered at %s as %s", self.url, self.id)
@@ -136,7 +148,7 @@ class Registration:
         rem = [reg.hash_hex(h) for h in removed]
         ttl_ms = int(3 * self.interval_s * 1000)
         key = self.keys.blocks(self.id)
-        async with self._redis.pipeline(transaction=True) as p:
+        async with self._client.pipeline(transaction=True) as p:
             if reset:
                 p.delete(key)
             if rem:
@@ -151,10 +163,11 @@ class Registration:
     def _drain(self) -> tuple[list[int], list[int], bool | None]:
         """The pool's events since the last drain, netted: (added, removed, reset), with
         reset None when some were lost to the queue's bound."""
-        events = self.pool.events if self.pool is not None else None
-        if events is None:
+        pool = self.pool
+        events = pool.events if pool is not None else None
+        if pool is None or events is None:
             return [], [], False
-        appended = self.pool.events_appended  # read before len: a racing append is no loss
+        appended = pool.events_appended  # read before len: a racing append is no loss
         lost = appended - self._popped - len(events)
         added: dict[int, None] = {}
         removed: dict[int, None] = {}
@@ -163,7 +176,8 @@ class Registration:
             stored, h = events.popleft()
             self._popped += 1
             if h is None:  # the whole cache was cleared
-                added.clear(), removed.clear()
+                added.clear()
+                removed.clear()
                 reset = True
             elif stored:
                 removed.pop(h, None)

@@ -78,6 +78,8 @@ class WorkerSettings:
     def model_names(self) -> tuple[str, ...]:
         """Every name a request may use for this model, the primary first."""
         if self.served_model_name:
+            # __post_init__ made it a tuple (or None)
+            assert isinstance(self.served_model_name, tuple)
             return self.served_model_name
         model = self.engine.model
         if model is None:

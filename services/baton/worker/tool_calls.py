@@ -15,13 +15,21 @@ other text) and `tool_calls`.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from baton.common.errors import OpenAIError
 from baton.common.protocol import ChatCompletionRequest
 from baton.common.tools import NamedToolChoice
-from baton.worker.tool_parsers import (CallArgs, CallStart, Content, Event,
-                                       NamedCallParser, RequiredCallsParser, ToolParser,
-                                       resolve)
+from baton.worker.tool_parsers import (
+    CallArgs,
+    CallStart,
+    Content,
+    Event,
+    NamedCallParser,
+    RequiredCallsParser,
+    ToolParser,
+    resolve,
+)
 
 
 class ToolFormat:
@@ -101,7 +109,7 @@ class ChoiceTools:
         if ev.index > 0 and not self.parallel:
             return None  # parallel_tool_calls false: the first call only
         if isinstance(ev, CallStart):
-            call = {"id": self.new_id(), "type": "function",
+            call: dict[str, Any] = {"id": self.new_id(), "type": "function",
                     "function": {"name": ev.name, "arguments": ""}}
             self.calls.append(call)
             return {"tool_calls": [{"index": ev.index, **call,

@@ -8,8 +8,14 @@ import time
 
 import pytest
 
-from baton.common.tuning import (FILE_NAME, ConfigWatcher, Tuning, TuningError, load_tuning,
-                                 parse_tuning)
+from baton.common.tuning import (
+    FILE_NAME,
+    ConfigWatcher,
+    Tuning,
+    TuningError,
+    load_tuning,
+    parse_tuning,
+)
 from tests.kubelet import KubeletDir
 
 

@@ -11,9 +11,25 @@ import pytest
 import yaml
 
 from baton.common.tuning import parse_tuning
-from tests.unit.deploy.kube import (BAD_VALUES, CHART, CI_VALUES, NAMESPACE, RELEASE, container,
-                                    deployment, env_of, find, find_all, flag, names, pod_labels,
-                                    pod_spec, run, selects, validation_problems)
+from tests.unit.deploy.kube import (
+    BAD_VALUES,
+    CHART,
+    CI_VALUES,
+    NAMESPACE,
+    RELEASE,
+    container,
+    deployment,
+    env_of,
+    find,
+    find_all,
+    flag,
+    names,
+    pod_labels,
+    pod_spec,
+    run,
+    selects,
+    validation_problems,
+)
 
 WORKERS = ("prefill", "decode")
 COMPONENTS = ("router", *WORKERS)

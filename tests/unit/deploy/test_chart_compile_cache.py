@@ -8,8 +8,7 @@ import subprocess
 
 import pytest
 
-from tests.unit.deploy.kube import (CHART, RELEASE, container, deployment, helm_template,
-                                    pod_spec)
+from tests.unit.deploy.kube import CHART, RELEASE, container, deployment, helm_template, pod_spec
 
 WORKERS = ("prefill", "decode")
 GPU = "gpu-values.yaml"

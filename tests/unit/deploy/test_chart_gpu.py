@@ -7,8 +7,19 @@ from __future__ import annotations
 
 import pytest
 
-from tests.unit.deploy.kube import (RELEASE, container, deployment, env_of, find, find_all,
-                                    flag, helm_template, pod_labels, pod_spec, selects)
+from tests.unit.deploy.kube import (
+    RELEASE,
+    container,
+    deployment,
+    env_of,
+    find,
+    find_all,
+    flag,
+    helm_template,
+    pod_labels,
+    pod_spec,
+    selects,
+)
 
 WORKERS = ("prefill", "decode")
 GPU = "gpu-values.yaml"

@@ -8,8 +8,16 @@ import subprocess
 
 import pytest
 
-from tests.unit.deploy.kube import (CHART, RELEASE, container, deployment, env_of, flag,
-                                    helm_template, pod_spec)
+from tests.unit.deploy.kube import (
+    CHART,
+    RELEASE,
+    container,
+    deployment,
+    env_of,
+    flag,
+    helm_template,
+    pod_spec,
+)
 
 WORKERS = ("prefill", "decode")
 QWEN = ("model.name=Qwen/Qwen3-0.6B", "model.revision=v1")

@@ -6,9 +6,21 @@ from __future__ import annotations
 
 import yaml
 
-from tests.unit.deploy.kube import (CHART, NAMESPACE, RELEASE, container, deployment, env_of,
-                                    find, find_all, flag, helm_template, names, pod_spec,
-                                    selects)
+from tests.unit.deploy.kube import (
+    CHART,
+    NAMESPACE,
+    RELEASE,
+    container,
+    deployment,
+    env_of,
+    find,
+    find_all,
+    flag,
+    helm_template,
+    names,
+    pod_spec,
+    selects,
+)
 
 WORKERS = ("prefill", "decode")
 PLANNER = "external-redis-values.yaml"

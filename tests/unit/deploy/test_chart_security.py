@@ -10,9 +10,22 @@ import base64
 import pytest
 import yaml
 
-from tests.unit.deploy.kube import (CHART, NAMESPACE, RELEASE, admits, container, deployment,
-                                    env_of, find, find_all, helm_template, load_docs, pod_labels,
-                                    pod_spec, run)
+from tests.unit.deploy.kube import (
+    CHART,
+    NAMESPACE,
+    RELEASE,
+    admits,
+    container,
+    deployment,
+    env_of,
+    find,
+    find_all,
+    helm_template,
+    load_docs,
+    pod_labels,
+    pod_spec,
+    run,
+)
 
 WORKERS = ("prefill", "decode")
 COMPONENTS = ("router", *WORKERS)

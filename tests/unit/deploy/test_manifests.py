@@ -4,9 +4,18 @@ the overlays change what they say they change."""
 
 from __future__ import annotations
 
-from tests.unit.deploy.kube import (HELM_LABELS, OVERLAYS, RELEASE, container, find,
-                                    find_all, flag, run, strip_helm_labels,
-                                    validation_problems)
+from tests.unit.deploy.kube import (
+    HELM_LABELS,
+    OVERLAYS,
+    RELEASE,
+    container,
+    find,
+    find_all,
+    flag,
+    run,
+    strip_helm_labels,
+    validation_problems,
+)
 
 WORKERS = ("prefill", "decode")
 

@@ -6,10 +6,10 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from baton.common.hashing import hash_token_blocks
 from baton.common.sampling_params import SamplingParams
 from baton.engine.kv_cache import KVCacheManager
 from baton.engine.kv_cache.block_pool import BlockPool
-from baton.common.hashing import hash_token_blocks
 from baton.engine.request import Request
 
 

@@ -7,7 +7,6 @@ import os
 import time
 
 import pytest
-
 from pydantic import ValidationError
 
 from baton import SamplingParams
@@ -244,3 +243,22 @@ def test_seeded_sampling_continues_across_the_handover(engines, tokenizer):
     resumed = [t for o in outs if o.request_id == "seed-r2" for t in o.new_token_ids]
     assert want[:k] + resumed == want
     assert_no_blocks(p, d, c)
+
+
+def test_a_prefill_whose_last_token_fails_holds_no_lease(engines, tokenizer, monkeypatch):
+    # The request ends once, as an error, before the connector sees it: no lease keeps its
+    # blocks until the TTL (the connector used to see "length" and lease them).
+    p, _, _ = engines
+    ids = tokenizer.encode(make_text(2))
+
+    def broken(req, token):
+        raise RuntimeError("the detokenizer broke")
+
+    monkeypatch.setattr(p, "_detok_add", broken)
+    p.add(p.make_request("p-broken", ids, SamplingParams(temperature=0, max_tokens=1),
+                         kv=HoldKV()))
+    final = list(run_until_finished(p, "p-broken"))[-1]
+    assert final.finish_reason == "error" and "the detokenizer broke" in final.stop_reason
+    assert final.kv_transfer_params is None and final.new_token_ids == []
+    assert p.kv.num_used_blocks == 0
+    p.check_integrity()

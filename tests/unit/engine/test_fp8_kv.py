@@ -12,8 +12,13 @@ from safetensors.torch import load_file, save_file
 
 from baton import LLM, SamplingParams
 from baton.engine.attention.base import BatchLayout, LayerAttention
-from baton.engine.attention.kv_quant import (dequantize, fp8_table, kv_cache_dtype, quantize,
-                                             record_kv_scale)
+from baton.engine.attention.kv_quant import (
+    dequantize,
+    fp8_table,
+    kv_cache_dtype,
+    quantize,
+    record_kv_scale,
+)
 from baton.engine.attention.torch_backend import TorchAttentionBackend, windowed_attention
 from baton.engine.config import EngineConfig
 from tests.unit.engine.tiny_checkpoint import save_tiny_llama

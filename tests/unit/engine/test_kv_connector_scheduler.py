@@ -206,7 +206,7 @@ def test_random_mixes_of_loads_failures_and_aborts_leak_nothing(seed):
                     rng.choice([None, PullKV(PARAMS), HoldKV()])) for i in range(30)]
     for r in reqs:
         sched.add_request(r)
-    for t in range(300):
+    for _ in range(300):
         if rng.random() < 0.1:
             sched.finish_requests([rng.choice(reqs).request_id], RequestStatus.FINISHED_ABORTED)
         conn.released.extend(conn.held)  # pullers come for every held prefill

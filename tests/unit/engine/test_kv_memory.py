@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from baton.engine.config import EngineConfig
-from baton.engine.runner.memory import (GIB, DeviceMemory, KVMemoryProfiler, largest_batch)
+from baton.engine.runner.memory import GIB, DeviceMemory, KVMemoryProfiler, largest_batch
 
 BLOCK = 2 << 20  # bytes per KV block
 

@@ -18,8 +18,13 @@ from baton.engine.request import Request
 from baton.engine.sampler import Sampler
 from baton.engine.structured.base import GrammarBackend, GrammarMatcher
 from baton.engine.structured.manager import generated_so_far
-from baton.engine.structured.masks import (GrammarMasks, accept_sampled, apply_grammar_masks,
-                                           fill_grammar_masks, keep_bits)
+from baton.engine.structured.masks import (
+    GrammarMasks,
+    accept_sampled,
+    apply_grammar_masks,
+    fill_grammar_masks,
+    keep_bits,
+)
 
 SCHEMA = {
     "type": "object",

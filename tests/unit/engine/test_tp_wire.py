@@ -10,9 +10,16 @@ import pytest
 import torch
 
 from baton.engine.config import EngineConfig
-from baton.engine.runner.tp_wire import (MAX_FRAME_INT64S, FollowerSpec, StepMessage,
-                                         TPProtocolError, _HEADER, logits_calls, read_message,
-                                         stop_frame)
+from baton.engine.runner.tp_wire import (
+    _HEADER,
+    MAX_FRAME_INT64S,
+    FollowerSpec,
+    StepMessage,
+    TPProtocolError,
+    logits_calls,
+    read_message,
+    stop_frame,
+)
 
 
 def step(num_calls: int = 2) -> StepMessage:

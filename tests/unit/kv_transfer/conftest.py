@@ -7,15 +7,15 @@ import uuid
 
 import pytest
 
-from baton.kv_transfer import TRANSPORTS, installed_transports, make_transport
+from baton.kv_transfer import TRANSPORTS, make_transport, unavailable
 
 
 @pytest.fixture(params=TRANSPORTS)
 def kind(request):
-    if request.param not in installed_transports():
-        if os.environ.get("BATON_REQUIRE_NIXL") == "1":
-            pytest.fail(f"{request.param} is not installed but BATON_REQUIRE_NIXL=1")
-        pytest.skip(f"the {request.param} transport's package is not installed")
+    if why := unavailable(request.param):
+        if request.param == "nixl" and os.environ.get("BATON_REQUIRE_NIXL") == "1":
+            pytest.fail(f"{why}, but BATON_REQUIRE_NIXL=1")
+        pytest.skip(why)
     return request.param
 
 

@@ -14,9 +14,16 @@ import pytest
 import torch
 
 from baton.kv_transfer import make_transport
-from baton.kv_transfer.base import (Endpoint, KVAuthError, LayoutMismatchError,
-                                    LeaseExpiredError, PeerUnreachableError, TransferError,
-                                    TransferState, TransferTimeoutError)
+from baton.kv_transfer.base import (
+    Endpoint,
+    KVAuthError,
+    LayoutMismatchError,
+    LeaseExpiredError,
+    PeerUnreachableError,
+    TransferError,
+    TransferState,
+    TransferTimeoutError,
+)
 from tests.unit.kv_transfer.factories import OTHER_SECRET, SECRET, cache
 
 

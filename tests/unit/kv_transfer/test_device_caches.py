@@ -15,8 +15,13 @@ import pytest
 import torch
 
 from baton.kv_transfer import installed_transports, make_transport
-from baton.kv_transfer.base import (Endpoint, KVLayout, LayoutMismatchError, TransferError,
-                                    TransferState)
+from baton.kv_transfer.base import (
+    Endpoint,
+    KVLayout,
+    LayoutMismatchError,
+    TransferError,
+    TransferState,
+)
 from baton.kv_transfer.wire import recv_magic, recv_msg, send_msg
 from tests.unit.kv_transfer.factories import cache
 

@@ -20,8 +20,7 @@ from baton.kv_transfer import installed_transports, make_transport
 from baton.kv_transfer.base import KVAuthError, PeerUnreachableError, TransferState
 from baton.kv_transfer.tcp import TcpTransport
 from baton.kv_transfer.wire import MAGIC, MAX_FRAME_BYTES, send_msg
-from tests.unit.kv_transfer.factories import (OTHER_SECRET, SECRET, cache, closed_within,
-                                              rss_bytes)
+from tests.unit.kv_transfer.factories import OTHER_SECRET, SECRET, cache, closed_within, rss_bytes
 
 MiB = 1 << 20
 JUNK = {

@@ -8,8 +8,7 @@ import pytest
 import torch
 
 from baton.common.internal import KVEndpointInfo
-from baton.kv_transfer.base import (Endpoint, KVLayout, LayoutMismatchError, TransferState,
-                                    head_plan)
+from baton.kv_transfer.base import Endpoint, KVLayout, LayoutMismatchError, TransferState, head_plan
 from baton.kv_transfer.tcp import TcpTransport
 from tests.unit.kv_transfer.factories import cache
 
@@ -120,7 +119,7 @@ def test_replicated_heads_are_read_from_one_rank_and_the_other_copy_released(mad
 
     whole = cache(kvh=1)
     holders = []
-    for r in range(2):
+    for _ in range(2):
         t = TcpTransport(heads=(0, 1, 2))
         ep = t.start(whole.clone(), "prefill")
         made.append(t)

@@ -13,8 +13,13 @@ from baton.planner.recorded import Measured, RecordedRun
 from baton.planner.simulate import SimSettings, Trace
 from baton_loadtest.cli import main
 from baton_loadtest.client import RequestRecord
-from baton_loadtest.planner_check import (comparison, cpu_share, markdown, measured_trace,
-                                          runqueue_times)
+from baton_loadtest.planner_check import (
+    comparison,
+    cpu_share,
+    markdown,
+    measured_trace,
+    runqueue_times,
+)
 from tests.unit.planner.factories import make_profile
 
 

@@ -8,7 +8,8 @@ import json
 
 import pytest
 
-from baton_loadtest import vs_vllm, vs_vllm_report as vr
+from baton_loadtest import vs_vllm
+from baton_loadtest import vs_vllm_report as vr
 from baton_loadtest.cli import main
 from baton_loadtest.client import RequestRecord
 from baton_loadtest.report import summarize

@@ -3,8 +3,7 @@ and the fakes behind the planner's two interfaces (Kubernetes and metrics)."""
 
 from __future__ import annotations
 
-from baton.planner.base import KubeClient, KubeError, MetricsError, MetricsSource, \
-    WorkloadEstimate
+from baton.planner.base import KubeClient, KubeError, MetricsError, MetricsSource, WorkloadEstimate
 from baton.planner.profile import DecodeCost, EngineLimits, Hardware, PrefillCost, Profile
 from baton.planner.simulate import LengthDist, Workload
 

@@ -7,8 +7,14 @@ import numpy as np
 import pytest
 import yaml
 
-from baton.planner.profile import (DecodePoint, PrefillPoint, Profile, fit_decode,
-                                   fit_prefill, nonnegative_lstsq)
+from baton.planner.profile import (
+    DecodePoint,
+    PrefillPoint,
+    Profile,
+    fit_decode,
+    fit_prefill,
+    nonnegative_lstsq,
+)
 from tests.unit.planner.factories import make_profile
 
 

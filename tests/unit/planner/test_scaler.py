@@ -11,8 +11,7 @@ import pytest
 from baton.planner.base import MetricsError
 from baton.planner.plan import SLO, PlanSettings
 from baton.planner.scaler import Scaler, ScalerConfig, profile_plan_fn
-from tests.unit.planner.factories import FakeKube, FakeMetrics, make_profile, make_workload, \
-    rate
+from tests.unit.planner.factories import FakeKube, FakeMetrics, make_profile, make_workload, rate
 
 
 def per_rate(est) -> tuple[int, int]:

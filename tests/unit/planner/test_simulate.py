@@ -6,9 +6,17 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from baton.planner.simulate import (LengthDist, SimSettings, Trace, Workload, batched_prefill,
-                                    draw_trace, simulate, simulate_prefill,
-                                    weighted_percentile)
+from baton.planner.simulate import (
+    LengthDist,
+    SimSettings,
+    Trace,
+    Workload,
+    batched_prefill,
+    draw_trace,
+    simulate,
+    simulate_prefill,
+    weighted_percentile,
+)
 from tests.unit.planner.factories import make_profile, make_workload
 
 PROFILE = make_profile(a=0.01, b=1e-4, c=0.02, d=1e-3, e=1e-6)

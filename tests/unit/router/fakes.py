@@ -10,8 +10,14 @@ from aiohttp import web
 from aiohttp.test_utils import TestServer
 from multidict import CIMultiDict
 
-from baton.common.internal import (KVEndpointInfo, KVLayoutInfo, KVTransferParams,
-                                   PrefillResponse, StreamHeader, TokenEvent)
+from baton.common.internal import (
+    KVEndpointInfo,
+    KVLayoutInfo,
+    KVTransferParams,
+    PrefillResponse,
+    StreamHeader,
+    TokenEvent,
+)
 from baton.common.tracing import Tracing
 from baton.router.app import ROUTER, build_app
 from baton.router.settings import RouterSettings

@@ -9,10 +9,15 @@ import sys
 import pytest
 
 from baton.common.errors import OpenAIError
-from baton.common.protocol import (ChatCompletionRequest, CompletionRequest,
-                                   DetokenizeRequest, TokenizeChatRequest,
-                                   TokenizeCompletionRequest, parse_request,
-                                   parse_tokenize_request)
+from baton.common.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
+    parse_request,
+    parse_tokenize_request,
+)
 
 
 def parse(model, body):

@@ -12,8 +12,18 @@ from aiohttp import web
 from baton.common.internal import GenerateRequest, ResumeState
 from baton.common.tuning import parse_tuning
 from baton.router.app import ROUTER
-from tests.unit.router.fakes import (HEADER, FakePod, chat, content, metric, post, start, stop,
-                                     stream, tokens)
+from tests.unit.router.fakes import (
+    HEADER,
+    FakePod,
+    chat,
+    content,
+    metric,
+    post,
+    start,
+    stop,
+    stream,
+    tokens,
+)
 
 
 def test_a_failed_attempt_moves_to_another_worker():

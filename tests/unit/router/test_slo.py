@@ -8,8 +8,16 @@ import asyncio
 from aiohttp import web
 
 from baton.router.scheduling.disagg import DisaggSettings
-from tests.unit.router.fakes import (FakePod, chat, content, metric, post, prefill_answer,
-                                     start, stop)
+from tests.unit.router.fakes import (
+    FakePod,
+    chat,
+    content,
+    metric,
+    post,
+    prefill_answer,
+    start,
+    stop,
+)
 
 TTFT = "baton:router_time_to_first_token_seconds"
 ITL = "baton:router_inter_token_latency_seconds"

@@ -13,8 +13,15 @@ from baton.common.internal import PrefillResponse
 from baton.common.roles import Role
 from baton.engine.kv_connector import HoldKV, PullKV
 from baton.worker.app import WorkerSettings, WorkerState, build_app
-from tests.unit.worker.fakes import (MODEL, FakeEngine, asgi_call, kv_params, make_pipeline,
-                                     out, sse_events)
+from tests.unit.worker.fakes import (
+    MODEL,
+    FakeEngine,
+    asgi_call,
+    kv_params,
+    make_pipeline,
+    out,
+    sse_events,
+)
 
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4,
         "temperature": 0.5, "seed": 3, "stop": ["x"]}

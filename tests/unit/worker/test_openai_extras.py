@@ -15,8 +15,15 @@ from baton.engine.sampler import TokenLogprobs
 from baton.worker.app import build_app
 from baton.worker.openai_api import Internal
 from baton.worker.state import WorkerSettings, WorkerState
-from tests.unit.worker.fakes import (MODEL, FakeEngine, asgi_call, count_to, make_pipeline,
-                                     out, sse_events)
+from tests.unit.worker.fakes import (
+    MODEL,
+    FakeEngine,
+    asgi_call,
+    count_to,
+    make_pipeline,
+    out,
+    sse_events,
+)
 from tests.unit.worker.test_openai_api import completion_request, stream
 
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}

@@ -18,8 +18,15 @@ from baton.worker import openai_api
 from baton.worker.app import build_app
 from baton.worker.openai_api import Internal
 from baton.worker.state import WorkerSettings, WorkerState
-from tests.unit.worker.fakes import (MODEL, FakeEngine, FakeTokenizer, asgi_call,
-                                     make_pipeline, out, sse_events)
+from tests.unit.worker.fakes import (
+    MODEL,
+    FakeEngine,
+    FakeTokenizer,
+    asgi_call,
+    make_pipeline,
+    out,
+    sse_events,
+)
 
 WEATHER = {"type": "function", "function": {
     "name": "get_weather", "parameters": {"type": "object", "properties": {

@@ -8,9 +8,17 @@ import random
 
 import pytest
 
-from baton.worker.tool_parsers import (PARSER_CHOICES, PARSERS, CallArgs, CallStart,
-                                       Content, NamedCallParser, RequiredCallsParser,
-                                       detect, resolve)
+from baton.worker.tool_parsers import (
+    PARSER_CHOICES,
+    PARSERS,
+    CallArgs,
+    CallStart,
+    Content,
+    NamedCallParser,
+    RequiredCallsParser,
+    detect,
+    resolve,
+)
 from baton.worker.tool_parsers.hermes import HermesParser
 from baton.worker.tool_parsers.llama3_json import Llama3JsonParser
 from baton.worker.tool_parsers.mistral import MistralParser

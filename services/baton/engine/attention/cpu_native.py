@@ -11,11 +11,15 @@ from __future__ import annotations
 
 import ctypes
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from baton.engine.attention.kv_quant import fp8_table, is_fp8
 from baton.engine.native import load_library
+
+if TYPE_CHECKING:
+    from _ctypes import CFuncPtr  # what ctypes calls _CFuncPtr (typeshed's only public name)
 
 _SOURCE = Path(__file__).parent / "csrc" / "paged_decode.c"
 
@@ -50,7 +54,7 @@ class NativeDecodeAttention:
                 and num_heads // num_kv_heads <= 16)
 
     def kernel(self, dtype: torch.dtype, num_heads: int, num_kv_heads: int,
-               head_dim: int, fp8: bool = False) -> ctypes._CFuncPtr:
+               head_dim: int, fp8: bool = False) -> CFuncPtr:
         """The C function for these shapes: a specialised one, else the generic one. Those
         for FP8 caches take three more arguments (v_scale, the byte table, e4m3)."""
         return (self._fns.get((dtype, fp8, num_heads // num_kv_heads, head_dim))
@@ -65,8 +69,9 @@ class NativeDecodeAttention:
         n, H, D = q.shape
         bs, KVH = k_cache.shape[1], k_cache.shape[2]
         fp8 = is_fp8(k_cache.dtype)
-        args = [q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
-                block_tables.stride(0), seq_lens.data_ptr(), out.data_ptr(), n, H, KVH, D, bs]
+        args: list[int | float] = [
+            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+            block_tables.stride(0), seq_lens.data_ptr(), out.data_ptr(), n, H, KVH, D, bs]
         if fp8:
             table = self._tables[k_cache.dtype]
             args += [scale * k_scale, v_scale, table.data_ptr(),

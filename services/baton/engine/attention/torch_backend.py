@@ -155,7 +155,8 @@ def _split_by_length(lens: list[int], max_groups: int = 4) -> list[tuple[int, in
     than the padding it saves."""
     if not lens:
         return []
-    runs, start = [], 0
+    runs: list[tuple[int, int]] = []
+    start = 0
     for i in range(1, len(lens)):
         if lens[i] * 2 < lens[start] and len(runs) < max_groups - 1:
             runs.append((start, i))

@@ -123,6 +123,7 @@ class TritonAttentionBackend(AttentionBackend):
         scale = spec.scale
         nd, d, p = meta.num_decode_tokens, meta.decode, meta.prefill
         if p is None:
+            assert d is not None  # no prefill part: the batch is all decodes
             return ops.paged_decode_attention(q, k_cache, v_cache, d.block_tables, d.seq_lens,
                                               scale, max_seq_len=d.max_seq_len, **kv)
         out_p = ops.paged_prefill_attention(q[nd:], k_cache, v_cache, p.block_tables,

@@ -20,8 +20,8 @@ layer group (vLLM's hybrid KV manager).
 
 from __future__ import annotations
 
-from baton.engine.kv_cache.block_pool import BlockPool, KVBlock
 from baton.common.hashing import ROOT_HASH, hash_block
+from baton.engine.kv_cache.block_pool import BlockPool, KVBlock
 from baton.engine.request import Request
 
 

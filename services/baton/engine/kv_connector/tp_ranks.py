@@ -18,11 +18,28 @@ from __future__ import annotations
 
 import time
 import uuid
+from dataclasses import dataclass
 
 from baton.kv_transfer import base as kvb
 from baton.kv_transfer.base import Endpoint, Transfer, TransferError, TransferState
 
 START_TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True)
+class TensorParallelKV:
+    """What a tensor-parallel engine tells its KV connector (tcp only): every rank serves and
+    pulls its own KV heads, and rank 0 drives the followers through the TP leader."""
+
+    leader: object | None  # rank 0's `TPLeader` (runner/tp.py); None on a follower
+    first_head: int        # this rank's first KV head of the model's
+    num_heads: int         # the model's KV heads
+    size: int              # the TP degree
+
+    @property
+    def heads(self) -> tuple[int, int, int]:
+        """(first head, the model's KV heads, TP size): a transport's `heads=`."""
+        return (self.first_head, self.num_heads, self.size)
 _ERRORS = {cls.__name__: cls for cls in (
     kvb.LayoutMismatchError, kvb.PeerUnreachableError, kvb.TransferTimeoutError,
     kvb.LeaseExpiredError, kvb.KVAuthError, TransferError)}

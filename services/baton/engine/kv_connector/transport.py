@@ -25,12 +25,24 @@ from baton.common.internal import KVEndpointInfo, KVTransferParams
 from baton.engine.config import LiveKVSettings
 from baton.engine.kv_connector.base import KVConnector, KVConnectorStats, KVUpdates
 from baton.engine.kv_connector.handoff import HoldKV, PullKV
-from baton.engine.kv_connector.tp_ranks import RankedTransfer, TPRanks, peers_of, pull_heads
+from baton.engine.kv_connector.tp_ranks import (
+    RankedTransfer,
+    TensorParallelKV,
+    TPRanks,
+    peers_of,
+    pull_heads,
+)
 from baton.engine.request import Request, RequestStatus
 from baton.kv_transfer import make_transport
-from baton.kv_transfer.base import (KVAuthError, LeaseExpiredError,
-                                    PeerUnreachableError, Transfer, TransferError,
-                                    TransferState, TransferTimeoutError)
+from baton.kv_transfer.base import (
+    KVAuthError,
+    LeaseExpiredError,
+    PeerUnreachableError,
+    Transfer,
+    TransferError,
+    TransferState,
+    TransferTimeoutError,
+)
 from baton.kv_transfer.leases import short
 
 log = logging.getLogger(__name__)
@@ -40,22 +52,22 @@ _NORMAL_END = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAP
 class TransportKVConnector(KVConnector):
     def __init__(self, transport: str, kv_cache, engine_id: str | None,
                  live: LiveKVSettings, host: str = "127.0.0.1", port: int = 0,
-                 secret: str | None = None, tp=None) -> None:
-        """`tp`: (TP leader, rank 0's first KV head, the model's KV heads, TP size) on a
-        tensor-parallel engine (tcp only): every rank serves and pulls its own heads."""
-        kwargs = {} if transport == "local" else {"host": host, "port": port}
-        if tp is not None and tp[3] > 1:
+                 secret: str | None = None, tp: TensorParallelKV | None = None) -> None:
+        """`tp` on a tensor-parallel engine (tcp only): every rank serves and pulls its own
+        heads."""
+        kwargs: dict = {} if transport == "local" else {"host": host, "port": port}
+        if tp is not None and tp.size > 1:
             if transport != "tcp":
                 raise ValueError(f"KV transfer of a tensor-parallel engine runs over tcp "
                                  f"(not {transport}): gloo / nccl / nixl move whole shards "
                                  "only (tcp stages a GPU cache through host memory)")
-            kwargs["heads"] = tuple(tp[1:])
+            kwargs["heads"] = tp.heads
         self.transport = make_transport(transport, secret=secret, **kwargs)
         engine_id = engine_id or uuid.uuid4().hex[:12]
         self.endpoint = self.transport.start(kv_cache, engine_id)
         self._endpoint_info = KVEndpointInfo.model_validate(self.endpoint.to_dict())
-        self.ranks = None if tp is None or tp[0] is None else \
-            TPRanks(tp[0], engine_id, self.endpoint)
+        self.ranks = None if tp is None or tp.leader is None else \
+            TPRanks(tp.leader, engine_id, self.endpoint)
         self._rank_infos = None if self.ranks is None else [
             KVEndpointInfo.model_validate(e.to_dict()) for e in self.ranks.endpoints]
         self._lease_ids: dict[str, str] = {}  # TP holder: request id -> lease id
@@ -198,9 +210,6 @@ class TransportKVConnector(KVConnector):
         blocks come back in a later `poll()`. False when it is not held or being pulled.
         Any thread: it touches only the transport's (locked) lease table."""
         return self.transport.release(lease_id)
-
-    def release_lease(self, lease_id: str) -> bool:
-        return self.transport.release(lease_id)  # thread-safe; poll() frees the blocks
 
     def _release_unpulled(self, params: KVTransferParams) -> None:
         """Tell the holder we will not pull: an empty pull ends the lease at once instead

@@ -10,6 +10,7 @@ the target device before loading, so host memory never holds the whole checkpoin
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -19,7 +20,10 @@ from baton.engine.attention.kv_quant import record_kv_scale
 from baton.engine.distributed import tp_group
 from baton.engine.models.config import ModelConfig
 from baton.engine.models.cpu_ops import CpuOps
-from baton.engine.models.layers import copy_loader, gather_logits
+from baton.engine.models.layers import VocabEmbedding, copy_loader, gather_logits
+
+if TYPE_CHECKING:
+    from baton.engine.models.rope import RotaryEmbedding
 
 # (parameter name, shard, tensor): one checkpoint tensor's contribution to a parameter.
 WeightPiece = tuple[str, object, torch.Tensor]
@@ -35,6 +39,12 @@ class CausalLM(nn.Module):
 
     native_decode = False
     final_logit_softcap: float | None = None
+    # what subclasses set in __init__ (declared only: no class attributes)
+    embed_tokens: VocabEmbedding
+    layers: nn.ModuleList
+    norm: nn.Module
+    lm_head: nn.Module | None
+    rotary: RotaryEmbedding
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
@@ -65,7 +75,9 @@ class CausalLM(nn.Module):
 
     def attention_specs(self) -> list[LayerAttention]:
         """How each layer attends (scale, window, soft-cap), by layer index."""
-        return [layer.attn.spec for layer in self.layers]
+        # each layer's `attn` is an attention module with a `spec`; torch types the
+        # dynamic submodule lookup as Tensor | Module, hence the cast
+        return [cast(Any, layer).attn.spec for layer in self.layers]
 
     # -- loading -------------------------------------------------------------------------
     def checkpoint_weights(self, name: str, tensor: torch.Tensor) -> Iterable[WeightPiece]:
@@ -109,14 +121,14 @@ class CausalLM(nn.Module):
         self.native = ops
         for module in self.modules():
             if getattr(module, "uses_cpu_ops", False):
-                module.native = ops
+                # a module with uses_cpu_ops has a `native` attribute of this type
+                module.native = ops  # type: ignore[assignment]
 
     def prepack_for_cpu(self, cache_dir) -> None:
         """Swap linears for packed ones (`cpu_packing`: in bf16 the native GEMM, else
         oneDNN's; in fp32 the small-batch GEMV, when it can be built here); a tied head gets
         its own linear over the embedding."""
-        from baton.engine.models.cpu_packing import (load_gemv_f32, load_linear_kernels,
-                                                     pack_linears)
+        from baton.engine.models.cpu_packing import load_gemv_f32, load_linear_kernels, pack_linears
 
         if self.embed_tokens.weight.dtype == torch.float32:
             gemv = load_gemv_f32(cache_dir)

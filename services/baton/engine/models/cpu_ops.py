@@ -18,10 +18,14 @@ from __future__ import annotations
 
 import ctypes
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from baton.engine.native import load_library
+
+if TYPE_CHECKING:
+    from _ctypes import CFuncPtr  # what ctypes calls _CFuncPtr (typeshed's only public name)
 
 _SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.c"
 _NAMES = {torch.float32: "f32", torch.bfloat16: "bf16"}
@@ -39,7 +43,7 @@ class CpuOps:
         self._rotary = {dt: _fn(lib, f"rotary_{n}", [_P, _I, _P, _P, _P, _I, _P, _P] + [_I] * 4)
                         for dt, n in _NAMES.items()}
 
-    def kernels(self, dtype: torch.dtype) -> dict[str, ctypes._CFuncPtr]:
+    def kernels(self, dtype: torch.dtype) -> dict[str, CFuncPtr]:
         """The C functions for `dtype` by op name (norm, silu_mul, rotary), for native
         callers such as `native_decode`."""
         return {"norm": self._norm[dtype], "silu_mul": self._silu[dtype],
@@ -104,13 +108,13 @@ class CpuOps:
         return q, k
 
 
-def _fn(lib: ctypes.CDLL, name: str, argtypes: list) -> ctypes._CFuncPtr:
+def _fn(lib: ctypes.CDLL, name: str, argtypes: list) -> CFuncPtr:
     fn = getattr(lib, name)
     fn.restype, fn.argtypes = ctypes.c_int, argtypes
     return fn
 
 
-def _kernel(kernels: dict, x: torch.Tensor, op: str) -> ctypes._CFuncPtr:
+def _kernel(kernels: dict, x: torch.Tensor, op: str) -> CFuncPtr:
     fn = kernels.get(x.dtype)
     if fn is None or not x.is_cpu:
         raise ValueError(f"native {op} runs on CPU float32 / bfloat16 tensors, not {x.dtype} "

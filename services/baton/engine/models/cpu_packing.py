@@ -118,6 +118,7 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.vnni is not None:
+            assert self.native is not None  # vnni is its packing
             if x.dim() == 2:
                 return self.native.gemm(x, self.vnni, self.bias, self.out_features)
             y = self.native.gemm(x.reshape(-1, self.in_features), self.vnni, self.bias,
@@ -125,10 +126,12 @@ class PackedLinear(nn.Module):
             return y.view(*x.shape[:-1], self.out_features)
         if (self.native is not None and x.dim() == 2
                 and x.shape[0] <= self.native.gemv_max_rows):
+            assert self.weight is not None  # kept (row-major) for the native GEMV
             return self.native.gemv(x, self.weight, self.bias)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [],
                                                       "")
+        assert self.weight is not None  # kept where there is no packed form
         return nn.functional.linear(x, self.weight, self.bias)
 
 

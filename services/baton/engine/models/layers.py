@@ -16,7 +16,8 @@ needs in `param.shards`; the loader checks that every one arrived.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import TypeVar
 
 import torch
 import torch.nn.functional as F
@@ -56,10 +57,13 @@ class RMSNorm(nn.Module):
         return self.weight * normed.to(x.dtype)
 
 
-def set_loader(param: nn.Parameter, loader: Loader, shards: Sequence[object] = (None,)
-               ) -> nn.Parameter:
-    param.weight_loader = loader
-    param.shards = frozenset(shards)
+_Param = TypeVar("_Param", bound=torch.Tensor)  # a Parameter (nn.Linear's are typed Tensor)
+
+
+def set_loader(param: _Param, loader: Loader, shards: Iterable[object] = (None,)) -> _Param:
+    # attributes torch lets a tensor carry, read back by name when a checkpoint loads
+    param.weight_loader = loader  # type: ignore[attr-defined]  # a dynamic attribute
+    param.shards = frozenset(shards)  # type: ignore[attr-defined]  # a dynamic attribute
     return param
 
 

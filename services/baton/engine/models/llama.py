@@ -10,7 +10,7 @@ SiLU * up and rotary run as fused native kernels when they could be built
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -20,8 +20,15 @@ from baton.engine.attention.base import ForwardContext, LayerAttention
 from baton.engine.models.base import CausalLM, WeightPiece
 from baton.engine.models.config import ModelConfig
 from baton.engine.models.cpu_ops import CpuOps
-from baton.engine.models.layers import (RMSNorm, VocabEmbedding, lm_head, local_heads,
-                                        merged_linear, qkv_linear, row_linear)
+from baton.engine.models.layers import (
+    RMSNorm,
+    VocabEmbedding,
+    lm_head,
+    local_heads,
+    merged_linear,
+    qkv_linear,
+    row_linear,
+)
 from baton.engine.models.rope import RotaryEmbedding, StepRotary
 
 __all__ = ["RMSNorm", "Attention", "MLP", "DecoderLayer", "LlamaForCausalLM"]
@@ -110,8 +117,8 @@ LLAMA_LAYER_WEIGHTS = {
 }
 
 
-def map_llama_style(name: str, tensor: torch.Tensor, layer_map: dict[str, tuple[str, object]]
-                    ) -> Iterable[WeightPiece]:
+def map_llama_style(name: str, tensor: torch.Tensor,
+                    layer_map: Mapping[str, tuple[str, object]]) -> Iterable[WeightPiece]:
     """Hugging Face `model.*` / `lm_head.*` names -> ours, via `layer_map` for the names
     inside `model.layers.N.` (keys without the `.weight` / `.bias` suffix)."""
     if name.startswith("model.layers."):

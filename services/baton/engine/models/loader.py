@@ -22,9 +22,9 @@ from pathlib import Path
 
 import torch
 
+from baton.engine.models.base import CausalLM
 from baton.engine.models.config import ModelConfig
 from baton.engine.models.hub import resolve_hub_model
-from baton.engine.models.base import CausalLM
 from baton.engine.models.registry import model_class
 from baton.engine.models.rope import RotaryEmbedding
 

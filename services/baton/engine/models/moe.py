@@ -31,8 +31,13 @@ from baton.engine.models.config import ModelConfig
 from baton.engine.models.cpu_ops import CpuOps
 from baton.engine.models.fused_moe import fused_experts, route
 from baton.engine.models.layers import RMSNorm, VocabEmbedding, lm_head, set_loader
-from baton.engine.models.llama import (MLP, Attention, DecoderLayer, LlamaForCausalLM,
-                                       map_llama_style)
+from baton.engine.models.llama import (
+    MLP,
+    Attention,
+    DecoderLayer,
+    LlamaForCausalLM,
+    map_llama_style,
+)
 from baton.engine.models.qwen3 import QWEN3_LAYER_WEIGHTS, QKNormAttention
 from baton.engine.models.rope import RotaryEmbedding
 

@@ -15,11 +15,15 @@ from __future__ import annotations
 
 import ctypes
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from baton.engine.models.cpu_packing import PackedLinear
 from baton.engine.native import load_library
+
+if TYPE_CHECKING:
+    from _ctypes import CFuncPtr  # what ctypes calls _CFuncPtr (typeshed's only public name)
 
 _SOURCE = Path(__file__).parent / "csrc" / "llama_decode.c"
 _P, _I = ctypes.c_void_p, ctypes.c_int64
@@ -39,8 +43,8 @@ class LlamaStack(ctypes.Structure):
                                      "silu", "rotary", "attn")])
 
 
-def _address(fn: ctypes._CFuncPtr) -> int:
-    return ctypes.cast(fn, _P).value
+def _address(fn: CFuncPtr) -> int | None:
+    return ctypes.cast(fn, _P).value  # (None would be NULL, which a loaded function is not)
 
 
 class NativeDecodeStep:
@@ -60,7 +64,7 @@ class NativeDecodeStep:
         # Everything the struct points at stays referenced here.
         self._keep = [cos, sin, kv_caches]
 
-        def pointers(tensors) -> ctypes.Array:
+        def pointers(tensors) -> ctypes._Pointer[ctypes.c_void_p]:
             arr = (_P * len(tensors))(*[None if t is None else t.data_ptr() for t in tensors])
             self._keep.append(arr)
             return ctypes.cast(arr, ctypes.POINTER(_P))

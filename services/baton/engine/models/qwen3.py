@@ -13,8 +13,12 @@ import torch
 from baton.engine.models.base import WeightPiece
 from baton.engine.models.config import ModelConfig
 from baton.engine.models.layers import RMSNorm
-from baton.engine.models.llama import (LLAMA_LAYER_WEIGHTS, Attention, LlamaForCausalLM,
-                                       map_llama_style)
+from baton.engine.models.llama import (
+    LLAMA_LAYER_WEIGHTS,
+    Attention,
+    LlamaForCausalLM,
+    map_llama_style,
+)
 
 QWEN3_LAYER_WEIGHTS = LLAMA_LAYER_WEIGHTS | {
     "self_attn.q_norm": ("attn.q_norm", None),

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -53,7 +54,7 @@ def rope_parameters(cfg: ModelConfig) -> dict:
     """The scaling's parameters (Hugging Face `rope_scaling` / `rope_parameters`), with
     `rope_type` resolved and `original_max_position_embeddings` as Hugging Face resolves it
     (a top-level value first: Phi-3 keeps it there)."""
-    params = dict(cfg.rope_scaling or ())
+    params: dict[str, Any] = dict(cfg.rope_scaling or ())
     kind = params.get("rope_type", params.get("type", "default"))
     params["rope_type"] = _ALIASES.get(kind, kind)
     if params["rope_type"] not in ROPE_TYPES:
@@ -216,6 +217,9 @@ def partial_rotary_order(head_dim: int, rotated: int) -> torch.Tensor:
 class RotaryEmbedding(torch.nn.Module):
     """cos/sin tables for every position, looked up by the flat batch's positions."""
 
+    cos: torch.Tensor  # buffers (register_buffer), declared for the type checker
+    signed_sin: torch.Tensor
+
     def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
         super().__init__()
         angles = position_angles(cfg, max_positions)  # (P, r/2)
@@ -230,7 +234,8 @@ class RotaryEmbedding(torch.nn.Module):
         self.register_buffer("signed_sin", torch.cat((-sin, sin), dim=-1), persistent=False)
         self._converted: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def lookup(self, positions: torch.Tensor, dtype: torch.dtype):
+    def lookup(self, positions: torch.Tensor, dtype: torch.dtype
+               ) -> tuple[torch.Tensor, torch.Tensor]:
         """(T,) positions -> cos, signed sin of shape (T, 1, D) in `dtype`."""
         return (self.cos.index_select(0, positions).to(dtype).unsqueeze(1),
                 self.signed_sin.index_select(0, positions).to(dtype).unsqueeze(1))

@@ -93,7 +93,7 @@ class DecodeGraphs:
                                         device=device)
         self.seq_lens = torch.zeros(top, dtype=torch.int32, device=device)
         self._replays: dict[int, _Replay] = {}
-        self.replays = Counter()  # decode steps served, by captured size
+        self.replays: Counter[int] = Counter()  # decode steps served, by captured size
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -134,6 +134,7 @@ class DecodeGraphs:
         self.block_tables[:n, :width].copy_(layout.block_tables, non_blocking=True)
         lens = torch.tensor(layout.seq_lens, dtype=torch.int32)
         self.seq_lens[:n].copy_(lens, non_blocking=self.seq_lens.is_cuda)
+        assert size is not None  # can_run: n is within the largest size
         if size > n:  # padding rows: nothing written, nothing read
             self.slot_mapping[n:size].fill_(-1)
             self.seq_lens[n:size].zero_()

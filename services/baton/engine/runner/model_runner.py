@@ -19,8 +19,7 @@ from baton.engine.models.loader import default_cache_dir, load_model
 from baton.engine.runner.batch import FlatBatch, build_batch
 from baton.engine.runner.cuda_graphs import DecodeGraphs, capture_sizes
 from baton.engine.runner.host_malloc import release_free_heap, tune_malloc_for_cpu_inference
-from baton.engine.runner.memory import (CudaMemory, KVMemoryPlan, KVMemoryProfiler,
-                                        largest_batch)
+from baton.engine.runner.memory import CudaMemory, KVMemoryPlan, KVMemoryProfiler, largest_batch
 from baton.engine.runner.tp import building_in, start_tensor_parallel
 from baton.engine.runner.tp_wire import logits_calls
 from baton.engine.sampler import Sampler

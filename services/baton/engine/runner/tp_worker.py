@@ -25,8 +25,12 @@ from typing import BinaryIO
 import torch
 
 from baton.engine.distributed import TPGroup
-from baton.engine.runner.tp import (COLLECTIVE_TIMEOUT_S, WATCH_INTERVAL_S, make_process_group,
-                                    threads_per_rank)
+from baton.engine.runner.tp import (
+    COLLECTIVE_TIMEOUT_S,
+    WATCH_INTERVAL_S,
+    make_process_group,
+    threads_per_rank,
+)
 from baton.engine.runner.tp_wire import Control, FollowerSpec, read_message
 
 log = logging.getLogger("baton.tp_worker")

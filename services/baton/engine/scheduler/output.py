@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from baton.engine.request import Request
+from baton.engine.request import Request, RequestStatus
 
 
 @dataclass
@@ -55,3 +55,15 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled and not self.padding
+
+
+@dataclass(frozen=True)
+class EngineEnd:
+    """An end the engine decides from a sampled token before the scheduler sees it: a stop
+    string matched in its text or a structured output completed (FINISHED_STOPPED), or the
+    request's own sampling or detokenising failing (FINISHED_ERROR). The scheduler applies
+    it with its own stop checks (`Scheduler.update_from_output`), so a request ends once,
+    with its final status, before the KV connector hears of it."""
+
+    status: RequestStatus
+    reason: str | None = None  # the stop string matched, or the error

@@ -11,13 +11,13 @@ goes back to the waiting queue with its output tokens, to be prefilled again.
 from __future__ import annotations
 
 import time
-
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from baton.engine.kv_cache import KVCacheManager
 from baton.engine.kv_connector.base import KVConnector, KVUpdates
 from baton.engine.request import Request, RequestStatus
-from baton.engine.scheduler.output import ScheduledRequest, SchedulerOutput
+from baton.engine.scheduler.output import EngineEnd, ScheduledRequest, SchedulerOutput
 from baton.engine.scheduler.queues import make_queue
 
 
@@ -210,6 +210,7 @@ class Scheduler:
         req.status = RequestStatus.WAITING_FOR_REMOTE_KV
         if req.first_scheduled_time is None:
             req.first_scheduled_time = time.monotonic()
+        assert self.connector is not None  # _schedule_waiting admits remote KV only with one
         self.connector.start_load(req, self.kv.get_block_ids(req.request_id))
         return True
 
@@ -224,18 +225,28 @@ class Scheduler:
         self.running.append(req)
 
     # -- after the model ran ---------------------------------------------------------------
-    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int],
+                           ends: Mapping[str, EngineEnd] | None = None) -> list[Request]:
         """Advance counters, append sampled tokens, end requests that hit a stop condition
-        (EOS, stop token id, max_tokens, context window). Returns those ended this step."""
+        (EOS, stop token id, max_tokens, context window) or that the engine ended (`ends`:
+        a stop string, a complete grammar, the request's own error: these win). Each ends
+        here once, with its final status. Returns those ended this step."""
         finished = []
         for s in out.scheduled:
             req = s.request
             req.num_computed_tokens += s.num_new_tokens
             token = sampled.get(req.request_id)
-            if token is None:
+            end = (ends or {}).get(req.request_id)
+            if token is None and end is None:
                 continue
-            req.output_token_ids.append(token)
-            status = self.stop_status(req, token)
+            status = None
+            if token is not None:
+                req.output_token_ids.append(token)
+                status = self.stop_status(req, token)
+            if end is not None:
+                status = end.status
+                if end.reason is not None or status == RequestStatus.FINISHED_ERROR:
+                    req.stop_reason = end.reason
             if status is not None:
                 self.running.remove(req)
                 self._finish(req, status)

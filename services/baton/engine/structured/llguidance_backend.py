@@ -38,8 +38,12 @@ from collections.abc import Sequence
 
 import torch
 
-from baton.engine.structured.base import (CompiledGrammar, GrammarBackend, GrammarCompileError,
-                                          GrammarMatcher)
+from baton.engine.structured.base import (
+    CompiledGrammar,
+    GrammarBackend,
+    GrammarCompileError,
+    GrammarMatcher,
+)
 
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 ANY_JSON_OBJECT = '{"type": "object"}'

@@ -10,8 +10,12 @@ from collections.abc import Callable
 
 from baton.common.sampling_params import StructuredOutput
 from baton.engine.request import Request
-from baton.engine.structured.base import (CompiledGrammar, GrammarBackend, GrammarCompileError,
-                                          GrammarMatcher)
+from baton.engine.structured.base import (
+    CompiledGrammar,
+    GrammarBackend,
+    GrammarCompileError,
+    GrammarMatcher,
+)
 
 # Distinct specs kept compiled; a service sees a few schemas over and over.
 DEFAULT_CACHE_SIZE = 256

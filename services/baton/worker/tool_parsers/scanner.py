@@ -136,6 +136,7 @@ class _CallObject:
 
     def _value_char(self, ch: str) -> None:
         value, key = self.value, self.key
+        assert value is not None  # set with the "value" state
         if not value.kind and ch in _WS:
             return
         if not value.kind:
@@ -235,6 +236,7 @@ class Section:
         """Take one character; False when the section ended before it."""
         state = self.state
         if state == "call":
+            assert self.call is not None  # set with the "call" state
             self.call.feed(ch)
             if self.call.done:
                 self.state = "after_call"

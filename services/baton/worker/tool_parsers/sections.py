@@ -112,6 +112,7 @@ class SectionParser(ToolParser):
     def _in_section(self, text: str, events: list[Event]) -> str:
         """Feed the open section; returns the text after it once it ends."""
         section = self._section
+        assert section is not None  # _feed calls this while a section is open
         rest = section.feed(text, events)
         if section.failed and not section.committed:
             self._section = None

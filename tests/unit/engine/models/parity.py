@@ -29,7 +29,7 @@ def save_tiny(config, model_cls, path: Path, tokenizer_dir: Path, seed: int = 0,
     torch.manual_seed(seed)
     model = model_cls(config).eval().float()
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for p in model.parameters():
             if p.dim() > 1:
                 p.mul_(weight_scale)
         if init is not None:

@@ -8,8 +8,13 @@ import pytest
 import transformers
 
 from baton import LLM, SamplingParams
-from tests.unit.engine.models.parity import (check_parity, check_preemption, hf_greedy,
-                                              prompts_for, save_tiny)
+from tests.unit.engine.models.parity import (
+    check_parity,
+    check_preemption,
+    hf_greedy,
+    prompts_for,
+    save_tiny,
+)
 
 COMMON = dict(vocab_size=1001, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
               max_position_embeddings=512, bos_token_id=1, eos_token_id=2)

@@ -18,8 +18,13 @@ from baton.engine.distributed import TPGroup
 from baton.engine.models import fused_moe
 from baton.engine.models.fused_moe import fused_experts, grouped_matmul, looped_matmul, route
 from baton.engine.models.moe import SparseMoE
-from tests.unit.engine.models.parity import (check_parity, check_preemption, hf_first_logprobs,
-                                             prompts_for, save_tiny)
+from tests.unit.engine.models.parity import (
+    check_parity,
+    check_preemption,
+    hf_first_logprobs,
+    prompts_for,
+    save_tiny,
+)
 
 H, I, E = 64, 48, 8
 

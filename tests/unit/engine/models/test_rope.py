@@ -14,9 +14,15 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding, apply_rotary_pos_emb
 
 from baton.engine.models.config import ModelConfig
-from baton.engine.models.rope import (RotaryEmbedding, apply_rotary, attention_factor,
-                                      context_limit, inverse_frequencies, partial_rotary_order,
-                                      rotary_dim)
+from baton.engine.models.rope import (
+    RotaryEmbedding,
+    apply_rotary,
+    attention_factor,
+    context_limit,
+    inverse_frequencies,
+    partial_rotary_order,
+    rotary_dim,
+)
 
 SIZES = dict(vocab_size=100, hidden_size=128, intermediate_size=64, num_hidden_layers=1,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)

@@ -16,8 +16,13 @@ from baton.engine.kv_cache import KVCacheManager
 from baton.engine.kv_connector.handoff import HoldKV
 from baton.engine.request import RequestStatus
 from baton.engine.scheduler import SchedulerLimits, make_scheduler
-from tests.unit.engine.models.parity import (check_parity, check_preemption, hf_greedy,
-                                             prompts_for, save_tiny)
+from tests.unit.engine.models.parity import (
+    check_parity,
+    check_preemption,
+    hf_greedy,
+    prompts_for,
+    save_tiny,
+)
 from tests.unit.engine.test_scheduler_properties import fake_step, make_request
 
 WINDOW = 24

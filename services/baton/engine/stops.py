@@ -1,0 +1,43 @@
+"""Where a request's end is decided from its sampled token, before the scheduler applies it.
+
+The scheduler checks what it knows (EOS, stop token ids, max_tokens, the context window:
+`Scheduler.stop_status`); the engine adds what needs the token's text or the grammar: a stop
+string, a structured output now complete, or the request's own sampling or detokenising
+failing. Both reach the scheduler in one call (`update_from_output(..., ends)`), so a request
+ends once, with its final status, before the KV connector sees it: a prefill whose last token
+fails gets no lease."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from baton.engine.request import Request, RequestStatus
+from baton.engine.scheduler.output import EngineEnd, ScheduledRequest
+from baton.engine.structured.manager import grammar_complete
+
+Detokenize = Callable[[Request, int], tuple[str, str | None]]  # (text, stop string matched)
+
+
+def token_ends(scheduled: Sequence[ScheduledRequest], sampled: dict[str, int],
+               failed: dict[str, str], detokenize: Detokenize
+               ) -> tuple[dict[str, str], dict[str, EngineEnd]]:
+    """Each sampled token's text (request id -> text), and the ends the engine decides:
+    request id -> `EngineEnd`. `failed`: rows whose sampling settings failed (their error)."""
+    texts: dict[str, str] = {}
+    ends: dict[str, EngineEnd] = {}
+    for s in scheduled:
+        req, rid = s.request, s.request.request_id
+        if rid in failed:  # with a token or without one
+            ends[rid] = EngineEnd(RequestStatus.FINISHED_ERROR, failed[rid])
+            continue
+        if rid not in sampled:
+            continue
+        try:
+            texts[rid], matched = detokenize(req, sampled[rid])
+        except Exception as err:  # noqa: BLE001 - its stop strings or its detokenising
+            ends[rid] = EngineEnd(RequestStatus.FINISHED_ERROR,
+                                  f"{type(err).__name__}: {err}")
+            continue
+        if matched is not None or grammar_complete(req):
+            ends[rid] = EngineEnd(RequestStatus.FINISHED_STOPPED, matched)
+    return texts, ends
