@@ -102,14 +102,17 @@ def copy_model_files(dest: Path) -> Path:
     return out
 
 
-def copy_tracked_files(dest: Path) -> str:
+def copy_tracked_files(dest: Path, skip: tuple[Path, ...] = ()) -> str:
     """The working tree's tracked files, edits included, and the untracked ones git does not
-    ignore (as the device tool carries them); returns the commit they sit on."""
+    ignore (as the device tool carries them), except under `skip` (the kit being built);
+    returns the commit they sit on."""
     names = subprocess.run(["git", "ls-files", "-z", "--cached", "--others",
                             "--exclude-standard"], cwd=ROOT, check=True,
                            capture_output=True).stdout.decode().split("\0")
     for name in filter(None, names):
         source = ROOT / name
+        if any(source.resolve().is_relative_to(s.resolve()) for s in skip):
+            continue
         if source.is_file():
             (dest / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(source, dest / name)
@@ -138,7 +141,7 @@ def build(out: Path, python_version: str, nixl: bool = True) -> dict:
         if nixl:
             add_nixl(python_version, wheels)
         model = copy_model_files(tmp / "model")
-        commit = copy_tracked_files(tmp / "src")
+        commit = copy_tracked_files(tmp / "src", skip=(tmp, out))
         shutil.copy(ROOT / "scripts" / "gpu-check.sh", tmp / "gpu-check.sh")
         manifest = {
             "python_version": python_version, "platforms": list(PLATFORMS),

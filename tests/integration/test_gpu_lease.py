@@ -117,6 +117,8 @@ def test_the_kit_holds_what_the_lease_lacks_and_fits(kit):
     assert (kit / "model" / "SmolLM2-135M-Instruct" / "tokenizer.json").exists()
     assert not list((kit / "model").rglob("*.safetensors"))
     assert (kit / "src" / "loadtest" / "baton_loadtest" / "gpu_check.py").exists()
+    source = sum(p.stat().st_size for p in (kit / "src").rglob("*") if p.is_file())
+    assert source < 10 * MIB  # the tree, not the kit being built inside it
     size = sum(p.stat().st_size for p in kit.rglob("*") if p.is_file())
     assert size < 60 * MIB
 
