@@ -33,6 +33,8 @@ Holder: an accept thread, at most `max_handshakes` connections in their handshak
 `Transfer` it returns is polled by the engine loop.
 """
 
+# size: the holder server and the puller of the tcp control plane, which gloo and nixl
+# inherit; it splits into a control plane and data planes behind one protocol (issue 33).
 from __future__ import annotations
 
 import contextlib

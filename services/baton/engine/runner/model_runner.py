@@ -136,6 +136,21 @@ class ModelRunner:
                                     device=self.device)
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1])
                           for i in range(cfg.num_layers)]
+        self.sampler = Sampler(config.seed)
+        self.staging = HostStaging(self.device)  # the batch metadata's one copy a step
+        self.max_model_len = max_model_len
+        self._prepare_steps(config, cache_dir)
+        log.info("model %s (%s), %d KV blocks of %d tokens (%s), attention=%s, cuda "
+                 "graphs=%s", cfg.architecture, config.dtype, self.num_blocks, self.block_size,
+                 str(self.kv_dtype).removeprefix("torch."),
+                 self.backend.name, self.graphs.sizes if self.graphs else "off")
+        if self.tp_leader is not None:
+            self.tp_leader.wait_ready(self.num_blocks)
+
+    def _prepare_steps(self, config: EngineConfig, cache_dir: Path) -> None:
+        """The step's fast paths, once the weights and the cache exist: on CPU in bfloat16
+        the native decode step; on CUDA every kernel variant compiled and the decode graphs
+        captured."""
         # On CPU in bfloat16, decode-only steps run as one native call (`native_decode`).
         self.native_decode = None
         if self.device.type == "cpu" and self.dtype == torch.bfloat16:
@@ -145,26 +160,17 @@ class ModelRunner:
                                                     cache_dir)
         if self.device.type == "cpu":
             release_free_heap()  # the checkpoint's tensors, freed by packing
-        self.sampler = Sampler(config.seed)
-        self.staging = HostStaging(self.device)  # the batch metadata's one copy a step
-        self.max_model_len = max_model_len
         self.graphs: DecodeGraphs | None = None
         warmup = getattr(self.backend, "warmup", None)
         if self.device.type == "cuda" and warmup is not None:
             # Every kernel variant compiled now (eager mixed and prefill steps too), so no
             # request waits on a JIT; the capture below only records launches.
             warmup(*self.kv_caches[0], self.model.attention_specs(),
-                   local_heads(cfg.num_heads, self.tp))
+                   local_heads(self.model_config.num_heads, self.tp))
         if (self.device.type == "cuda" and not config.enforce_eager and self.tp.size == 1
                 and getattr(self.backend, "supports_cuda_graphs", False)):
             self.graphs = self.make_decode_graphs(use_graphs=True)
             self.graphs.capture()
-        log.info("model %s (%s), %d KV blocks of %d tokens (%s), attention=%s, cuda "
-                 "graphs=%s", cfg.architecture, config.dtype, self.num_blocks, self.block_size,
-                 str(self.kv_dtype).removeprefix("torch."),
-                 self.backend.name, self.graphs.sizes if self.graphs else "off")
-        if self.tp_leader is not None:
-            self.tp_leader.wait_ready(self.num_blocks)
 
     def make_decode_graphs(self, use_graphs: bool) -> DecodeGraphs:
         """Static-buffer decode replays for batch sizes up to max_num_seqs (not captured
