@@ -97,3 +97,43 @@ def test_config_checks_the_tensor_parallel_size():
         EngineConfig(tensor_parallel_size=2, kv_transport="nixl")
     assert EngineConfig(tensor_parallel_size=2, kv_transport="tcp").kv_transport == "tcp"
     assert EngineConfig(tensor_parallel_size=2).tensor_parallel_size == 2
+
+
+def control_frame(raw: bytes) -> bytes:
+    from baton.engine.runner.tp_wire import KIND_CONTROL, MAGIC, VERSION
+
+    padded = raw + b" " * (-len(raw) % 8)
+    return _HEADER.pack(MAGIC, VERSION, KIND_CONTROL, len(raw), 0, 0, 0, 0, 0,
+                        len(padded) // 8) + padded
+
+
+def test_kv_control_messages_round_trip_typed():
+    from baton.engine.runner.tp_kv_messages import KVHold, KVPull, KVRelease, KVStart
+    from baton.engine.runner.tp_wire import Control
+
+    sent = [KVStart(engine_id="e1"), KVHold(lease="l1", blocks=[3, 4], ttl=30.0),
+            KVRelease(lease="l1"), KVPull(tag="t", lease="l1", peers=[{"x": 1}], src=[1],
+                                          dst=[2], timeout=5.0)]
+    stream = io.BytesIO(b"".join(Control(m).encode() for m in sent) + stop_frame())
+    got = [read_message(stream) for _ in sent]
+    assert [g.body for g in got] == sent
+    assert read_message(stream) is None
+
+
+@pytest.mark.parametrize("raw", [b'{"op": "drop_tables"}', b'{"op": "hold", "lease": "l"}',
+                                 b'{"op": "release", "lease": "l", "extra": 1}', b"not json"])
+def test_a_kv_control_message_this_version_cannot_read_is_refused(raw):
+    with pytest.raises(TPProtocolError, match="cannot read"):
+        read_message(io.BytesIO(control_frame(raw)))
+
+
+def test_kv_replies_parse_typed():
+    from baton.engine.runner.tp_kv_messages import REPLY, KVPulled, KVReleased, KVStarted
+
+    assert REPLY.validate_json(KVStarted(endpoint={"a": 1}).model_dump_json()) == KVStarted(
+        endpoint={"a": 1})
+    pulled = REPLY.validate_json(b'{"op": "pulled", "tag": "t", "ok": false, "kind": '
+                                 b'"LeaseExpiredError", "error": "gone"}')
+    assert isinstance(pulled, KVPulled) and not pulled.ok and pulled.bytes == 0
+    assert isinstance(REPLY.validate_json(b'{"op": "released", "lease": "l", "reason": "x"}'),
+                      KVReleased)

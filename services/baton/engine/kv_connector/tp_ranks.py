@@ -20,6 +20,15 @@ import time
 import uuid
 from dataclasses import dataclass
 
+from baton.engine.runner.tp_kv_messages import (
+    KVHold,
+    KVPull,
+    KVPulled,
+    KVRelease,
+    KVReleased,
+    KVStart,
+    KVStarted,
+)
 from baton.kv_transfer import base as kvb
 from baton.kv_transfer.base import Endpoint, Transfer, TransferError, TransferState
 
@@ -57,12 +66,12 @@ class RankedTransfer:
         self.finished: float | None = None
         self.state, self.error, self.bytes = TransferState.PENDING, None, 0
 
-    def follower_done(self, rank: int, reply: dict) -> None:
+    def follower_done(self, rank: int, reply: KVPulled) -> None:
         self.waiting.discard(rank)
-        self.follower_bytes += int(reply.get("bytes") or 0)
-        if not reply.get("ok"):
-            cls = _ERRORS.get(reply.get("kind"), TransferError)
-            self.follower_errors.append(cls(f"rank {rank}: {reply.get('error')}"))
+        self.follower_bytes += reply.bytes
+        if not reply.ok:
+            cls = _ERRORS.get(reply.kind, TransferError)
+            self.follower_errors.append(cls(f"rank {rank}: {reply.error}"))
 
     @property
     def is_finished(self) -> bool:
@@ -102,7 +111,7 @@ class TPRanks:
 
     def __init__(self, leader, engine_id: str, rank0: Endpoint) -> None:
         self.leader = leader
-        leader.send_control({"op": "kv_start", "engine_id": engine_id})
+        leader.send_control(KVStart(engine_id=engine_id))
         found: dict[int, Endpoint] = {}
         deadline = time.monotonic() + START_TIMEOUT_S
         while len(found) < len(leader.procs):
@@ -110,12 +119,12 @@ class TPRanks:
                 raise RuntimeError("tensor-parallel ranks did not start their KV transport")
             leader.raise_if_failed()
             for rank, reply in leader.replies(0.1):
-                if reply.get("op") != "kv_started":
+                if not isinstance(reply, KVStarted):
                     continue
-                if "error" in reply:
+                if reply.error is not None or reply.endpoint is None:
                     raise RuntimeError(f"tensor-parallel rank {rank} could not start its KV "
-                                       f"transport: {reply['error']}")
-                found[rank] = Endpoint.from_dict(reply["endpoint"])
+                                       f"transport: {reply.error}")
+                found[rank] = Endpoint.from_dict(reply.endpoint)
         self.endpoints = [rank0] + [found[r] for r in sorted(found)]
         self._pulls: dict[str, RankedTransfer] = {}
         self._copies: dict[str, set[int]] = {}  # lease id -> followers still holding it
@@ -126,16 +135,14 @@ class TPRanks:
 
     # -- holder ----------------------------------------------------------------------------
     def hold(self, lease_id: str, block_ids: list[int], ttl_s: float) -> None:
-        self.leader.send_control({"op": "hold", "lease": lease_id, "blocks": block_ids,
-                                  "ttl": ttl_s})
+        self.leader.send_control(KVHold(lease=lease_id, blocks=block_ids, ttl=ttl_s))
         self._copies[lease_id] = set(self.followers)
 
     def release(self, lease_id: str) -> None:
         """Rank 0's lease ended unpulled: end the followers' copies (one being read ends
         when its read does)."""
         if self._copies.get(lease_id):
-            self.leader.send_control({"op": "release", "lease": lease_id},
-                                     sorted(self._copies[lease_id]))
+            self.leader.send_control(KVRelease(lease=lease_id), sorted(self._copies[lease_id]))
 
     def copies_ended(self, lease_id: str) -> bool:
         if self._copies.get(lease_id):
@@ -149,9 +156,9 @@ class TPRanks:
         peers = peers_of(params)
         local = pull_heads(transport, peers, params.lease_id, src, dst, timeout_s)
         tag = uuid.uuid4().hex
-        self.leader.send_control({"op": "pull", "tag": tag, "lease": params.lease_id,
-                                  "peers": [p.to_dict() for p in peers], "src": src,
-                                  "dst": dst, "timeout": timeout_s})
+        self.leader.send_control(KVPull(tag=tag, lease=params.lease_id,
+                                        peers=[p.to_dict() for p in peers], src=src, dst=dst,
+                                        timeout=timeout_s))
         self._pulls[tag] = RankedTransfer(request_id, local, set(self.followers))
         return self._pulls[tag]
 
@@ -159,11 +166,11 @@ class TPRanks:
     def poll(self) -> None:
         """Take the followers' replies: finished pulls, ended lease copies."""
         for rank, reply in self.leader.replies():
-            if reply.get("op") == "pulled":
-                transfer = self._pulls.get(reply.get("tag"))
+            if isinstance(reply, KVPulled) and reply.tag is not None:
+                transfer = self._pulls.get(reply.tag)
                 if transfer is not None:
                     transfer.follower_done(rank, reply)
                     if not transfer.waiting:
-                        del self._pulls[reply["tag"]]
-            elif reply.get("op") == "released":
-                self._copies.get(reply.get("lease"), set()).discard(rank)
+                        del self._pulls[reply.tag]
+            elif isinstance(reply, KVReleased):
+                self._copies.get(reply.lease, set()).discard(rank)

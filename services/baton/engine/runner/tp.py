@@ -33,10 +33,12 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from pydantic import ValidationError
 
 from baton.engine.config import EngineConfig
 from baton.engine.distributed import TPGroup, set_tp_group, tp_group
 from baton.engine.runner.batch import FlatBatch
+from baton.engine.runner.tp_kv_messages import REPLY, KVControl, KVReply
 from baton.engine.runner.tp_wire import Control, FollowerSpec, StepMessage, stop_frame
 
 log = logging.getLogger(__name__)
@@ -185,7 +187,7 @@ class TPLeader:
             except (BrokenPipeError, OSError) as err:
                 raise self._died(rank, proc, f"its pipe broke ({err})") from err
 
-    def send_control(self, body: dict, ranks: list[int] | None = None) -> None:
+    def send_control(self, body: KVControl, ranks: list[int] | None = None) -> None:
         """A KV control message (`tp_wire.Control`) to `ranks` (default: every follower)."""
         self.raise_if_failed()
         frame = Control(body).encode()
@@ -197,10 +199,11 @@ class TPLeader:
             except (BrokenPipeError, OSError) as err:
                 raise self._died(rank, proc, f"its pipe broke ({err})") from err
 
-    def replies(self, timeout_s: float = 0.0) -> list[tuple[int, dict]]:
-        """The followers' KV replies (JSON lines on their stdout) that have arrived,
-        waiting up to `timeout_s` for the first; never blocks past that."""
-        out: list[tuple[int, dict]] = []
+    def replies(self, timeout_s: float = 0.0) -> list[tuple[int, KVReply]]:
+        """The followers' KV replies (JSON lines on their stdout, typed in
+        `tp_kv_messages.py`) that have arrived, waiting up to `timeout_s` for the first;
+        never blocks past that. A line that is not a reply is logged and dropped."""
+        out: list[tuple[int, KVReply]] = []
         fds = {p.stdout.fileno(): r for r, p in enumerate(self.procs, start=1)
                if p.stdout is not None and not p.stdout.closed}
         ready, _, _ = select.select(list(fds), [], [], timeout_s) if fds else ([], [], [])
@@ -209,7 +212,12 @@ class TPLeader:
             chunk = os.read(fd, 1 << 16)
             buf = self._reply_bufs[rank - 1] + chunk
             *lines, self._reply_bufs[rank - 1] = buf.split(b"\n")
-            out += [(rank, json.loads(line)) for line in lines if line.strip()]
+            for line in filter(bytes.strip, lines):
+                try:
+                    out.append((rank, REPLY.validate_json(line)))
+                except ValidationError as err:
+                    log.warning("rank %d sent a KV reply this version cannot read (%s): %.120r",
+                                rank, err.errors()[0]["msg"], line)
         return out
 
     def raise_if_failed(self) -> None:

@@ -1,12 +1,13 @@
 """A tensor-parallel follower's KV transfer (`kv_connector/tp_ranks.py` is rank 0's side):
 its own tcp transport over its own cache (its KV heads), holder and puller, driven by rank
-0's control frames (`tp_wire.Control`) and answered with JSON lines on its stdout.
+0's control frames (`tp_wire.Control`) and answered with JSON lines on its stdout, every
+message typed in `tp_kv_messages.py`:
 
-    kv_start {engine_id}                 -> {"op": "kv_started", "endpoint": ...}
-    hold {lease, blocks, ttl}            (a copy of the lease rank 0 just made)
-    release {lease}                      (rank 0's lease ended unpulled)
-    pull {tag, lease, peers, src, dst, timeout}  -> {"op": "pulled", "tag", "ok", ...}
-    (a lease copy that ends)             -> {"op": "released", "lease", "reason"}
+    KVStart {engine_id}                        -> KVStarted {endpoint | error}
+    KVHold {lease, blocks, ttl}                (a copy of the lease rank 0 just made)
+    KVRelease {lease}                          (rank 0's lease ended unpulled)
+    KVPull {tag, lease, peers, src, dst, timeout}  -> KVPulled {tag, ok, kind, error, bytes}
+    (a lease copy that ends)                   -> KVReleased {lease, reason}
 
 Each rank's holder listens on `kv_port + rank` (any free port when kv_port is 0) and uses
 the engine's id, so a puller's ranks and a holder's ranks meet as one engine; a follower
@@ -20,6 +21,16 @@ import threading
 import time
 from typing import BinaryIO
 
+from baton.engine.runner.tp_kv_messages import (
+    KVControl,
+    KVHold,
+    KVPull,
+    KVPulled,
+    KVRelease,
+    KVReleased,
+    KVStart,
+    KVStarted,
+)
 from baton.kv_transfer.base import Endpoint, Transfer, TransferState, head_plan, rank_heads
 from baton.kv_transfer.tcp import TcpTransport
 
@@ -35,25 +46,28 @@ class FollowerKV:
         self._lock = threading.Lock()  # _pulls and writes to `out`
         self._stopped = threading.Event()
 
-    def handle(self, body: dict) -> None:
-        op = body["op"]
+    def handle(self, msg: KVControl) -> None:
         try:
-            if op == "kv_start":
-                self._start(str(body["engine_id"]))
-            elif op == "hold":
-                self.transport.leases.hold(body["lease"], [int(b) for b in body["blocks"]],
-                                           float(body["ttl"]), lease_id=body["lease"])
-            elif op == "release":
-                self.transport.release(body["lease"])
-            elif op == "pull":
-                self._pull(body)
+            if isinstance(msg, KVStart):
+                self._start(msg.engine_id)
+            elif isinstance(msg, KVHold):
+                self._started().leases.hold(msg.lease, msg.blocks, msg.ttl, lease_id=msg.lease)
+            elif isinstance(msg, KVRelease):
+                self._started().release(msg.lease)
+            else:
+                self._pull(msg)
         except Exception as err:  # noqa: BLE001 - rank 0 hears of it; this rank goes on
-            log.exception("KV control %s failed", op)
-            if op == "pull":
-                self._reply({"op": "pulled", "tag": body.get("tag"), "ok": False,
-                             "kind": type(err).__name__, "error": str(err), "bytes": 0})
-            elif op == "kv_start":
-                self._reply({"op": "kv_started", "error": f"{type(err).__name__}: {err}"})
+            log.exception("KV control %s failed", msg.op)
+            if isinstance(msg, KVPull):
+                self._reply(KVPulled(tag=msg.tag, ok=False, kind=type(err).__name__,
+                                     error=str(err)))
+            elif isinstance(msg, KVStart):
+                self._reply(KVStarted(error=f"{type(err).__name__}: {err}"))
+
+    def _started(self) -> TcpTransport:
+        if self.transport is None:
+            raise RuntimeError("a KV control message before kv_start")
+        return self.transport
 
     def _start(self, engine_id: str) -> None:
         config = self.runner.config
@@ -64,23 +78,23 @@ class FollowerKV:
                                       heads=(start, total, self.size))
         endpoint = self.transport.start(self.runner.kv_cache, engine_id)
         threading.Thread(target=self._report, name="baton-tp-kv", daemon=True).start()
-        self._reply({"op": "kv_started", "endpoint": endpoint.to_dict()})
+        self._reply(KVStarted(endpoint=endpoint.to_dict()))
 
-    def _pull(self, body: dict) -> None:
-        peers = [Endpoint.from_dict(d) for d in body["peers"]]
-        plan = head_plan(self.transport.layout, peers, self.rank)
-        src, dst = [int(b) for b in body["src"]], [int(b) for b in body["dst"]]
-        transfers = [self.transport.pull(peer, body["lease"], src, dst, float(body["timeout"]),
-                                         heads=heads, part=part)
+    def _pull(self, msg: KVPull) -> None:
+        transport = self._started()
+        peers = [Endpoint.from_dict(d) for d in msg.peers]
+        plan = head_plan(transport.layout, peers, self.rank)
+        transfers = [transport.pull(peer, msg.lease, msg.src, msg.dst, msg.timeout,
+                                    heads=heads, part=part)
                      for peer, heads, part in plan]
         with self._lock:
-            self._pulls[body["tag"]] = transfers
+            self._pulls[msg.tag] = transfers
 
     def _report(self) -> None:
         """Finished pulls and ended lease copies, to rank 0."""
         while not self._stopped.is_set():
-            for lease_id, reason in self.transport.released():
-                self._reply({"op": "released", "lease": lease_id, "reason": reason})
+            for lease_id, reason in self._started().released():
+                self._reply(KVReleased(lease=lease_id, reason=reason))
             with self._lock:
                 done = {tag: ts for tag, ts in self._pulls.items()
                         if all(t.is_finished for t in ts)}
@@ -88,17 +102,15 @@ class FollowerKV:
                     del self._pulls[tag]
             for tag, ts in done.items():
                 failed = next((t for t in ts if t.state != TransferState.DONE), None)
-                self._reply({"op": "pulled", "tag": tag, "ok": failed is None,
-                             "kind": type(failed.error).__name__ if failed else "",
-                             "error": str(failed.error) if failed else "",
-                             "bytes": sum(t.bytes for t in ts)})
+                self._reply(KVPulled(tag=tag, ok=failed is None,
+                                     kind=type(failed.error).__name__ if failed else "",
+                                     error=str(failed.error) if failed else "",
+                                     bytes=sum(t.bytes for t in ts)))
             time.sleep(REPORT_INTERVAL_S)
 
-    def _reply(self, msg: dict) -> None:
-        import json
-
+    def _reply(self, msg: KVStarted | KVPulled | KVReleased) -> None:
         with self._lock:
-            self.out.write((json.dumps(msg) + "\n").encode())
+            self.out.write((msg.model_dump_json() + "\n").encode())
             self.out.flush()
 
     def close(self) -> None:

@@ -22,16 +22,17 @@ from typing import BinaryIO
 
 import numpy as np
 import torch
+from pydantic import ValidationError
 
 from baton.engine.attention.base import BatchLayout
 from baton.engine.config import EngineConfig
 from baton.engine.runner.batch import FlatBatch
+from baton.engine.runner.tp_kv_messages import CONTROL, KVControl
 
 SPEC_VERSION = 1
 MAGIC = b"BTPS"
 VERSION = 1
 KIND_STEP, KIND_STOP, KIND_CONTROL = 1, 2, 3
-CONTROL_OPS = ("kv_start", "hold", "release", "pull")
 # magic, version, kind, tokens T, sequences B, table width M, num_decodes, block_size,
 # logits calls C, payload length (int64s)
 _HEADER = struct.Struct("<4sHHqqqqqqq")
@@ -128,14 +129,14 @@ class StepMessage:
 
 @dataclass(frozen=True)
 class Control:
-    """A KV-transfer control message (`engine/kv_connector/tp_ranks.py`): a JSON object
-    whose `op` is one of CONTROL_OPS; framed like a step (header, then the JSON bytes
+    """A KV-transfer control message (`tp_kv_messages.KVControl`, from
+    `engine/kv_connector/tp_ranks.py`), framed like a step (header, then the JSON bytes
     padded to whole int64s; the header's T field is its length in bytes)."""
 
-    body: dict
+    body: KVControl
 
     def encode(self) -> bytes:
-        raw = json.dumps(self.body).encode()
+        raw = self.body.model_dump_json().encode()
         padded = raw + b" " * (-len(raw) % 8)
         return _HEADER.pack(MAGIC, VERSION, KIND_CONTROL, len(raw), 0, 0, 0, 0, 0,
                             len(padded) // 8) + padded
@@ -143,12 +144,10 @@ class Control:
     @classmethod
     def decode(cls, raw: bytes) -> Control:
         try:
-            body = json.loads(raw)
-        except ValueError as err:
-            raise TPProtocolError(f"a control frame that is not JSON: {err}") from None
-        if not isinstance(body, dict) or body.get("op") not in CONTROL_OPS:
-            raise TPProtocolError(f"a control frame with op {body!r:.80}")
-        return cls(body)
+            return cls(CONTROL.validate_json(raw))
+        except ValidationError as err:
+            raise TPProtocolError(f"a control frame this version cannot read: "
+                                  f"{err.errors()[0]['msg']} ({raw[:80]!r})") from None
 
 
 def stop_frame() -> bytes:
