@@ -28,27 +28,35 @@ WIRE_VERSION = 1
 DEFAULT_PREFIX = "baton"
 
 
-class WorkerRecord(BaseModel):
-    """What a worker says about itself in every heartbeat."""
+class LoadReport(BaseModel):
+    """A worker's role, model and load: what `/load` answers, what a router's health check
+    and registry view read, and the fields of every heartbeat's `WorkerRecord`. Unknown
+    fields are ignored and missing ones take these defaults (older and newer peers)."""
 
     model_config = ConfigDict(extra="ignore")
 
-    v: int = WIRE_VERSION
-    id: str  # this process: a restart under the same address is a new id
-    url: str  # where routers reach its HTTP API
     role: Role  # on the wire its name: "both", "prefill" or "decode"
     model: str  # the primary served name (what responses report)
     # Every name it serves (`--served-model-name a b`); empty from older workers: `model`.
     models: list[str] = Field(default_factory=list)
-    max_model_len: int | None = None
-    block_size: int = 16  # tokens per KV block: the unit of the published hashes
-    kv_transport: str | None = None  # how its KV is pulled (prefill pods), or None
+    ready: bool = True
     running: int = 0
     waiting: int = 0
     max_waiting: int | None = None
     kv_blocks_used: int = 0
     kv_blocks_total: int = 0
-    ready: bool = True
+    block_size: int = 16  # tokens per KV block: the unit of the published hashes
+    max_model_len: int | None = None
+
+
+class WorkerRecord(LoadReport):
+    """What a worker says about itself in every heartbeat: its load report, and where and
+    how to reach it."""
+
+    v: int = WIRE_VERSION
+    id: str  # this process: a restart under the same address is a new id
+    url: str  # where routers reach its HTTP API
+    kv_transport: str | None = None  # how its KV is pulled (prefill pods), or None
     ttl_s: float = Field(3.0, gt=0)
 
 

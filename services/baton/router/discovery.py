@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
+from baton.common.registry import LoadReport
 from baton.common.roles import Role
 
 log = logging.getLogger("baton.router")
@@ -162,13 +163,14 @@ class StaticDiscovery(Discovery):
         timeout = aiohttp.ClientTimeout(total=self.check_timeout_s)
         try:
             async with session.get(ep.url + "/load", timeout=timeout) as resp:
-                report = await resp.json() if resp.status == 200 else None
-        except (aiohttp.ClientError, TimeoutError, ValueError) as err:
+                report = (LoadReport.model_validate(await resp.json())
+                          if resp.status == 200 else None)
+        except (aiohttp.ClientError, TimeoutError, ValueError) as err:  # ValidationError too
             report = None
             if ep.healthy:
                 log.warning("worker %s failed its health check: %r", ep.url, err)
         was = ep.healthy
-        if report is None or not report.get("ready"):
+        if report is None or not report.ready:
             ep.set_healthy(False)
             return
         update(ep, report)
@@ -176,14 +178,14 @@ class StaticDiscovery(Discovery):
             log.info("worker %s is ready (model %s, role %s)", ep.url, ep.model, ep.role)
 
 
-def update(ep: Upstream, report: dict) -> None:
-    """Take a worker's load report (`/load`, or a registry heartbeat's fields)."""
-    ep.set_healthy(bool(report.get("ready", True)))
+def update(ep: Upstream, report: LoadReport) -> None:
+    """Take a worker's load report (`/load`, or a registry heartbeat's record)."""
+    ep.set_healthy(report.ready)
     ep.last_seen = time.monotonic()
-    ep.role, ep.model = report["role"], report["model"]
-    ep.models = tuple(report.get("models") or [ep.model])  # older workers: one name
-    ep.max_model_len = report.get("max_model_len")
-    ep.running, ep.waiting = int(report["running"]), int(report["waiting"])
-    ep.kv_blocks_used = int(report["kv_blocks_used"])
-    ep.kv_blocks_total = int(report["kv_blocks_total"])
-    ep.max_waiting = report.get("max_waiting")
+    ep.role, ep.model = report.role, report.model
+    ep.models = tuple(report.models or [ep.model])  # older workers: one name
+    ep.max_model_len = report.max_model_len
+    ep.running, ep.waiting = report.running, report.waiting
+    ep.kv_blocks_used = report.kv_blocks_used
+    ep.kv_blocks_total = report.kv_blocks_total
+    ep.max_waiting = report.max_waiting

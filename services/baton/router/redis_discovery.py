@@ -123,7 +123,7 @@ class RegistryDiscovery(Discovery):
                 log.info("worker %s joined (model %s, role %s)", record.url, record.model,
                          record.role)
             ep = self.endpoints[record.url] = Upstream(record.url, worker_id=record.id)
-        update(ep, record.model_dump())
+        update(ep, record)
         ep.ttl_s = record.ttl_s
 
     def _remove(self, worker_id: str, why: str) -> None:

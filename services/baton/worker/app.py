@@ -146,8 +146,8 @@ def _install_service_routes(app: FastAPI, state: WorkerState) -> None:
         return Response(render(state.metrics.registry), media_type=CONTENT_TYPE)
 
     @app.get("/load")
-    async def load():
-        return state.load_report()
+    async def load() -> dict:
+        return state.load_report().model_dump(mode="json")
 
     @app.get("/internal/tokenizer")
     async def tokenizer():

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from baton.common.errors import OpenAIError
 from baton.common.metrics import WorkerMetrics
+from baton.common.registry import LoadReport
 from baton.common.roles import ROLE_NAMES, Role
 from baton.common.tracing import setup_tracing
 from baton.engine.config import EngineConfig
@@ -131,25 +132,26 @@ class WorkerState:
         self.pipeline = Pipeline(serving, fmt, self.tracing, priority_scheduling=(
             settings.engine.scheduling_policy == "priority"), model_names=settings.model_names)
 
-    def load_report(self) -> dict:
+    def load_report(self) -> LoadReport:
         """Role, model and load (the KV pool: blocks used, total, tokens a block): what
         `/load` answers and the registry's heartbeat says."""
         stats, engine = self._stats(), self.engine
-        return {"role": self.settings.role.value, "model": self.settings.model_name,
-                "models": list(self.settings.model_names),
-                "ready": self.ready, "running": int(stats.get("baton:num_requests_running", 0)),
-                "waiting": engine.num_waiting if engine is not None else 0,
-                "kv_blocks_used": int(stats.get("baton:kv_blocks_used", 0)),
-                "kv_blocks_total": int(stats.get("baton:kv_blocks_total", 0)),
-                "block_size": self.settings.engine.block_size,
-                "max_waiting": self.settings.max_waiting,
-                "max_model_len": engine.max_model_len if engine is not None else None}
+        return LoadReport(
+            role=self.settings.role, model=self.settings.model_name,
+            models=list(self.settings.model_names), ready=self.ready,
+            running=int(stats.get("baton:num_requests_running", 0)),
+            waiting=engine.num_waiting if engine is not None else 0,
+            kv_blocks_used=int(stats.get("baton:kv_blocks_used", 0)),
+            kv_blocks_total=int(stats.get("baton:kv_blocks_total", 0)),
+            block_size=self.settings.engine.block_size, max_waiting=self.settings.max_waiting,
+            max_model_len=engine.max_model_len if engine is not None else None)
 
     def registry_report(self) -> dict | None:
         """The registry record's fields, or None while the engine is not ready."""
         if not self.ready:
             return None
-        return {**self.load_report(), "kv_transport": self.settings.engine.kv_transport}
+        return {**self.load_report().model_dump(),
+                "kv_transport": self.settings.engine.kv_transport}
 
     @property
     def ready(self) -> bool:

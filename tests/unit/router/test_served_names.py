@@ -59,11 +59,11 @@ def test_a_registry_record_carries_the_names_and_older_ones_still_read():
     record = WorkerRecord(id="w1", url="http://w1", role="both", model="a",
                           models=["a", "a-alias"])
     ep = Upstream("http://w1")
-    update(ep, WorkerRecord.model_validate_json(record.model_dump_json()).model_dump())
+    update(ep, WorkerRecord.model_validate_json(record.model_dump_json()))
     assert ep.names == ("a", "a-alias") and ep.serves("a-alias") and not ep.serves("b")
     old = WorkerRecord.model_validate({"id": "w2", "url": "http://w2", "role": "both",
                                        "model": "b"})  # a worker from before the names
     ep2 = Upstream("http://w2")
-    update(ep2, old.model_dump())
+    update(ep2, old)
     assert ep2.names == ("b",) and ep2.serves("b")
     assert Upstream("http://fresh").names == ()  # nothing reported yet: serves nothing
