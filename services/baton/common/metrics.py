@@ -13,12 +13,13 @@ vLLM's `vllm:` names), and these are the only findings our pages may trigger (te
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
+
+from baton.common.stats import EngineStats
 
 prometheus_client.disable_created_metrics()
 
@@ -54,7 +55,7 @@ class ConfigMetrics:
 class WorkerMetrics(ConfigMetrics):
     """Per-request latencies and outcomes, plus the engine's own state via `snapshot`."""
 
-    def __init__(self, snapshot: Callable[[], dict[str, Any]] | None = None) -> None:
+    def __init__(self, snapshot: Callable[[], EngineStats | None] | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         super().__init__(r)
@@ -84,7 +85,7 @@ class WorkerMetrics(ConfigMetrics):
             r.register(EngineCollector(snapshot))
 
 
-# name -> (kind, help); the snapshot callback returns a value for each name.
+# name -> (kind, help); `EngineStats.series()` gives a value for each name.
 ENGINE_SERIES = {
     "baton:num_requests_running": ("gauge", "Requests in the running batch."),
     "baton:num_requests_waiting": ("gauge", "Requests waiting to be scheduled."),
@@ -104,22 +105,25 @@ ENGINE_SERIES = {
 
 
 class EngineCollector(Collector):
-    # The snapshot's values are numbers, except "fallbacks": a dict of reason -> count.
-    def __init__(self, snapshot: Callable[[], dict[str, Any]]) -> None:
+    """The engine's stats as Prometheus series at each scrape (none before it loads)."""
+
+    def __init__(self, snapshot: Callable[[], EngineStats | None]) -> None:
         self._snapshot = snapshot
 
     def describe(self) -> Iterable:
         return []
 
     def collect(self) -> Iterable:
-        values = self._snapshot()
-        fallbacks = values.pop("fallbacks", None)
-        if fallbacks is not None:
+        stats = self._snapshot()
+        if stats is None:
+            return
+        if stats.kv_transfer is not None:
             family = CounterMetricFamily("baton:fallbacks", "Requests that fell back to local "
                                          "prefill, by reason.", labels=["reason"])
-            for reason, count in sorted(fallbacks.items()):
+            for reason, count in sorted(stats.kv_transfer.fallbacks.items()):
                 family.add_metric([reason], count)
             yield family
+        values = stats.series()
         for name, (kind, doc) in ENGINE_SERIES.items():
             if name not in values:
                 continue

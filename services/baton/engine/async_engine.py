@@ -25,6 +25,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from baton.common.sampling_params import SamplingParams
+from baton.common.stats import EngineStats
 from baton.engine.config import EngineConfig, LiveSettings
 from baton.engine.core import EngineCore
 from baton.engine.kv_connector.handoff import KVHandoff
@@ -71,7 +72,7 @@ class AsyncEngine:
     def max_model_len(self) -> int:
         return self.core.max_model_len
 
-    def stats(self) -> dict[str, float]:
+    def stats(self) -> EngineStats:
         """Counters and gauges for /metrics and load reports (any thread)."""
         return self.core.metrics_snapshot()
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from baton.common.sampling_params import SamplingParams
+from baton.common.stats import EngineStats
 from baton.engine import tokenizer as tok
 from baton.engine.config import EngineConfig, LiveSettings
 from baton.engine.context_window import fit_kv_pool
@@ -51,7 +52,9 @@ MAX_FAILED_STEPS = 3
 
 
 @dataclass
-class EngineStats:
+class StepCounters:
+    """What the engine counts as it steps (the rest of `EngineStats` is read live)."""
+
     prompt_tokens_total: int = 0
     generation_tokens_total: int = 0
     preemptions_total: int = 0
@@ -79,7 +82,7 @@ class EngineCore:
         self.structured = StructuredOutputs.for_tokenizer(
             self.tokenizer, self.model_config.vocab_size, self.eos_token_id)
         self._detok: dict[str, tok.IncrementalDetokenizer | None] = {}
-        self.stats = EngineStats()
+        self.stats = StepCounters()
         self._failed_steps = 0  # in a row
 
     def _max_model_len(self) -> int:
@@ -321,23 +324,17 @@ class EngineCore:
     def num_waiting(self) -> int:
         return self.scheduler.num_waiting
 
-    def metrics_snapshot(self) -> dict[str, float]:
-        """Counters and gauges for /metrics; plain reads, safe from another thread."""
-        kv = self.kv
-        snap = {
-            "baton:num_requests_running": self.scheduler.num_running,
-            "baton:num_requests_waiting": self.scheduler.num_waiting,
-            "baton:kv_blocks_used": kv.num_used_blocks,
-            "baton:kv_blocks_total": kv.num_blocks,
-            "baton:kv_cache_usage_ratio": kv.num_used_blocks / kv.num_blocks,
-            "baton:prompt_tokens_total": self.stats.prompt_tokens_total,
-            "baton:generation_tokens_total": self.stats.generation_tokens_total,
-            "baton:prefix_cache_hit_tokens_total": self.scheduler.prefix_hit_tokens,
-            "baton:preemptions_total": self.stats.preemptions_total,
-        }
-        if self.connector is not None:
-            snap |= self.connector.metrics_snapshot()
-        return snap
+    def metrics_snapshot(self) -> EngineStats:
+        """Counters and gauges for /metrics and the load report; plain reads, safe from
+        another thread."""
+        return EngineStats(
+            running=self.scheduler.num_running, waiting=self.scheduler.num_waiting,
+            kv_blocks_used=self.kv.num_used_blocks, kv_blocks_total=self.kv.num_blocks,
+            prompt_tokens_total=self.stats.prompt_tokens_total,
+            generation_tokens_total=self.stats.generation_tokens_total,
+            prefix_cache_hit_tokens_total=self.scheduler.prefix_hit_tokens,
+            preemptions_total=self.stats.preemptions_total,
+            kv_transfer=self.connector.kv_stats() if self.connector is not None else None)
 
     def take_kv_transfer_durations(self) -> list[float]:
         """Seconds each KV load took since the last call (thread-safe)."""

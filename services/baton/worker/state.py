@@ -11,6 +11,7 @@ from baton.common.errors import OpenAIError
 from baton.common.metrics import WorkerMetrics
 from baton.common.registry import LoadReport
 from baton.common.roles import ROLE_NAMES, Role
+from baton.common.stats import EngineStats
 from baton.common.tracing import setup_tracing
 from baton.engine.config import EngineConfig
 from baton.engine.models.hub import SCHEME, HubRef, is_repo_id
@@ -116,8 +117,8 @@ class WorkerState:
             self.registration = Registration(settings.registry_url, settings.advertise_url,
                                              self.registry_report, settings.registry_prefix)
 
-    def _stats(self) -> dict[str, float]:
-        return self.engine.stats() if self.engine is not None else {}
+    def _stats(self) -> EngineStats | None:
+        return self.engine.stats() if self.engine is not None else None
 
     def load(self) -> None:
         """Build and start the engine (blocking: minutes for a large model)."""
@@ -135,14 +136,12 @@ class WorkerState:
     def load_report(self) -> LoadReport:
         """Role, model and load (the KV pool: blocks used, total, tokens a block): what
         `/load` answers and the registry's heartbeat says."""
-        stats, engine = self._stats(), self.engine
+        stats, engine = self._stats() or EngineStats(), self.engine
         return LoadReport(
             role=self.settings.role, model=self.settings.model_name,
             models=list(self.settings.model_names), ready=self.ready,
-            running=int(stats.get("baton:num_requests_running", 0)),
-            waiting=engine.num_waiting if engine is not None else 0,
-            kv_blocks_used=int(stats.get("baton:kv_blocks_used", 0)),
-            kv_blocks_total=int(stats.get("baton:kv_blocks_total", 0)),
+            running=stats.running, waiting=engine.num_waiting if engine is not None else 0,
+            kv_blocks_used=stats.kv_blocks_used, kv_blocks_total=stats.kv_blocks_total,
             block_size=self.settings.engine.block_size, max_waiting=self.settings.max_waiting,
             max_model_len=engine.max_model_len if engine is not None else None)
 
@@ -159,7 +158,8 @@ class WorkerState:
 
     def leases_held(self) -> int:
         """KV leases this (prefill) worker holds for decode pods to pull."""
-        return int(self._stats().get("baton:kv_leases_held", 0))
+        stats = self._stats()
+        return stats.leases_held if stats is not None else 0
 
     def require_pipeline(self) -> Pipeline:
         """The request pipeline; a 503 OpenAIError while the model loads or the worker

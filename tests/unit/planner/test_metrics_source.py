@@ -10,6 +10,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from baton.common.metrics import RouterMetrics, WorkerMetrics, render
+from baton.common.stats import EngineStats
 from baton.planner.base import MetricsError
 from baton.planner.metrics_source import ScrapeSource
 
@@ -80,9 +81,8 @@ def router_page(ok: int, refused: int) -> bytes:
 
 
 def worker_page(finished: int, prompt: int, generated: int) -> bytes:
-    m = WorkerMetrics(lambda: {"baton:prompt_tokens_total": prompt,
-                               "baton:generation_tokens_total": generated,
-                               "baton:num_requests_running": 3})
+    m = WorkerMetrics(lambda: EngineStats(prompt_tokens_total=prompt,
+                                          generation_tokens_total=generated, running=3))
     m.requests.labels("stop").inc(finished)
     return render(m.registry)
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import aiohttp
 import uvicorn
 
+from baton.common.stats import EngineStats
 from baton.worker.app import build_app
 from baton.worker.lifecycle import Inflight, WorkerServer
 from baton.worker.state import WorkerSettings, WorkerState
@@ -35,8 +36,8 @@ class SlowEngine(FakeEngine):
         asyncio.get_running_loop().create_task(feed())
         return queue
 
-    def stats(self) -> dict:
-        return {}
+    def stats(self) -> EngineStats:
+        return EngineStats()
 
 
 def _free_port() -> int:

@@ -20,6 +20,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
 from baton.common.internal import KVTransferParams
+from baton.common.stats import KVTransferStats
 from baton.engine.config import LiveKVSettings
 from baton.engine.request import Request
 
@@ -105,12 +106,11 @@ class KVConnector(ABC):
         holds no such lease or its pull has begun. Connectors without leases: False."""
         return False
 
-    def metrics_snapshot(self) -> dict:
-        """The connector's part of the engine's /metrics snapshot (any thread)."""
-        return {"baton:kv_transfer_bytes_total": self.stats.bytes,
-                "baton:kv_transfer_failures_total": self.stats.failures,
-                "baton:kv_leases_held": self.num_leases_held,
-                "fallbacks": dict(self.stats.fallbacks)}
+    def kv_stats(self) -> KVTransferStats:
+        """The connector's part of the engine's stats (any thread)."""
+        return KVTransferStats(bytes_total=self.stats.bytes, failures_total=self.stats.failures,
+                               leases_held=self.num_leases_held,
+                               fallbacks=dict(self.stats.fallbacks))
 
     @abstractmethod
     def close(self) -> None:

@@ -1,0 +1,58 @@
+"""An engine's counters and gauges, typed: what `AsyncEngine.stats()` returns, the worker's
+`/metrics` collector and load report read. Plain values, read from another thread."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class KVTransferStats:
+    """A disaggregated engine's KV connector: pulled bytes, failed pulls, leases held, and
+    requests that fell back to a local prefill, by reason."""
+
+    bytes_total: int = 0
+    failures_total: int = 0
+    leases_held: int = 0
+    fallbacks: Mapping[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    running: int = 0
+    waiting: int = 0
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0
+    prompt_tokens_total: int = 0
+    generation_tokens_total: int = 0
+    prefix_cache_hit_tokens_total: int = 0
+    preemptions_total: int = 0
+    kv_transfer: KVTransferStats | None = None  # None: no KV connector
+
+    @property
+    def kv_cache_usage_ratio(self) -> float:
+        return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
+
+    @property
+    def leases_held(self) -> int:
+        return self.kv_transfer.leases_held if self.kv_transfer is not None else 0
+
+    def series(self) -> dict[str, float]:
+        """Each `/metrics` series' value by name (common/metrics.py ENGINE_SERIES)."""
+        out: dict[str, float] = {
+            "baton:num_requests_running": self.running,
+            "baton:num_requests_waiting": self.waiting,
+            "baton:kv_blocks_used": self.kv_blocks_used,
+            "baton:kv_blocks_total": self.kv_blocks_total,
+            "baton:kv_cache_usage_ratio": self.kv_cache_usage_ratio,
+            "baton:prompt_tokens_total": self.prompt_tokens_total,
+            "baton:generation_tokens_total": self.generation_tokens_total,
+            "baton:prefix_cache_hit_tokens_total": self.prefix_cache_hit_tokens_total,
+            "baton:preemptions_total": self.preemptions_total,
+        }
+        if self.kv_transfer is not None:
+            out |= {"baton:kv_transfer_bytes_total": self.kv_transfer.bytes_total,
+                    "baton:kv_transfer_failures_total": self.kv_transfer.failures_total,
+                    "baton:kv_leases_held": self.kv_transfer.leases_held}
+        return out
