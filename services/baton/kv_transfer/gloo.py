@@ -36,6 +36,7 @@ from baton.kv_transfer.base import (
     scatter_blocks,
     wire_view,
 )
+from baton.kv_transfer.messages import PullRequest
 from baton.kv_transfer.pairs import Pair, PairTable, build_group, destroy
 from baton.kv_transfer.staging import on_stream, side_stream, wait_for
 from baton.kv_transfer.tcp import DataUnavailable, TcpTransport
@@ -97,13 +98,13 @@ class GlooTransport(TcpTransport):
 
     # -- holder ----------------------------------------------------------------------------
     def _send_blocks(self, conn: socket.socket, blocks: list[int], heads, peer: str,
-                     req: dict) -> None:
+                     req: PullRequest) -> None:
         if not blocks:
             send_msg(conn, {"ok": True, "nbytes": 0})
             return
         with self.pairs.lock(peer):
             pair = self.pairs.get(peer)
-            fresh = pair is None or pair.gen != req.get("group")
+            fresh = pair is None or pair.gen != req.group
             if fresh:  # a new puller, a restarted one, or one that dropped its group
                 self._send_fresh(conn, blocks, peer)
                 return

@@ -3,11 +3,11 @@
 Every connection to a holder (tcp, gloo / nccl, nixl: they share tcp's control plane)
 opens the same way, framed as in `wire.py`:
 
-    puller -> holder   MAGIC, {"op": "hello", "fingerprint", "peer": its id, "nonce": Np,
-                               "auth": whether it has a secret}
+    puller -> holder   MAGIC, Hello {fingerprint, peer: its id, nonce: Np, auth: whether it
+                               has a secret}
     holder -> puller   {"ok": true, "nonce": Nh}        or a refusal (layout, auth mode)
-    puller -> holder   the request ({"op": "info"} | {"op": "pull", "lease", "src"}),
-                       with "proof": Pp
+    puller -> holder   the request (InfoRequest | PullRequest {lease, src, ...}), with
+                       proof: Pp
     holder -> puller   {"ok": true, "proof": Ph}        or a refusal (wrong proof, request)
     holder -> puller   the request's answer
 
@@ -20,7 +20,8 @@ one, and a puller with one refuses a holder without.
 
 The holder gives a connection `timeout_s` for all of that; a peer that is silent, slow or
 speaks anything else is disconnected, and logged at most once a second (a flood of junk
-costs one line a second, with the count of the rest).
+costs one line a second, with the count of the rest). The messages are typed in
+`messages.py`.
 """
 
 from __future__ import annotations
@@ -34,6 +35,9 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
+from typing import NoReturn
+
+from pydantic import ValidationError
 
 from baton.kv_transfer.base import (
     Endpoint,
@@ -42,12 +46,12 @@ from baton.kv_transfer.base import (
     LeaseExpiredError,
     TransferError,
 )
+from baton.kv_transfer.messages import REQUEST, Hello, InfoRequest, PullRequest
 from baton.kv_transfer.wire import MAGIC, FrameError, recv_magic, recv_msg, send_msg
 
 log = logging.getLogger(__name__)
 
 HANDSHAKE_TIMEOUT_S = 5.0
-MAX_ID_CHARS = 128
 _NONCE = re.compile(r"[0-9a-f]{32}")
 _ERRORS = {"layout": LayoutMismatchError, "lease": LeaseExpiredError, "auth": KVAuthError}
 
@@ -95,7 +99,8 @@ def check_reply(reply: dict) -> dict:
 
 
 # -- holder --------------------------------------------------------------------------------
-def accept(conn: socket.socket, ip: str, terms: HolderTerms) -> tuple[str, dict]:
+def accept(conn: socket.socket, ip: str, terms: HolderTerms
+           ) -> tuple[str, InfoRequest | PullRequest]:
     """Run the handshake on a fresh connection. Returns the peer's identity ("<id>@<ip>",
     which leases are bound to) and its request, validated. Raises Refused (after telling a
     peer that speaks our protocol why), TimeoutError past the deadline, OSError."""
@@ -106,23 +111,25 @@ def accept(conn: socket.socket, ip: str, terms: HolderTerms) -> tuple[str, dict]
         puller, their_nonce = _check_hello(conn, ip, hello, terms)
         my_nonce = secrets.token_hex(16) if terms.secret else None
         send_msg(conn, {"ok": True, "nonce": my_nonce} if my_nonce else {"ok": True})
-        request = recv_msg(conn, terms.max_frame, deadline)
+        raw = recv_msg(conn, terms.max_frame, deadline)
     except FrameError as err:
         raise Refused(str(err)) from None
     who = f"{puller}@{ip}"
     welcome: dict = {"ok": True}
-    if terms.secret:
+    if terms.secret:  # before the request is read: a wrong key learns nothing more
+        assert my_nonce is not None  # made above whenever there is a secret
         ids = (their_nonce, my_nonce, puller, terms.engine_id)
-        if not proof_ok(request.get("proof"), proof(terms.secret, "puller", *ids)):
+        given = raw.get("proof") if isinstance(raw, dict) else None
+        if not proof_ok(given, proof(terms.secret, "puller", *ids)):
             _refuse(conn, "auth", f"holder {terms.engine_id} refused our KV secret: the "
                     "secrets differ", f"{who}: wrong KV secret")
         welcome["proof"] = proof(terms.secret, "holder", *ids)
-    _check_request(conn, who, request, terms)
+    request = _check_request(conn, who, raw, terms)
     send_msg(conn, welcome)
     return who, request
 
 
-def _refuse(conn: socket.socket, kind: str, told: str, logged: str) -> None:
+def _refuse(conn: socket.socket, kind: str, told: str, logged: str) -> NoReturn:
     try:
         send_msg(conn, {"ok": False, "kind": kind, "error": told})
     except OSError:
@@ -130,36 +137,40 @@ def _refuse(conn: socket.socket, kind: str, told: str, logged: str) -> None:
     raise Refused(logged)
 
 
-def _check_hello(conn: socket.socket, ip: str, hello: dict, terms: HolderTerms
+def _check_hello(conn: socket.socket, ip: str, raw: object, terms: HolderTerms
                  ) -> tuple[str, str]:
-    puller, nonce = hello.get("peer"), hello.get("nonce")
-    if (hello.get("op") != "hello" or not isinstance(puller, str)
-            or not 0 < len(puller) <= MAX_ID_CHARS or not isinstance(nonce, str)
-            or not _NONCE.fullmatch(nonce) or not isinstance(hello.get("auth"), bool)):
+    try:
+        hello = Hello.model_validate(raw)
+    except ValidationError:
         _refuse(conn, "proto", "a malformed hello", f"{ip}: a malformed hello")
-    if hello.get("fingerprint") != terms.fingerprint:
+    puller, nonce = hello.peer, hello.nonce
+    if hello.fingerprint != terms.fingerprint:
         _refuse(conn, "layout", f"layout mismatch: holder has {terms.layout}",
                 f"{puller}@{ip}: another KV layout")
-    if terms.secret and not hello["auth"]:
+    if terms.secret and not hello.auth:
         _refuse(conn, "auth", f"holder {terms.engine_id} requires the KV secret (the "
                 "internal token) and this puller has none", f"{puller}@{ip}: no KV secret")
-    if not terms.secret and hello["auth"]:
+    if not terms.secret and hello.auth:
         _refuse(conn, "auth", f"holder {terms.engine_id} has no KV secret and this puller "
                 "has one: configure the same internal token on both",
                 f"{puller}@{ip}: has a KV secret, this holder none")
     return puller, nonce
 
 
-def _check_request(conn: socket.socket, who: str, req: dict, terms: HolderTerms) -> None:
-    op, lease, src = req.get("op"), req.get("lease"), req.get("src")
-    if op == "info":
-        return
-    if (op != "pull" or not isinstance(lease, str) or not 0 < len(lease) <= MAX_ID_CHARS
-            or not isinstance(src, list) or len(src) > terms.num_blocks):
+def _check_request(conn: socket.socket, who: str, raw: object, terms: HolderTerms
+                   ) -> InfoRequest | PullRequest:
+    try:
+        req = REQUEST.validate_python(raw)
+    except ValidationError:
         _refuse(conn, "proto", "a malformed request", f"{who}: a malformed request")
-    if not all(type(b) is int and 0 <= b < terms.num_blocks for b in src):
+    if isinstance(req, InfoRequest):
+        return req
+    if len(req.src) > terms.num_blocks:
+        _refuse(conn, "proto", "a malformed request", f"{who}: a malformed request")
+    if not all(type(b) is int and 0 <= b < terms.num_blocks for b in req.src):
         _refuse(conn, "lease", f"block ids outside [0, {terms.num_blocks})",
                 f"{who}: block ids out of range")
+    return req
 
 
 class RefusalLog:
@@ -185,15 +196,16 @@ class RefusalLog:
 
 
 # -- puller --------------------------------------------------------------------------------
-def request(sock: socket.socket, terms: PullerTerms, peer: Endpoint, req: dict,
-            deadline: float) -> dict:
+def request(sock: socket.socket, terms: PullerTerms, peer: Endpoint,
+            req: InfoRequest | PullRequest, deadline: float) -> dict:
     """Handshake with the holder `peer` on a fresh connection, send `req` and return the
     holder's answer to it. Raises the holder's refusal as a typed TransferError
     (KVAuthError when the secrets disagree), TimeoutError past `deadline`, OSError or
     ValueError (FrameError) when the connection breaks."""
     nonce = secrets.token_hex(16)
-    send_msg(sock, {"op": "hello", "fingerprint": terms.fingerprint, "peer": terms.engine_id,
-                    "nonce": nonce, "auth": terms.secret is not None}, prefix=MAGIC)
+    hello = Hello(op="hello", fingerprint=terms.fingerprint, peer=terms.engine_id, nonce=nonce,
+                  auth=terms.secret is not None)
+    send_msg(sock, hello.wire(), prefix=MAGIC)
     theirs = check_reply(recv_msg(sock, terms.max_frame, deadline)).get("nonce")
     where = f"holder {peer.engine_id} at {peer.address}"
     if terms.secret and not (isinstance(theirs, str) and _NONCE.fullmatch(theirs)):
@@ -202,8 +214,9 @@ def request(sock: socket.socket, terms: PullerTerms, peer: Endpoint, req: dict,
     if not terms.secret and theirs is not None:
         raise KVAuthError(f"{where} requires a KV secret and this engine has none")
     ids = (nonce, theirs, terms.engine_id, peer.engine_id)
-    mine = {"proof": proof(terms.secret, "puller", *ids)} if terms.secret else {}
-    send_msg(sock, {**req, **mine})
+    if terms.secret:
+        req = req.model_copy(update={"proof": proof(terms.secret, "puller", *ids)})
+    send_msg(sock, req.wire())
     welcome = check_reply(recv_msg(sock, terms.max_frame, deadline))
     if terms.secret and not proof_ok(welcome.get("proof"), proof(terms.secret, "holder", *ids)):
         raise KVAuthError(f"{where} could not prove the KV secret: the secrets differ")

@@ -30,6 +30,7 @@ import uuid
 import torch
 
 from baton.kv_transfer.base import Endpoint, PeerUnreachableError, TransferError
+from baton.kv_transfer.messages import PullRequest
 from baton.kv_transfer.tcp import TcpTransport
 from baton.kv_transfer.wire import send_msg
 
@@ -115,7 +116,7 @@ class NixlTransport(TcpTransport):
                 "base": self.kv_cache.data_ptr(), "blocks": self.kv_cache.shape[2]}
 
     def _send_blocks(self, conn: socket.socket, blocks: list[int], heads, peer: str,
-                     req: dict) -> None:
+                     req: PullRequest) -> None:
         # The puller READs the blocks itself; we say the lease is taken and by whom, then
         # drive our agent's progress until the puller's ack arrives (no progress thread:
         # it would spin a core forever; this spins only while a pull is in flight).

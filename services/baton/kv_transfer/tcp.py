@@ -63,6 +63,7 @@ from baton.kv_transfer.base import (
 from baton.kv_transfer.handshake import HolderTerms, PullerTerms, Refused
 from baton.kv_transfer.iov import block_views, host_bytes, recv_views, send_views
 from baton.kv_transfer.leases import LeaseTable, short
+from baton.kv_transfer.messages import Ack, InfoRequest, PullRequest
 from baton.kv_transfer.staging import STAGING_BYTES, StagingCopyError, StagingPool, wire_bytes
 from baton.kv_transfer.wire import MAX_FRAME_BYTES, recv_msg, send_msg
 
@@ -167,14 +168,15 @@ class TcpTransport(KVTransport):
             peer, req = session
             conn.settimeout(_DATA_TIMEOUT_S)
             try:
-                if req["op"] == "info":
+                if isinstance(req, InfoRequest):
                     send_msg(conn, self._hello())
                 else:
                     self._serve_pull(conn, req, peer)
             except (OSError, ValueError):
                 return  # the puller sees the connection drop
 
-    def _accept_session(self, conn: socket.socket, ip: str) -> tuple[str, dict] | None:
+    def _accept_session(self, conn: socket.socket, ip: str
+                        ) -> tuple[str, InfoRequest | PullRequest] | None:
         """The peer's identity and its request, or None: refused (and logged), or gone."""
         try:
             return handshake.accept(conn, ip, self._terms)
@@ -202,11 +204,11 @@ class TcpTransport(KVTransport):
             raise ValueError(f"this holder serves KV heads [{lo}, {hi}) whole, not {heads}")
         return heads[0] - lo, heads[1] - lo
 
-    def _serve_pull(self, conn: socket.socket, req: dict, peer: str) -> None:
+    def _serve_pull(self, conn: socket.socket, req: PullRequest, peer: str) -> None:
         """A pull `req` (checked by the handshake: a lease id and block ids in our cache)
         from the authenticated `peer`."""
-        lease_id, src, heads, part = req["lease"], req["src"], req.get("heads"), \
-            req.get("part", [0, 1])
+        lease_id, src, heads = req.lease, req.src, req.heads
+        part = req.part if req.part is not None else [0, 1]
         try:
             local = self._local_heads(heads)
             if not (isinstance(part, list | tuple) and len(part) == 2
@@ -235,7 +237,7 @@ class TcpTransport(KVTransport):
         send_msg(conn, {"ok": True, "released": True})
 
     def _send_blocks(self, conn: socket.socket, blocks: list[int],
-                     heads: tuple[int, int] | None, peer: str, req: dict) -> None:
+                     heads: tuple[int, int] | None, peer: str, req: PullRequest) -> None:
         """The data phase, holder side: a header, then the blocks' bytes (of the local
         `heads` [lo, hi), None: all) on `conn` for `peer`'s pull `req`. Raises
         DataUnavailable before the header when the bytes cannot be had, OSError after."""
@@ -283,8 +285,8 @@ class TcpTransport(KVTransport):
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         return sock
 
-    def _request(self, sock: socket.socket, peer: Endpoint, req: dict, deadline: float
-                 ) -> dict:
+    def _request(self, sock: socket.socket, peer: Endpoint, req: InfoRequest | PullRequest,
+                 deadline: float) -> dict:
         """Handshake on `sock` and send `req`; the holder's answer, checked."""
         me = self.endpoint.engine_id if self.endpoint else f"puller-{uuid.uuid4().hex[:8]}"
         terms = PullerTerms(me, self.layout.fingerprint, self.secret, self.max_frame_bytes)
@@ -313,7 +315,8 @@ class TcpTransport(KVTransport):
         """The handshake and an `info` request: the holder's `_hello()`."""
         with self._open(peer, timeout_s) as sock:
             try:
-                return self._request(sock, peer, {"op": "info"}, time.monotonic() + timeout_s)
+                return self._request(sock, peer, InfoRequest(op="info"),
+                                     time.monotonic() + timeout_s)
             except TimeoutError:
                 raise TransferTimeoutError(f"handshake with {peer.address} timed out") \
                     from None
@@ -367,17 +370,17 @@ class TcpTransport(KVTransport):
             with self._pull_session(peer, remaining) as fields, \
                     self._open(peer, remaining()) as sock:
                 transfer._transferring()
-                req = {"op": "pull", "lease": lease_id, "src": src, **fields}
-                if heads is not None and heads != peer.layout.heads:
-                    req["heads"] = list(heads)
-                if part != (0, 1):
-                    req["part"] = list(part)
+                req = PullRequest(
+                    op="pull", lease=lease_id, src=src, **fields,
+                    heads=list(heads) if heads is not None and heads != peer.layout.heads
+                    else None,
+                    part=list(part) if part != (0, 1) else None)
                 reply = self._request(sock, peer, req, deadline)
                 if not dst or heads is None or heads == self.layout.heads == peer.layout.heads:
                     got = self._receive(sock, reply, src, dst, remaining, peer)
                 else:
                     got = self._receive_heads(sock, reply, dst, heads, remaining, peer)
-                send_msg(sock, {"op": "ack"})
+                send_msg(sock, Ack(op="ack").wire())
                 try:  # the holder has ended the lease once this arrives
                     recv_msg(sock, self.max_frame_bytes)
                 except OSError:

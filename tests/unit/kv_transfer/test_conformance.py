@@ -24,6 +24,7 @@ from baton.kv_transfer.base import (
     TransferState,
     TransferTimeoutError,
 )
+from baton.kv_transfer.messages import PullRequest
 from tests.unit.kv_transfer.factories import OTHER_SECRET, SECRET, cache
 
 
@@ -211,7 +212,8 @@ def test_a_lease_is_bound_to_the_puller_that_claimed_it(make, kind):
     b, _ = make(cache(fill=False))
     lease = holder.hold("r", [6, 7], 30)
     with a._open(ep, 5) as sock:  # the request and the holder's header, then gone
-        a._request(sock, ep, {"op": "pull", "lease": lease, "src": [6, 7]}, time.monotonic() + 5)
+        a._request(sock, ep, PullRequest(op="pull", lease=lease, src=[6, 7]),
+                   time.monotonic() + 5)
     deadline = time.monotonic() + 5
     while True:
         for src, dst in (([6, 7], [0, 1]), ([], [])):
