@@ -11,7 +11,7 @@ PORT     ?= 8000
 # transport installed (NIXL, else TCP). Colocated instead: make run CLUSTER="--workers 2"
 CLUSTER  ?= --prefill 1 --decode 1 --transport auto
 
-.PHONY: setup system-deps k8s-tools run lint test test-fast bench bench-gpu gpu-check gpu-kit bench-router bench-loadgen bench-structured bench-serving bench-vs-vllm clean
+.PHONY: setup system-deps k8s-tools run lint typecheck test test-fast bench bench-gpu gpu-check gpu-kit bench-router bench-loadgen bench-structured bench-serving bench-vs-vllm clean
 
 setup: $(STAMP)
 
@@ -52,7 +52,11 @@ LINTED := services kernels loadtest tests scripts
 lint: $(STAMP)
 	$(PY) -m ruff check $(LINTED)
 
-test: $(STAMP) lint
+# mypy over baton and baton_kernels (pyproject's [tool.mypy]: what is not yet checked, and why).
+typecheck: $(STAMP)
+	$(PY) -m mypy
+
+test: $(STAMP) lint typecheck
 	@$(PY) -m pytest -q tests; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc
 

@@ -157,9 +157,10 @@ class _SamplingFields(BaseModel):
     def constraints(self) -> dict[str, StructuredOutput]:
         """The output constraints the request asks for, by the field that asks (at most
         one once parsed)."""
-        out = {}
-        if self.response_format is not None and self.response_format.type != "text":
-            out["response_format"] = self.response_format.structured()
+        out: dict[str, StructuredOutput] = {}
+        spec = self.response_format.structured() if self.response_format is not None else None
+        if spec is not None:  # None: no response_format, or type "text"
+            out["response_format"] = spec
         if self.guided_json is not None:
             out["guided_json"] = StructuredOutput("json_schema", json.dumps(self.guided_json))
         if self.guided_regex is not None:
@@ -177,7 +178,8 @@ class _SamplingFields(BaseModel):
                 temperature=1.0 if self.temperature is None else self.temperature,
                 top_p=1.0 if self.top_p is None else self.top_p,
                 top_k=self.top_k or 0, min_p=self.min_p or 0.0, seed=self.seed,
-                max_tokens=max_tokens, min_tokens=self.min_tokens, stop=self.stop or [],
+                max_tokens=max_tokens, min_tokens=self.min_tokens,
+                stop=[self.stop] if isinstance(self.stop, str) else self.stop or [],
                 stop_token_ids=self.stop_token_ids or [],
                 include_stop_str_in_output=self.include_stop_str_in_output,
                 ignore_eos=self.ignore_eos, logprobs=logprobs,

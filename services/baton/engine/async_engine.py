@@ -21,7 +21,7 @@ import ctypes
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 
 from baton.common.sampling_params import SamplingParams
@@ -209,7 +209,7 @@ class AsyncEngine:
             if isinstance(o, _Failure) or o.finished:
                 self._streams.pop(o.request_id, None)
 
-    def _post(self, outputs: list[EngineOutput | _Failure]) -> None:
+    def _post(self, outputs: Sequence[EngineOutput | _Failure]) -> None:
         """From the engine thread: hand outputs to the loop(s) reading them, one callback
         per loop. A closed loop's readers are gone; their outputs are dropped."""
         by_loop: dict[asyncio.AbstractEventLoop, list] = {}

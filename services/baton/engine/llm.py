@@ -50,7 +50,9 @@ class LLM:
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
              use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them."""
-        convs = [messages] if messages and isinstance(messages[0], dict) else messages
+        # cast: a dict first item means one conversation, which mypy cannot narrow a list by
+        convs = cast("list[list[dict]]",
+                     [messages] if messages and isinstance(messages[0], dict) else messages)
         tok = require_tokenizer(self.engine.tokenizer, "chat (its template)")
         prompts = [{"prompt_token_ids": apply_chat_template(tok, c, add_generation_prompt)}
                    for c in convs]

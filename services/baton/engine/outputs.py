@@ -4,8 +4,12 @@ RequestOutput / CompletionOutput that users see."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from baton.engine.sampler import TokenLogprobs
+
+if TYPE_CHECKING:
+    from baton.common.internal import KVTransferParams
 
 
 @dataclass
@@ -22,7 +26,8 @@ class EngineOutput:
     num_cached_tokens: int = 0
     queue_time: float | None = None  # arrival -> first scheduled; first and final outputs
     kv_transfer_time: float | None = None  # decode role: the KV pull; first and final
-    kv_transfer_params: dict | None = None  # prefill role: where a decode pod pulls the KV
+    # prefill role: where a decode pod pulls the KV
+    kv_transfer_params: KVTransferParams | None = None
     # sampling_params.prompt_logprobs: one entry per prompt token (the first None), on the
     # request's first output that carries a token only
     prompt_logprobs: list[TokenLogprobs | None] | None = None
@@ -76,7 +81,7 @@ class RequestOutput:
     num_cached_tokens: int = 0
     queue_time: float | None = None
     kv_transfer_time: float | None = None
-    kv_transfer_params: dict | None = None
+    kv_transfer_params: KVTransferParams | None = None
     # vLLM's RequestOutput.prompt_logprobs: each prompt token's logprobs (the first None)
     prompt_logprobs: list[TokenLogprobs | None] | None = None
 

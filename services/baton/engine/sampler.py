@@ -21,6 +21,7 @@ the same numbers on the same kind of device).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -162,14 +163,19 @@ class Sampler:
         params = [reqs[i].sampling_params for i in rand]
         pen_rows = [i for i in ok if reqs[i].sampling_params.needs_penalties]
         pen = [reqs[i].sampling_params for i in pen_rows]
-        logprobs = [i for i, r in enumerate(reqs) if r.sampling_params.logprobs is not None]
+        logprobs: list[int] = []
+        logprob_ks: list[int] = []
+        for i, r in enumerate(reqs):
+            if r.sampling_params.logprobs is not None:
+                logprobs.append(i)
+                logprob_ks.append(r.sampling_params.logprobs)
         return _Plan(
             rand, [p.top_k if 0 < p.top_k < vocab else 0 for p in params], shared, seeded,
             self._shared_generator(device), bias, bans, pen_rows,
             counts_on=any(p.frequency_penalty or p.presence_penalty for p in pen),
             repetition_on=any(p.repetition_penalty != 1.0 for p in pen),
             top_p_on=any(p.top_p < 1.0 for p in params), min_p_on=any(p.min_p > 0 for p in params),
-            logprob_rows=logprobs, logprob_ks=[reqs[i].sampling_params.logprobs for i in logprobs])
+            logprob_rows=logprobs, logprob_ks=logprob_ks)
 
     def _upload(self, plan: _Plan, reqs: list[Request], vocab: int, device: torch.device
                 ) -> _StepTensors:
@@ -181,11 +187,12 @@ class Sampler:
                                    if plan.repetition_on else [], vocab)
         rand = [reqs[i].sampling_params for i in plan.rand]
         pen_params = [r.sampling_params for r in pen]
-        ints = {"rand": plan.rand, "top_k": plan.top_k, "shared": plan.shared,
-                "logprob_rows": plan.logprob_rows, "bias_rows": plan.bias[0],
-                "bias_ids": plan.bias[1], "ban_rows": plan.bans[0], "ban_ids": plan.bans[1],
-                "pen_rows": plan.penalised, "outputs": outputs.reshape(-1),
-                "out_lens": out_lens, "seen": seen.reshape(-1)}
+        ints: dict[str, Sequence[int] | np.ndarray] = {
+            "rand": plan.rand, "top_k": plan.top_k, "shared": plan.shared,
+            "logprob_rows": plan.logprob_rows, "bias_rows": plan.bias[0],
+            "bias_ids": plan.bias[1], "ban_rows": plan.bans[0], "ban_ids": plan.bans[1],
+            "pen_rows": plan.penalised, "outputs": outputs.reshape(-1),
+            "out_lens": out_lens, "seen": seen.reshape(-1)}
         floats = {"temperature": [p.temperature for p in rand], "top_p": [p.top_p for p in rand],
                   "min_p": [p.min_p for p in rand], "bias": plan.bias[2],
                   "frequency": [p.frequency_penalty for p in pen_params],

@@ -22,6 +22,7 @@ import numpy as np
 
 from baton.planner.profile import Profile
 from baton.planner.simulate import (
+    JointResult,
     SimResult,
     SimSettings,
     Trace,
@@ -135,7 +136,7 @@ class _Search:
         self.sim = SimSettings.for_profile(profile, settings.transfer_s,
                                            settings.slo.percentile, settings.max_num_seqs)
         self.rows: list[PlanRow] = []
-        self._joint: dict[tuple[int, int], SimResult] = {}
+        self._joint: dict[tuple[int, int], JointResult] = {}
 
     def fail(self, message: str) -> PlanError:
         return PlanError(message, tuple(self.rows))
@@ -169,7 +170,7 @@ class _Search:
         if floor > slo.itl_s:
             raise self.fail(f"ITL {slo.label} <= {slo.itl_s:g} s cannot be met: a decode step "
                             f"takes at least {floor:.4f} s on this profile, even at batch 1")
-        best: SimResult | None = None
+        best: JointResult | None = None
         for d in range(1, min(self.settings.decode_cap, self.settings.max_replicas - p) + 1):
             r = self.joint(p, d)
             if r.itl_s <= slo.itl_s and r.decode_wait_s <= slo.itl_s:
@@ -196,7 +197,7 @@ class _Search:
             p, d = r.prefill, r.decode
         return p, d
 
-    def joint(self, p: int, d: int) -> SimResult:
+    def joint(self, p: int, d: int) -> JointResult:
         if (p, d) not in self._joint:
             r = simulate(self.trace, p, d, self.profile, self.sim)
             self._joint[p, d] = r
@@ -205,19 +206,19 @@ class _Search:
                                      ", ".join(fails) or "yes"))
         return self._joint[p, d]
 
-    def _fails(self, r: SimResult) -> list[str]:
+    def _fails(self, r: JointResult) -> list[str]:
         fails = ["ttft"] if r.ttft_s > self.slo.ttft_s else []
         fails += ["itl"] if r.itl_s > self.slo.itl_s else []
         fails += ["decode queue"] if r.decode_wait_s > self.slo.itl_s else []
         return fails
 
-    def _meets(self, r: SimResult) -> bool:
+    def _meets(self, r: JointResult) -> bool:
         return r.ttft_s <= self.slo.ttft_s and r.itl_s <= self.slo.itl_s
 
-    def _excess(self, r: SimResult) -> float:
+    def _excess(self, r: JointResult) -> float:
         return max(r.ttft_s / self.slo.ttft_s, r.itl_s / self.slo.itl_s)
 
-    def _exhausted(self, r: SimResult) -> str:
+    def _exhausted(self, r: JointResult) -> str:
         slo, s = self.slo, self.settings
         failing = []
         if r.ttft_s > slo.ttft_s:

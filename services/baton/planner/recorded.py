@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 
 from baton.planner.profile import Profile
-from baton.planner.simulate import SimResult, SimSettings, Trace, simulate
+from baton.planner.simulate import JointResult, SimSettings, Trace, simulate
 
 RECORD_VERSION = 1
 
@@ -39,7 +39,7 @@ class RecordedRun:
     measured: Measured
     notes: str = ""  # how it was recorded (the command, the machine)
 
-    def predict(self) -> SimResult:
+    def predict(self) -> JointResult:
         return simulate(self.trace, self.prefill, self.decode, self.profile, self.settings)
 
     def errors(self) -> dict[str, float]:

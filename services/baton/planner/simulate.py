@@ -35,6 +35,7 @@ import heapq
 import math
 from collections import deque
 from dataclasses import dataclass, replace
+from typing import Protocol, cast
 
 import numpy as np
 
@@ -135,6 +136,21 @@ class SimResult:
     decode_wait_s: float | None = None  # at the percentile, over requests that decode
 
 
+class JointResult(Protocol):
+    """The static view of what `simulate` returns: a `SimResult` with every field set."""
+
+    @property
+    def prefill(self) -> int: ...
+    @property
+    def decode(self) -> int: ...
+    @property
+    def ttft_s(self) -> float: ...
+    @property
+    def itl_s(self) -> float: ...
+    @property
+    def decode_wait_s(self) -> float: ...
+
+
 def simulate_prefill(trace: Trace, prefill: int, profile: Profile, s: SimSettings
                      ) -> SimResult:
     """The prefill pool alone: TTFT as if decode pods admitted every request at once."""
@@ -143,7 +159,7 @@ def simulate_prefill(trace: Trace, prefill: int, profile: Profile, s: SimSetting
 
 
 def simulate(trace: Trace, prefill: int, decode: int, profile: Profile, s: SimSettings
-             ) -> SimResult:
+             ) -> JointResult:
     """Both pools together."""
     ready = prefill_ready_times(trace, prefill, profile, s)
     admitted = ready.copy()  # requests with one output token never reach decode
@@ -163,8 +179,11 @@ def simulate(trace: Trace, prefill: int, decode: int, profile: Profile, s: SimSe
     q = s.percentile
     decoding = trace.output >= 2
     wait = admitted[decoding] - ready[decoding]
-    return SimResult(prefill, decode, float(np.percentile(admitted - trace.arrivals, q)),
-                     log.percentile(q), float(np.percentile(wait, q)) if wait.size else 0.0)
+    # cast: a joint run sets decode, itl_s and decode_wait_s (only simulate_prefill leaves
+    # them None); JointResult is the same object typed that way
+    return cast(JointResult, SimResult(
+        prefill, decode, float(np.percentile(admitted - trace.arrivals, q)),
+        log.percentile(q), float(np.percentile(wait, q)) if wait.size else 0.0))
 
 
 def prefill_ready_times(trace: Trace, prefill: int, profile: Profile, s: SimSettings

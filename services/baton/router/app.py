@@ -27,6 +27,7 @@ import logging
 import signal
 import time
 import uuid
+from typing import cast
 
 import aiohttp
 import uvloop
@@ -259,9 +260,12 @@ class Router:
         try:
             response = await self.forwarder.forward(inbound, ctx, decode, tunables)
         finally:  # a client gone, or no decode pod took it: the prefill pod frees the KV
-            self.releaser.release_unclaimed(decode and decode.handover, rid)
-        metered = tenant.tokens is not None and isinstance(response, web.Response)
-        clock.finish(response.status, response.body if metered else None)
+            self.releaser.release_unclaimed(decode.handover if decode is not None else None, rid)
+        answer: bytes | None = None  # a metered non-streamed answer's body, for its usage
+        if tenant.tokens is not None and isinstance(response, web.Response):
+            # cast: the router builds its answers from bytes (relay's resp.read(), JSON)
+            answer = cast(bytes, response.body)
+        clock.finish(response.status, answer)
         if tenant.tokens is not None and response.status == 200:
             tenant.settle(charge.total, charge.used(clock.usage_tokens, clock.chunks),
                           time.monotonic())
@@ -341,6 +345,7 @@ async def listen(settings: RouterSettings, host: str, port: int,
     runner = web.AppRunner(build_app(settings, tracing), handler_cancellation=True,
                            access_log=None)
     await runner.setup()
+    assert runner.server is not None  # setup() creates it
     metrics = runner.app[ROUTER].metrics
     protocols = aiohttp_protocols(runner.server, settings.header_timeout_s,
                                   metrics.header_timeouts.inc)

@@ -117,7 +117,7 @@ class RegistryDiscovery(Discovery):
         ep = self.endpoints.get(record.url)
         if ep is None or ep.worker_id != record.id:
             if ep is not None:  # the same address, a new process: its cache is empty
-                self.blocks.drop(ep.worker_id)
+                self.blocks.drop(_worker_id(ep))
                 ep.set_healthy(False)  # the old process is gone
             else:
                 log.info("worker %s joined (model %s, role %s)", record.url, record.model,
@@ -137,7 +137,7 @@ class RegistryDiscovery(Discovery):
     def _expire(self, now: float) -> None:
         for ep in list(self.endpoints.values()):
             if now - ep.last_seen > ep.ttl_s:
-                self._remove(ep.worker_id, f"stopped heartbeating ({ep.ttl_s:g}s)")
+                self._remove(_worker_id(ep), f"stopped heartbeating ({ep.ttl_s:g}s)")
 
     # -- catching up from the keys ---------------------------------------------------------
     async def _catch_up(self) -> None:
@@ -157,7 +157,7 @@ class RegistryDiscovery(Discovery):
             await self._catch_up_blocks(record.id)
         for ep in list(self.endpoints.values()):
             if ep.worker_id not in seen:
-                self._remove(ep.worker_id, "is no longer registered")
+                self._remove(_worker_id(ep), "is no longer registered")
 
     async def _catch_up_blocks(self, worker_id: str) -> None:
         async with self._client.pipeline(transaction=True) as p:
@@ -168,3 +168,9 @@ class RegistryDiscovery(Discovery):
         if seq is not None:
             self.blocks.replace(worker_id, {m.decode() if isinstance(m, bytes) else m
                                             for m in members}, int(seq))
+
+
+def _worker_id(ep: Upstream) -> str:
+    # every endpoint of a RegistryDiscovery is made in _heartbeat, with worker_id=record.id
+    assert ep.worker_id is not None
+    return ep.worker_id

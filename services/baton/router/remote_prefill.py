@@ -28,6 +28,7 @@ import asyncio
 import json
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import replace
 
 import aiohttp
@@ -123,7 +124,7 @@ class RemotePrefill:
         self.metrics.disagg_decisions.labels("remote").inc()
         return answer
 
-    async def _post(self, pod: Upstream, body: bytes, headers: dict[str, str],
+    async def _post(self, pod: Upstream, body: bytes, headers: Mapping[str, str],
                     tunables: Tunables) -> tuple[int, bool, bytes]:
         """The pod's status, whether its refusal is final, and its body; within the
         prefill timeout, cut short (TimeoutError) if the pod is marked down meanwhile."""

@@ -35,6 +35,7 @@ from baton.common.internal import (
     StreamHeader,
     TokenEvent,
 )
+from baton.common.protocol import ChatCompletionRequest, CompletionRequest
 from baton.router.discovery import Upstream
 from baton.router.handover import Handover
 
@@ -64,7 +65,10 @@ class DecodeCall:
         r = self.request
         if not r.stream or r.n != 1:
             return False
-        return self.api == "chat" or len(r.prompts()) == 1
+        if self.api == "chat":
+            return True
+        assert isinstance(r, CompletionRequest)  # the body parsed for api "completions"
+        return len(r.prompts()) == 1
 
     def body(self) -> bytes:
         return GenerateRequest(api=self.api, request=self.request,
@@ -130,6 +134,7 @@ class StreamTracker:
         if self.call.api == "completions":
             limit = r.max_tokens
         else:
+            assert isinstance(r, ChatCompletionRequest)  # the body parsed for api "chat"
             limit = r.max_completion_tokens or r.max_tokens
         return None if limit is None else limit - len(self.sent)
 
@@ -157,7 +162,8 @@ class StreamTracker:
         update: dict = {}
         if self.call.api == "completions":
             update |= {"max_tokens": left, "echo": False}
-        elif r.max_completion_tokens is not None:
+        # api "chat" (below) always carries a ChatCompletionRequest
+        elif isinstance(r, ChatCompletionRequest) and r.max_completion_tokens is not None:
             update["max_completion_tokens"] = left
         elif r.max_tokens is not None:
             update["max_tokens"] = left

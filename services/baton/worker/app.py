@@ -209,6 +209,7 @@ async def _load(state: WorkerState) -> None:
     log.info("engine ready in %.1fs (model %s)", time.perf_counter() - t0,
              state.settings.model_name)
     if state.registration is not None:
+        assert state.engine is not None  # state.load() returned: it set the engine
         state.registration.attach(state.engine.block_events())
     if state.watcher is not None:  # it read the file at start, into settings.engine
         from baton.worker.tuning import WorkerTuner

@@ -35,8 +35,10 @@ import json
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from typing import cast
 
 from baton.common.internal import Api, OpenAIBody, ResumeState, StreamHeader, TokenEvent
+from baton.common.protocol import ChatCompletionRequest, CompletionRequest
 from baton.engine.outputs import EngineOutput
 from baton.engine.sampler import TokenLogprobs
 from baton.worker.logprobs import TokenTexts, joined
@@ -117,7 +119,9 @@ class OpenAIFormat:
                               model=self.model_name)
         per_prompt = num_choices // len(prompts)
         offset = resume.text_offset if resume is not None else 0
-        prompt_lps = api == "completions" and request.prompt_logprobs is not None
+        # cast: api "completions" carries a CompletionRequest (GenerateRequest checks it)
+        prompt_lps = (api == "completions"
+                      and cast(CompletionRequest, request).prompt_logprobs is not None)
         choices = []
         for i in range(num_choices):
             echo = self._echo(api, request, prompts, i // per_prompt)
@@ -130,6 +134,7 @@ class OpenAIFormat:
                       resume: ResumeState | None) -> ChoiceTools | None:
         """A choice's tool-call reader; a resumed stream's first reads (silently) the text
         the interrupted pod sent, so its calls go on where they were."""
+        assert isinstance(request, ChatCompletionRequest)  # only called for api "chat"
         tools = self.tools.choice_tools(request)
         if tools is not None and resume is not None and resume.completion_tokens:
             skip = request.skip_special_tokens and not self.tools.keeps_special_tokens(
@@ -139,7 +144,10 @@ class OpenAIFormat:
         return tools
 
     def _echo(self, api: Api, request: OpenAIBody, prompts: list[list[int]], p: int) -> str:
-        if api != "completions" or not request.echo:
+        if api != "completions":
+            return ""
+        assert isinstance(request, CompletionRequest)  # the body of api "completions"
+        if not request.echo:
             return ""
         original = request.prompts()[p]
         if isinstance(original, str):
@@ -243,7 +251,8 @@ class Answer:
             reason, empty = c.finish_reason, {"content": ""}
         if not (deltas or finished or (self.want_logprobs and c.new_logprobs)):
             return []
-        choices = [{"index": c.index, "delta": d, "logprobs": None, "finish_reason": None}
+        choices: list[dict] = [{"index": c.index, "delta": d, "logprobs": None,
+                                "finish_reason": None}
                    for d in deltas or [empty]]
         choices[-1] |= {"logprobs": self._logprobs(c.new_logprobs, c.new_text_offset),
                         "finish_reason": reason}

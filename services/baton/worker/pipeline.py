@@ -23,7 +23,13 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from baton.common.errors import OpenAIError
 from baton.common.internal import Api, OpenAIBody
-from baton.common.protocol import DetokenizeRequest, TokenizeChatRequest, TokenizeRequest
+from baton.common.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeChatRequest,
+    TokenizeRequest,
+)
 from baton.common.sampling_params import SamplingParams
 from baton.common.tracing import Span, Tracing
 from baton.engine.kv_connector import PullKV
@@ -81,6 +87,7 @@ class Pipeline:
         when it rejects the messages) or completions' one or more."""
         if api == "chat":
             return [self._chat_prompt(request)]
+        assert isinstance(request, CompletionRequest)  # the body of api "completions"
         return [self.require_tokenizer("a text prompt").encode(p) if isinstance(p, str)
                 else list(p) for p in request.prompts()]
 
@@ -132,6 +139,7 @@ class Pipeline:
                                    "come, first served", param="priority")
         params = req.to_sampling_params()
         if api == "chat":
+            assert isinstance(req, ChatCompletionRequest)  # the body of api "chat"
             self.format.tools.check(req)
             if self.format.tools.keeps_special_tokens(req):
                 params = replace(params, skip_special_tokens=False)

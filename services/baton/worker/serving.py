@@ -168,6 +168,7 @@ class Serving:
 
     async def _updates(self, job: Job) -> AsyncIterator[Update]:
         try:
+            assert job.stream is not None  # run() takes admitted jobs: admit() set it
             async for batch in self.engine.stream(job.request_id, job.stream):
                 self._record(job, batch, time.monotonic())
                 if batch[-1].finish_reason == "error":

@@ -114,6 +114,8 @@ class WorkerState:
         if settings.registry_url is not None:
             from baton.worker.registration import Registration
 
+            # WorkerSettings.__post_init__ refuses registry_url without advertise_url
+            assert settings.advertise_url is not None
             self.registration = Registration(settings.registry_url, settings.advertise_url,
                                              self.registry_report, settings.registry_prefix)
 

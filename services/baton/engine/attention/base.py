@@ -10,8 +10,11 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
 
 import torch
+
+Meta = TypeVar("Meta")  # a backend's per-step metadata (its build_metadata result)
 
 
 @dataclass
@@ -60,16 +63,16 @@ class LayerAttention:
         return self.sliding_window is None and self.softcap is None
 
 
-class AttentionBackend(ABC):
+class AttentionBackend(ABC, Generic[Meta]):
     name: str
 
     @abstractmethod
-    def build_metadata(self, layout: BatchLayout) -> object:
+    def build_metadata(self, layout: BatchLayout) -> Meta:
         """Per-step precomputation shared by all layers (masks, gather indices)."""
 
     @abstractmethod
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: object,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: Meta,
                 spec: LayerAttention | None = None) -> torch.Tensor:
         """q (T, H, D), k/v (T, KVH, D); caches (num_blocks, block_size, KVH, D).
 
@@ -84,8 +87,8 @@ class AttentionBackend(ABC):
 class ForwardContext:
     """What one forward pass needs beyond token ids and positions; passed down explicitly."""
 
-    backend: AttentionBackend
-    metadata: object
+    backend: AttentionBackend[Any]
+    metadata: object  # the backend's build_metadata result
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
 
     def attention(self, layer_idx: int, q, k, v, spec: LayerAttention | None = None

@@ -46,7 +46,7 @@ class TorchAttentionMetadata:
     prefill_seqs: torch.Tensor | None = None
 
 
-class TorchAttentionBackend(AttentionBackend):
+class TorchAttentionBackend(AttentionBackend[TorchAttentionMetadata]):
     name = "torch"
 
     def __init__(self, dtype: torch.dtype = torch.float32, native=None,

@@ -63,7 +63,7 @@ def use_persistent_triton_cache(cache_dir: str | Path) -> Path:
     return Path(os.environ[TRITON_CACHE_ENV])
 
 
-class TritonAttentionBackend(AttentionBackend):
+class TritonAttentionBackend(AttentionBackend[TritonAttentionMetadata]):
     name = "triton"
     supports_cuda_graphs = True
 

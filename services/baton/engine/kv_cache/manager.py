@@ -148,11 +148,12 @@ class KVCacheManager:
     def _release_before(self, blocks: list[KVBlock | None], n: int) -> None:
         """Release blocks[:n] still held (released ones form a leading run, so walk back
         from n - 1 to it), later ones first: the least shareable are evicted first."""
-        freed = []
+        freed: list[KVBlock] = []
         for i in range(min(n, len(blocks)) - 1, -1, -1):
-            if blocks[i] is None:
+            block = blocks[i]
+            if block is None:
                 break
-            freed.append(blocks[i])
+            freed.append(block)
             blocks[i] = None
         if freed:
             self.pool.free(freed)
@@ -165,7 +166,8 @@ class KVCacheManager:
             parent = hashes[-1] if hashes else ROOT_HASH
             hashes.append(hash_block(parent, request.token_ids(start, start + bs)))
 
-    def _cache_full_blocks(self, request: Request, blocks: list[KVBlock], num_tokens: int) -> None:
+    def _cache_full_blocks(self, request: Request, blocks: list[KVBlock | None],
+                           num_tokens: int) -> None:
         """Publish blocks that will be full once this step's tokens are written. Another
         request admitted in the same step may hit them: its attention runs after this
         step's KV writes of the same layer, so that is safe."""
@@ -177,8 +179,9 @@ class KVCacheManager:
             return
         self._extend_hashes(request, num_full * self.block_size)
         for i in range(start, num_full):
-            if blocks[i] is not None:  # released ones were cached before (or were hits)
-                self.pool.cache_block(blocks[i], request.block_hashes[i])
+            block = blocks[i]
+            if block is not None:  # released ones were cached before (or were hits)
+                self.pool.cache_block(block, request.block_hashes[i])
         self._num_hashed[request.request_id] = num_full
 
     def check_integrity(self) -> None:

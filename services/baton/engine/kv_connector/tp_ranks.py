@@ -19,6 +19,7 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass
+from typing import cast
 
 from baton.engine.runner.tp_kv_messages import (
     KVHold,
@@ -64,7 +65,8 @@ class RankedTransfer:
         self.follower_bytes = 0
         self.started = time.monotonic()
         self.finished: float | None = None
-        self.state, self.error, self.bytes = TransferState.PENDING, None, 0
+        self.state, self.bytes = TransferState.PENDING, 0
+        self.error: TransferError | None = None
 
     def follower_done(self, rank: int, reply: KVPulled) -> None:
         self.waiting.discard(rank)
@@ -99,7 +101,9 @@ def pull_heads(transport, peers: list[Endpoint], lease_id: str, src: list[int],
     if rank == 0:  # copies nobody reads (replicated heads): released now, not at their TTL
         for peer in kvb.unread_peers(transport.layout, peers):
             transport.pull(peer, lease_id, [], [], timeout_s)
-    if len(plan) == 1 and plan[0][1] == transport.layout.heads == plan[0][0].layout.heads \
+    # cast: head_plan's peers are items of `peers`
+    if len(plan) == 1 and plan[0][1] == transport.layout.heads \
+            == cast(Endpoint, plan[0][0]).layout.heads \
             and plan[0][2] == (0, 1):  # the same shard: every transport's plain pull
         return [transport.pull(plan[0][0], lease_id, src, dst, timeout_s)]
     return [transport.pull(peer, lease_id, src, dst, timeout_s, heads=heads, part=part)

@@ -75,7 +75,7 @@ class TransportKVConnector(KVConnector):
         self.block_size = kv_cache.shape[3]
         self.live = live
         self.stats = KVConnectorStats()
-        self._loading: dict[str, tuple[Transfer, Request]] = {}
+        self._loading: dict[str, tuple[Transfer | RankedTransfer, Request]] = {}
         self._not_started: dict[str, tuple[Request, str]] = {}  # loads that failed to start
         self._aborted: set[str] = set()  # ended while loading: free when the load stops
         self._held: dict[str, Request] = {}  # prefill: under a lease
@@ -88,7 +88,9 @@ class TransportKVConnector(KVConnector):
         return req.num_prompt_tokens - num_cached
 
     def start_load(self, req: Request, block_ids: list[int]) -> None:
-        params = req.kv_handoff.params
+        handoff = req.kv_handoff
+        assert isinstance(handoff, PullKV)  # loads start only where num_remote_tokens counted
+        params = handoff.params
         first = req.num_cached_tokens // self.block_size
         last = -(-req.num_prompt_tokens // self.block_size)
         src, dst = params.block_ids[first:last], block_ids[first:last]
@@ -98,6 +100,7 @@ class TransportKVConnector(KVConnector):
                 raise ValueError(f"the holder serves KV over {peers[0].transport}, this "
                                  f"engine pulls over {self.transport.name}")
             timeout = self.live.transfer_timeout_s
+            transfer: Transfer | RankedTransfer
             if self.ranks is not None:
                 transfer = self.ranks.pull(self.transport, params, src, dst, timeout,
                                            req.request_id)
@@ -145,11 +148,13 @@ class TransportKVConnector(KVConnector):
             if held is not None:
                 updates.freeable.append(held)
         for lease_id, rid in list(self._draining.items()):
+            assert self.ranks is not None  # only a TP holder (with ranks) drains leases
             if self.ranks.copies_ended(lease_id):
                 del self._draining[lease_id]
                 updates.freeable.append(self._held.pop(rid))
 
-    def _load_ended(self, t: Transfer, req: Request, updates: KVUpdates) -> None:
+    def _load_ended(self, t: Transfer | RankedTransfer, req: Request, updates: KVUpdates
+                    ) -> None:
         self.stats.transfers += 1
         if t.finished is not None:
             self._durations.append(t.finished - t.started)

@@ -20,7 +20,7 @@ stacked parameters through shards (expert, "gate" / "up" / "down").
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import torch
 from torch import nn
@@ -142,6 +142,7 @@ class Qwen3MoeForCausalLM(MoECausalLM):
         hf = cfg.hf
         step = hf.get("decoder_sparse_step", 1)
         experts = _num_experts(hf, "num_experts")
+        mlp: MLP | SparseMoE
         if idx in hf.get("mlp_only_layers", ()) or experts == 0 or (idx + 1) % step:
             mlp = MLP(cfg.hidden_size, cfg.intermediate_size)
         else:
@@ -176,7 +177,7 @@ EXPERT_PARTS = {"w1": "gate", "w3": "up", "w2": "down",
                 "gate_proj": "gate", "up_proj": "up", "down_proj": "down"}
 
 
-def map_moe_style(name: str, tensor: torch.Tensor, layer_map: dict[str, tuple[str, object]]
+def map_moe_style(name: str, tensor: torch.Tensor, layer_map: Mapping[str, tuple[str, object]]
                   ) -> Iterable[WeightPiece]:
     """Hugging Face names -> ours: expert tensors (per expert or stacked) onto the stacked
     parameters' shards, everything else as `map_llama_style` maps it."""

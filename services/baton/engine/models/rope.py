@@ -70,7 +70,8 @@ def rope_parameters(cfg: ModelConfig) -> dict:
 def rotary_dim(cfg: ModelConfig) -> int:
     """How many dims of each head are rotated: head_dim * partial_rotary_factor."""
     rope = cfg.hf.get("rope_parameters")
-    factor = dict(cfg.rope_scaling or ()).get("partial_rotary_factor")
+    # Any: a value of the checkpoint's JSON config, checked by the float() below
+    factor: Any = dict(cfg.rope_scaling or ()).get("partial_rotary_factor")
     if factor is None and isinstance(rope, dict):
         factor = rope.get("partial_rotary_factor")
     if factor is None:

@@ -73,9 +73,9 @@ def build_batch(scheduled: list[ScheduledRequest], block_ids_of: Callable[[str],
             slots.append(blocks[start // block_size] * block_size + start % block_size
                          if s.writes_kv else -1)  # -1: no KV write
         else:
-            pos = np.arange(start, end, dtype=np.int64)
-            chunk_positions.append(pos)
-            chunk_slots.append(_slots(blocks, pos, block_size) if s.writes_kv
+            chunk = np.arange(start, end, dtype=np.int64)
+            chunk_positions.append(chunk)
+            chunk_slots.append(_slots(blocks, chunk, block_size) if s.writes_kv
                                else np.full(s.num_new_tokens, -1, np.int64))
         qsl.append(qsl[-1] + s.num_new_tokens)
         ctx_lens.append(start)
@@ -95,7 +95,7 @@ def build_batch(scheduled: list[ScheduledRequest], block_ids_of: Callable[[str],
     ids, pos, slot_mapping, flat_table, rows, prompt_targets = staging.pack(
         [tokens, np.concatenate([np.asarray(positions, np.int64), *chunk_positions]),
          np.concatenate([np.asarray(slots, np.int64), *chunk_slots]), table.reshape(-1),
-         logits_indices, np.concatenate(targets) if targets else targets])
+         logits_indices, np.concatenate(targets) if targets else []])
     layout = BatchLayout(
         query_start_loc=qsl, context_lens=ctx_lens, seq_lens=seq_lens, num_decodes=num_decodes,
         block_tables=flat_table.view(table.shape), slot_mapping=slot_mapping,
@@ -124,6 +124,7 @@ def _prompt_logprob_span(req: Request, start: int, end: int, first_row: int
     """Positions [start, end) run at rows first_row..: the logits at position p give the
     logprob of prompt token p + 1. Only prompt tokens not yet done (after a preemption the
     prompt runs again) and never the last position (its logits sample the first output)."""
+    assert req.prompt_logprobs is not None  # the caller checked
     done = len(req.prompt_logprobs)  # prompt tokens 0 .. done - 1 have theirs
     first = max(start, done - 1)
     last = min(end, req.num_prompt_tokens - 1)

@@ -25,6 +25,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable
+from typing import Protocol, cast
 
 import torch
 
@@ -32,6 +33,13 @@ from baton.engine.attention.base import AttentionBackend, ForwardContext
 from baton.engine.runner.batch import FlatBatch
 
 log = logging.getLogger(__name__)
+
+
+class _GraphBackend(Protocol):
+    """What a backend with `supports_cuda_graphs` adds (TritonAttentionBackend)."""
+
+    def decode_metadata(self, block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                        slot_mapping: torch.Tensor) -> object: ...
 
 MAX_CAPTURE_SIZE = 256
 
@@ -110,8 +118,10 @@ class DecodeGraphs:
                  time.perf_counter() - t0)
 
     def _forward_fn(self, size: int) -> Callable[[], torch.Tensor]:
-        meta = self._backend.decode_metadata(self.block_tables[:size], self.seq_lens[:size],
-                                             self.slot_mapping[:size])
+        # cast: the runner builds DecodeGraphs only for a backend with supports_cuda_graphs
+        backend = cast(_GraphBackend, self._backend)
+        meta = backend.decode_metadata(self.block_tables[:size], self.seq_lens[:size],
+                                       self.slot_mapping[:size])
         ctx = ForwardContext(self._backend, meta, self._kv_caches)
         ids, pos = self.input_ids[:size], self.positions[:size]
         return lambda: self._model(ids, pos, ctx)

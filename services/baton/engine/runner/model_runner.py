@@ -206,8 +206,8 @@ class ModelRunner:
         self.kv_memory = profiler.plan(self.bytes_per_block,
                                        lambda: self._profile_forward(max_model_len))
         log.info("KV pool from the device's memory: %s", self.kv_memory.describe())
-        n = torch.tensor([self.kv_memory.num_blocks], device=self.device)
-        return int(self.tp.all_gather(n, dim=0).min())
+        blocks = torch.tensor([self.kv_memory.num_blocks], device=self.device)
+        return int(self.tp.all_gather(blocks, dim=0).min())
 
     @torch.inference_mode()
     def _profile_forward(self, max_model_len: int) -> None:
@@ -249,6 +249,7 @@ class ModelRunner:
         prompt_lps = self._prompt_logprobs(batch, hidden)
         if not reqs:
             return StepResult({}, {}, {}, prompt_lps)
+        assert batch.logits_rows is not None  # build_batch sets it
         logits = self.model.compute_logits(hidden.index_select(0, batch.logits_rows))  # (N, V)
         failed: dict[str, str] = {}
         tokens, logprobs = self.sampler(logits, reqs, failed, masks)
@@ -275,9 +276,11 @@ class ModelRunner:
         spans = batch.prompt_logprob_spans
         if not spans:
             return {}
+        assert batch.prompt_targets is not None  # build_batch sets it
         tables, at = [], 0
         for span in spans:
             k = span.request.sampling_params.prompt_logprobs
+            assert k is not None  # spans are made only for requests asking for them
             for first in range(0, span.count, PROMPT_LOGPROB_ROWS):
                 n = min(PROMPT_LOGPROB_ROWS, span.count - first)
                 logits = self.model.compute_logits(
@@ -291,10 +294,12 @@ class ModelRunner:
         for span in spans:
             req = span.request
             k = req.sampling_params.prompt_logprobs
+            assert k is not None  # as above
             size = span.count * (2 + 2 * k)
-            targets = req.prompt_token_ids[span.first_target:span.first_target + span.count]
-            out[req.request_id] = ([None] * span.gap
-                                   + read_prompt_logprobs(values[at:at + size], targets, k))
+            target_ids = req.prompt_token_ids[span.first_target:span.first_target + span.count]
+            lps: list[TokenLogprobs | None] = [None] * span.gap
+            lps += read_prompt_logprobs(values[at:at + size], target_ids, k)
+            out[req.request_id] = lps
             at += size
         return out
 

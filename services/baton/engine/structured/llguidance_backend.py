@@ -35,6 +35,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Sequence
+from typing import cast
 
 import torch
 
@@ -138,9 +139,10 @@ class LLGuidanceBackend(GrammarBackend):
         if not bitmask.is_contiguous() or bitmask.device.type != "cpu":
             raise ValueError("the bitmask must be a contiguous CPU tensor")
         # One call for the batch: llguidance's threads compute the rows without the GIL.
+        # cast: this backend is given its own matchers only (masks.fill_grammar_masks)
         self._executor.unsafe_compute_mask_ptr(
-            [(m.inner, i) for i, m in enumerate(matchers)], bitmask.data_ptr(), words * 4,
-            rows)
+            [(cast(LLGuidanceMatcher, m).inner, i) for i, m in enumerate(matchers)],
+            bitmask.data_ptr(), words * 4, rows)
 
 
 def _check_schema_text(spec: str) -> None:

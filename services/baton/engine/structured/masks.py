@@ -9,10 +9,14 @@ their time in sequence (the forward uses every core: a helper thread would only 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from baton.engine.request import Request
+
+if TYPE_CHECKING:
+    from baton.engine.structured.base import GrammarMatcher
 
 
 @dataclass
@@ -26,10 +30,14 @@ class GrammarMasks:
 
 def fill_grammar_masks(reqs: list[Request]) -> GrammarMasks | None:
     """The masks of the constrained requests among `reqs` (None when there are none)."""
-    rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
+    rows: list[int] = []
+    matchers: list[GrammarMatcher] = []
+    for i, r in enumerate(reqs):
+        if r.grammar is not None:
+            rows.append(i)
+            matchers.append(r.grammar)
     if not rows:
         return None
-    matchers = [reqs[i].grammar for i in rows]
     backend = matchers[0].backend  # an engine's matchers all come from its one backend
     bitmask = torch.empty(len(rows), -(-backend.vocab_size // 32), dtype=torch.int32)
     backend.fill_bitmask(matchers, bitmask)
@@ -80,9 +88,11 @@ def accept_sampled(reqs: list[Request], masks: GrammarMasks, tokens: list[int],
         req = reqs[i]
         if failed is not None and req.request_id in failed:
             continue  # it ends this step anyway
-        if not req.grammar.accept(tokens[i]):
+        grammar = req.grammar
+        assert grammar is not None  # masks.rows are the rows of reqs with a grammar
+        if not grammar.accept(tokens[i]):
             why = (f"structured output: token {tokens[i]} rejected by the grammar: "
-                   f"{req.grammar.error or 'no token was allowed'}")
+                   f"{grammar.error or 'no token was allowed'}")
             if failed is None:
                 raise RuntimeError(f"request {req.request_id}: {why}")
             failed[req.request_id] = why

@@ -154,7 +154,8 @@ class _CallObject:
                 self.feed(ch)
 
     def _value_text(self, ch: str) -> None:
-        if self.key in ARGUMENT_KEYS and not self.args_seen and self.committed:
+        # `self.index is not None`: self.committed, spelled out for the type checker
+        if self.key in ARGUMENT_KEYS and not self.args_seen and self.index is not None:
             self.events.append(CallArgs(self.index, ch))
         else:
             self.text += ch
@@ -174,16 +175,19 @@ class _CallObject:
         if self.name is None:
             raise NotACall("a call object without a name")
         if not self.committed:
-            self._commit()
+            index = self._commit()
             if self.held_args is None:
-                self.events.append(CallArgs(self.index, "{}"))
+                self.events.append(CallArgs(index, "{}"))
         self.done = True
 
-    def _commit(self) -> None:
-        self.index = self.next_index()
-        self.events.append(CallStart(self.index, self.name))
+    def _commit(self) -> int:
+        """Makes the call certain; its index."""
+        assert self.name is not None  # each caller has checked or just set the name
+        index = self.index = self.next_index()
+        self.events.append(CallStart(index, self.name))
         if self.held_args is not None:
-            self.events.append(CallArgs(self.index, self.held_args))
+            self.events.append(CallArgs(index, self.held_args))
+        return index
 
 
 def _string(text: str) -> str:
