@@ -59,6 +59,20 @@ def view(router: str) -> dict:
     return json.loads(body)
 
 
+def registered(redis_server) -> set[str]:
+    """The URLs of the worker records in the registry's Redis."""
+    import json
+
+    import redis
+
+    client = redis.Redis.from_url(redis_server.url, socket_timeout=2)
+    try:
+        keys = list(client.scan_iter("baton:worker:*"))
+        return {json.loads(raw)["url"] for raw in client.mget(keys) if raw} if keys else set()
+    finally:
+        client.close()
+
+
 def cached_blocks(router: str) -> dict[str, int]:
     return {w["url"]: w["cached_blocks"] for w in view(router)["workers"]}
 
@@ -164,9 +178,13 @@ def test_redis_restart_under_traffic(reg_cluster):
         complete(router, make_text(3, i) + "\n\nAnd now?")
     assert decode[0] in cached_blocks(router)
     redis.start()  # empty: workers register again and resend what they hold
-    wait_for(lambda: cached_blocks(router).get(decode[0], 0) >= held, 15,
-             "the decode pod's blocks after the restart")
-    assert sorted(w["role"] for w in view(router)["workers"]) == ["decode", "prefill"]
+    # The router's last view already shows them: first wait for both records in the new
+    # Redis, so what the router shows next is what it caught up from there.
+    wait_for(lambda: {reg_cluster["prefill"], decode[0]} <= registered(redis), 15,
+             "both workers registered again")
+    wait_for(lambda: cached_blocks(router).get(decode[0], 0) >= held
+             and sorted(w["role"] for w in view(router)["workers"]) == ["decode", "prefill"],
+             15, "the decode pod's blocks after the restart")
     complete(router, "After the restart")
     assert_idle([reg_cluster["prefill"], decode[0]])  # no lease or block left behind
 
