@@ -34,7 +34,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from slim_nixl import slim_nixl_wheel  # noqa: E402  (a sibling script, not a package)
+from gpu_kit_install import dist_name, normalize  # noqa: E402  (sibling scripts)
+from slim_nixl import slim_nixl_wheel  # noqa: E402
 
 MIB = 1 << 20
 SIZE_LIMIT = 60 * MIB  # what a lease carries is 64 MiB, the working tree included
@@ -56,10 +57,6 @@ NOT_NEEDED = {"matplotlib": "plots of load-test reports",
 CHECK_CLIENT = ("openai==3.51.0",)  # gpu_scenarios asks the cluster through the OpenAI client
 
 
-def normalize(name: str) -> str:
-    return re.sub(r"[-_.]+", "-", name).lower()
-
-
 def runtime_requirements(pyproject: Path = ROOT / "pyproject.toml") -> list[str]:
     """pyproject's runtime dependencies (with their pins) the device lacks, plus the client."""
     deps = tomllib.loads(pyproject.read_text())["project"]["dependencies"]
@@ -77,7 +74,7 @@ def download_wheels(requirements: list[str], python_version: str, dest: Path) ->
            *requirements]
     subprocess.run(cmd, check=True)
     for wheel in dest.glob("*.whl"):  # deps the device has: theirs are used, never shadowed
-        if normalize(wheel.name.split("-")[0]) in ON_THE_DEVICE:
+        if dist_name(wheel) in ON_THE_DEVICE:
             wheel.unlink()
 
 

@@ -28,8 +28,13 @@ import zipfile
 from pathlib import Path
 
 
+def normalize(name: str) -> str:
+    """A distribution's name as the registry compares them (PEP 503)."""
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
 def dist_name(wheel: Path) -> str:
-    return re.sub(r"[-_.]+", "-", wheel.name.split("-")[0]).lower()
+    return normalize(wheel.name.split("-")[0])
 
 
 def wheel_version(wheel: Path) -> str:

@@ -110,6 +110,7 @@ class Check:
         self.report: dict = {"done": False, "ok": False, "cuda_ran": False,
                              "deadline_s": args.deadline_s, "pieces": {}}
         self.model_dir: Path | None = None
+        self.probe: dict = {"cuda_ran": False, "reason": "not probed"}
         self.wanted = with_dependencies(args.only, scratch) if args.only else set(NAMES)
 
     # -- report ---------------------------------------------------------------------------
@@ -182,29 +183,35 @@ class Check:
         return run_subprocess([sys.executable, *argv], self.logs / f"{name}.log", timeout,
                               env or self.env, cwd=ROOT)
 
+    def python_json(self, name: str, argv: list[str], timeout: float
+                    ) -> tuple[dict, dict | None]:
+        """`python argv --json <scratch>/<name>.json`: the run's result, and the JSON it
+        wrote (None when it wrote none, or a kill cut it short)."""
+        out = self.scratch / f"{name}.json"
+        result = self.python(name, [*argv, "--json", str(out)], timeout)
+        try:
+            return result, json.loads(out.read_text())
+        except (OSError, ValueError):
+            return result, None
+
     def piece_preflight(self, piece: Piece, timeout: float) -> dict:
-        out = self.scratch / "preflight.json"
-        result = self.python(piece.name, ["-m", "baton_loadtest.gpu_preflight", "--json",
-                                          str(out)], timeout)
-        if out.exists():
-            result.update(json.loads(out.read_text()))
-        return result
+        result, found = self.python_json(piece.name, ["-m", "baton_loadtest.gpu_preflight"],
+                                         timeout)
+        return {**result, **(found or {})}
 
     def piece_probe(self, piece: Piece, timeout: float) -> dict:
-        probe = cuda_probe()
+        probe = self.probe  # run once, in this process, before any piece
         return {"status": "ok" if probe["cuda_ran"] else "failed", **probe}
 
     def piece_model(self, piece: Piece, timeout: float) -> dict:
-        out = self.scratch / "model.json"
-        argv = ["-m", "baton_loadtest.gpu_standin", "--out", str(self.scratch / "model"),
-                "--json", str(out)]
+        argv = ["-m", "baton_loadtest.gpu_standin", "--out", str(self.scratch / "model")]
         if self.args.kit:
             argv += ["--config-dir", str(self.args.kit / "model" / "SmolLM2-135M-Instruct")]
-        result = self.python(piece.name, argv, timeout)
-        if out.exists():
-            result.update(json.loads(out.read_text()))
-            self.model_dir = Path(result["path"])
-            self.report["model"] = {k: result[k] for k in ("source", "path", "note")}
+        result, model = self.python_json(piece.name, argv, timeout)
+        if model is not None:
+            result.update(model)
+            self.model_dir = Path(model["path"])
+            self.report["model"] = {k: model[k] for k in ("source", "path", "note")}
         return result
 
     def pytest(self, piece: Piece, timeout: float, paths: list[str]) -> dict:
@@ -237,21 +244,18 @@ class Check:
         return self.pytest(piece, timeout, ["tests/gpu/test_engine.py"])
 
     def piece_engine_cpu(self, piece: Piece, timeout: float) -> dict:
-        out = self.scratch / f"{piece.name}.json"
-        result = self.python(piece.name, ["-m", "baton_loadtest.gpu_standin", "--compare",
-                                          str(self.model_dir), "--json", str(out)], timeout)
-        if out.exists():
-            result.update(json.loads(out.read_text()))
-        return result
+        result, compared = self.python_json(
+            piece.name, ["-m", "baton_loadtest.gpu_standin", "--compare", str(self.model_dir)],
+            timeout)
+        return {**result, **(compared or {})}
 
     def bench(self, piece: Piece, timeout: float, what: str) -> dict:
-        out = self.scratch / f"{piece.name}.json"
-        argv = ["-m", "baton_loadtest.gpu_bench", what, "--json", str(out)]
+        argv = ["-m", "baton_loadtest.gpu_bench", what]
         if what == "engine":
             argv += ["--tokenizer-dir", str(self.model_dir)]
-        result = self.python(piece.name, argv, timeout)
-        if out.exists():  # written as it goes: a timeout keeps what was measured
-            result["results"] = json.loads(out.read_text())
+        result, measured = self.python_json(piece.name, argv, timeout)
+        if measured is not None:  # written as it goes: a timeout keeps what was measured
+            result["results"] = measured
         elif result["status"] == "ok":
             result.update(status="error", error="gpu_bench wrote no JSON")
         return result
@@ -263,17 +267,15 @@ class Check:
         return self.bench(piece, timeout, "engine")
 
     def scenario(self, piece: Piece, timeout: float) -> dict:
-        out = self.scratch / f"{piece.name}.json"
         reference = self.scratch / "colocated.json"
         # Its own deadline a little inside ours, so it stops its cluster and writes its result.
         argv = ["-m", "baton_loadtest.gpu_scenarios", piece.name, "--model",
-                str(self.model_dir), "--json", str(out), "--logs", str(self.logs),
+                str(self.model_dir), "--logs", str(self.logs),
                 "--timeout-s", str(max(10.0, timeout - 15))]
         if piece.name != "colocated" and self.reference_ok(reference):
             argv += ["--reference", str(reference)]
-        result = self.python(piece.name, argv, timeout)
-        if out.exists():
-            scenario = json.loads(out.read_text())
+        result, scenario = self.python_json(piece.name, argv, timeout)
+        if scenario is not None:
             result.update(scenario, status=scenario["status"] if result["status"] == "ok"
                           else result["status"])
         return result
@@ -429,7 +431,7 @@ def main(argv: list[str] | None = None) -> int:
         check.report["environment"] = environment()
         if args.kit and (args.kit / "manifest.json").exists():
             check.report["kit"] = json.loads((args.kit / "manifest.json").read_text())
-        probe = cuda_probe()
+        check.probe = probe = cuda_probe()
         check.report.update(cuda_ran=probe["cuda_ran"], probe_reason=probe["reason"])
         env = check.report["environment"]
         print(f"gpu-check: torch {env['torch']} (CUDA {env['torch_cuda']}), "

@@ -17,6 +17,9 @@ from pathlib import Path
 
 import torch
 
+from baton.kv_transfer import NIXL_MODULES
+from baton_loadtest.procs import tail
+
 PR_SET_CHILD_SUBREAPER = 36
 TERM_GRACE_S = 10.0
 
@@ -134,10 +137,6 @@ def run_subprocess(cmd: list[str], log: Path, timeout_s: float, env: dict, cwd: 
     return result
 
 
-def tail(path: Path, chars: int = 3000) -> str:
-    return path.read_text(errors="replace")[-chars:] if path.exists() else ""
-
-
 def cuda_probe() -> dict:
     """Runs a matmul on a CUDA tensor and checks the value read back: the proof that work
     really ran on the device (not a CPU fallback, not Triton's interpreter)."""
@@ -175,7 +174,7 @@ def environment() -> dict:
                 "capability": ".".join(map(str, torch.cuda.get_device_capability(i))),
                 "memory_gib": round(torch.cuda.get_device_properties(i).total_memory / 2**30, 1)}
                for i in range(count)]
-    nixl = [m for m in ("nixl_cu13", "nixl_cu12", "nixl") if importlib.util.find_spec(m)]
+    nixl = [m for m in NIXL_MODULES if importlib.util.find_spec(m)]
     return {"python": sys.version.split()[0], "torch": str(torch.__version__),
             "torch_cuda": torch.version.cuda, "triton": triton_version,
             "transformers": transformers_version, "nixl": nixl,

@@ -30,7 +30,6 @@ NEEDED = {"torch": "everything", "triton": "the Triton kernels", "transformers":
           "prometheus_client": "metrics", "yaml": "configs", "jinja2": "chat templates"}
 # Packages the kit leaves out on purpose (scripts/gpu_kit.py NOT_NEEDED), by import name.
 LEFT_OUT = {"matplotlib", "kubernetes", "gguf", "accelerate"}
-NIXL_MODULES = ("nixl_cu13", "nixl_cu12", "nixl")
 
 
 def missing_name(err: BaseException) -> str | None:
@@ -67,6 +66,8 @@ def preflight() -> dict:
             missing.setdefault(gone, []).append(name)
         elif error:
             broken[name] = error
+    from baton.kv_transfer import NIXL_MODULES
+
     nixl = next((m for m in NIXL_MODULES if try_import(m)[1] is None), None)
     needed_missing = {k: v for k, v in missing.items() if k not in LEFT_OUT}
     return {

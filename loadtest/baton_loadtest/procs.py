@@ -1,10 +1,12 @@
-"""Loopback ports and readiness waits for the benchmarks and scenarios that start servers."""
+"""Loopback ports, readiness waits and log tails for the benchmarks and scenarios that start
+servers."""
 
 from __future__ import annotations
 
 import socket
 import subprocess
 import time
+from pathlib import Path
 
 
 def free_port() -> int:
@@ -43,3 +45,8 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> None:
             return
         time.sleep(0.2)
     raise TimeoutError(f"{url} not ready after {timeout}s")
+
+
+def tail(path: Path, chars: int = 3000) -> str:
+    """The end of a log file ("" when there is none)."""
+    return path.read_text(errors="replace")[-chars:] if path.exists() else ""

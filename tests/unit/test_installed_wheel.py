@@ -5,6 +5,7 @@ attention with only a warning; here that is a failure.)"""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -36,12 +37,11 @@ CHECK = textwrap.dedent("""
 
 
 def tracked_tree(dest: Path) -> Path:
-    names = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, check=True,
-                           capture_output=True).stdout.decode().split("\0")
-    for name in filter(None, names):
-        if (ROOT / name).is_file():
-            (dest / name).parent.mkdir(parents=True, exist_ok=True)
-            (dest / name).write_bytes((ROOT / name).read_bytes())
+    """The working tree's files, as the GPU kit copies them (scripts/gpu_kit.py)."""
+    spec = importlib.util.spec_from_file_location("gpu_kit", ROOT / "scripts" / "gpu_kit.py")
+    gpu_kit = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_kit)
+    gpu_kit.copy_tracked_files(dest)
     return dest
 
 

@@ -26,9 +26,9 @@ from baton.engine.request import Request, RequestStatus
 from baton.engine.runner import ModelRunner
 from baton.engine.sampler import TokenLogprobs
 from baton.engine.scheduler import SchedulerLimits, make_scheduler
-from baton.engine.stops import token_ends
+from baton.engine.stops import text_end, token_ends
 from baton.engine.structured.base import GrammarCompileError
-from baton.engine.structured.manager import StructuredOutputs, grammar_complete, rebuild
+from baton.engine.structured.manager import StructuredOutputs, rebuild
 
 log = logging.getLogger(__name__)
 
@@ -192,8 +192,8 @@ class EngineCore:
         for token in list(req.output_token_ids):
             status = self.scheduler.stop_status(req, token)
             text, matched = self._detok_add(req, token)
-            if status is None and (matched is not None or grammar_complete(req)):
-                status, req.stop_reason = RequestStatus.FINISHED_STOPPED, matched
+            if status is None and (end := text_end(req, matched)) is not None:
+                status, req.stop_reason = end.status, end.reason
             lp = _arrived_logprobs(req)
             if status is not None:
                 self.scheduler.finish_requests([req.request_id], status)

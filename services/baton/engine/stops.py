@@ -38,6 +38,14 @@ def token_ends(scheduled: Sequence[ScheduledRequest], sampled: dict[str, int],
             ends[rid] = EngineEnd(RequestStatus.FINISHED_ERROR,
                                   f"{type(err).__name__}: {err}")
             continue
-        if matched is not None or grammar_complete(req):
-            ends[rid] = EngineEnd(RequestStatus.FINISHED_STOPPED, matched)
+        if (end := text_end(req, matched)) is not None:
+            ends[rid] = end
     return texts, ends
+
+
+def text_end(req: Request, matched: str | None) -> EngineEnd | None:
+    """A token whose text matched a stop string, or that completed the request's structured
+    output, ends it ("stop"; `matched` is its stop reason)."""
+    if matched is not None or grammar_complete(req):
+        return EngineEnd(RequestStatus.FINISHED_STOPPED, matched)
+    return None

@@ -46,13 +46,19 @@ from baton.kv_transfer.base import (
     LeaseExpiredError,
     TransferError,
 )
-from baton.kv_transfer.messages import REQUEST, Hello, InfoRequest, PullRequest
+from baton.kv_transfer.messages import (
+    NONCE_PATTERN,
+    REQUEST,
+    Hello,
+    InfoRequest,
+    PullRequest,
+)
 from baton.kv_transfer.wire import MAGIC, FrameError, recv_magic, recv_msg, send_msg
 
 log = logging.getLogger(__name__)
 
 HANDSHAKE_TIMEOUT_S = 5.0
-_NONCE = re.compile(r"[0-9a-f]{32}")
+_NONCE = re.compile(NONCE_PATTERN)
 _ERRORS = {"layout": LayoutMismatchError, "lease": LeaseExpiredError, "auth": KVAuthError}
 
 

@@ -14,7 +14,8 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StringConstraints
 
 MAX_ID_CHARS = 128
 Id = Annotated[str, StringConstraints(strict=True, min_length=1, max_length=MAX_ID_CHARS)]
-Nonce = Annotated[str, StringConstraints(strict=True, pattern=r"^[0-9a-f]{32}$")]
+NONCE_PATTERN = r"^[0-9a-f]{32}$"  # secrets.token_hex(16)
+Nonce = Annotated[str, StringConstraints(strict=True, pattern=NONCE_PATTERN)]
 
 
 class _Message(BaseModel):
