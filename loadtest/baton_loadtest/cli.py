@@ -3,8 +3,9 @@
     baton-loadtest run --base-url http://127.0.0.1:8000 --workload loadtest/workloads/chat.yaml --out runs/a
     baton-loadtest sweep --base-url URL --workload chat.yaml --rates 1,2,4,8 --slo-ttft 2 --slo-itl 0.2 --out runs/sweep
     baton-loadtest compare runs/a/result.json runs/b/result.json
-    baton-loadtest scenario static-vs-continuous --workload chat.yaml --out runs/s
-    baton-loadtest scenario vs-vllm --vllm-python /tmp/vllm-venv/bin/python --out runs/vs
+
+Baton's own benchmarks built on it (scenarios against local clusters, vs vLLM, the planner
+check) live in the repository's `benchmarks/`, not in this package.
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ def _client_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=600.0)
 
 
-def _workload_args(p: argparse.ArgumentParser, out_required: bool = True,
+def workload_args(p: argparse.ArgumentParser, out_required: bool = True,
                    workload_required: bool = True) -> None:
     p.add_argument("--workload", required=workload_required,
                    help="a YAML file (see loadtest/workloads)")
@@ -146,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="one run of a workload")
     _client_args(run)
-    _workload_args(run)
+    workload_args(run)
     load = run.add_mutually_exclusive_group()
     load.add_argument("--rate", type=float, default=None, help="open-loop req/s")
     load.add_argument("--concurrency", type=int, default=None, help="closed-loop clients")
@@ -154,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
 
     sweep = sub.add_parser("sweep", help="find the highest rate meeting the SLOs")
     _client_args(sweep)
-    _workload_args(sweep)
+    workload_args(sweep)
     sweep.add_argument("--rates", required=True, help="comma-separated req/s")
     sweep.add_argument("--target", type=float, default=0.9)
     sweep.add_argument("--refine", type=int, default=0, help="bisection steps")
@@ -167,17 +168,16 @@ def main(argv: list[str] | None = None) -> int:
     cmp_.add_argument("--name-b", default=None)
     cmp_.set_defaults(fn=cmd_compare)
 
-    from baton_loadtest.scenarios import add_parser as add_scenarios
-
-    add_scenarios(sub, _workload_args, run_once, load_tokenizer)
-    from baton_loadtest.planner_check import add_parser as add_planner_check
-
-    add_planner_check(sub, run_once, load_tokenizer)
     args = ap.parse_args(argv)
+    return run_command(args.fn, args, ap.prog)
+
+
+def run_command(fn, args: argparse.Namespace, prog: str) -> int:
+    """fn(args); a bad workload, value or path is one line on stderr and exit status 2."""
     try:
-        return args.fn(args)
+        return fn(args)
     except (SpecError, ValueError, FileNotFoundError) as err:
-        print(f"baton-loadtest: {err}", file=sys.stderr)
+        print(f"{prog}: {err}", file=sys.stderr)
         return 2
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from baton_loadtest.procs import free_port_run  # noqa: F401 - used by the tests
+from benchmarks.procs import free_port_run  # noqa: F401 - used by the tests
 
 MODEL = "SmolLM2-135M-Instruct"
 WORKER_FLAGS = ["--dtype", "float32", "--num-kv-blocks", "384", "--max-num-seqs", "16"]

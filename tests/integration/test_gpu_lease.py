@@ -4,7 +4,7 @@ at its versions where they exist for our Python; torch 2.13 CPU stands in for 2.
 `bash kit/gpu-check.sh` as a lease runs it: the kit's wheels installed --no-index, every
 import found, the stand-in model built, every piece accounted for inside the deadline. A
 second run on the same machine reuses the stand-in, and a piece past its limit loses only
-itself. (The deadline's arithmetic: tests/unit/loadtest/test_gpu_check.py.)
+itself. (The deadline's arithmetic: tests/unit/benchmarks/test_gpu_check.py.)
 
 Needs the package registry once, for `pip download` and the venv (as `make gpu-kit` does)."""
 
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from baton_loadtest.gpu_check import PIECES
+from benchmarks.gpu_check import PIECES
 from tests.unit.deploy.kube import ROOT
 
 pytestmark = pytest.mark.slow
@@ -116,7 +116,7 @@ def test_the_kit_holds_what_the_lease_lacks_and_fits(kit):
     assert not {"torch", "triton", "transformers", "numpy"} & wheels  # the machine's own
     assert (kit / "model" / "SmolLM2-135M-Instruct" / "tokenizer.json").exists()
     assert not list((kit / "model").rglob("*.safetensors"))
-    assert (kit / "src" / "loadtest" / "baton_loadtest" / "gpu_check.py").exists()
+    assert (kit / "src" / "benchmarks" / "gpu_check.py").exists()
     source = sum(p.stat().st_size for p in (kit / "src").rglob("*") if p.is_file())
     assert source < 10 * MIB  # the tree, not the kit being built inside it
     size = sum(p.stat().st_size for p in kit.rglob("*") if p.is_file())

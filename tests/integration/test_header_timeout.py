@@ -14,7 +14,7 @@ from aiohttp import web
 
 from baton.router.app import ROUTER, listen
 from baton.router.settings import RouterSettings
-from baton_loadtest.procs import free_port_run
+from benchmarks.procs import free_port_run
 from tests.integration.conftest import http_get, wait_for
 from tests.unit.router.fakes import FakePod
 

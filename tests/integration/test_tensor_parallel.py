@@ -12,7 +12,7 @@ import pytest
 import transformers
 
 from baton import LLM, SamplingParams
-from baton_loadtest.procs import free_port_run
+from benchmarks.procs import free_port_run
 from tests.integration.conftest import Proc, post_json, wait_for
 from tests.unit.engine.models.parity import save_tiny
 

@@ -1,7 +1,8 @@
 """What ships is what runs: the wheel built from this tree, installed into a fresh venv, holds
 every C kernel source and header the engine compiles, and each one builds from the installed
 files. (A missing header once made every installed Baton fall back to the slower torch
-attention with only a warning; here that is a failure.)"""
+attention with only a warning; here that is a failure.) The load tool ships with it; Baton's
+own benchmarks (`benchmarks/`) do not."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import sys
 import sysconfig
 import textwrap
 import venv
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -52,6 +54,9 @@ def test_the_installed_wheel_builds_every_native_kernel(tmp_path):
                     "--no-build-isolation", "-w", str(wheels), str(src)], check=True,
                    timeout=300)
     [wheel] = wheels.glob("baton-*.whl")
+    shipped = zipfile.ZipFile(wheel).namelist()
+    assert "baton_loadtest/cli.py" in shipped
+    assert not [n for n in shipped if n.split("/")[0] == "benchmarks"], "benchmarks shipped"
     env_dir = tmp_path / "venv"
     venv.create(env_dir, with_pip=True)
     python = env_dir / "bin" / "python"

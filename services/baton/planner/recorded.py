@@ -1,10 +1,10 @@
 """A recorded measured run: what the planner is checked against.
 
-`baton-loadtest planner-check` writes one after it has served a workload on a local cluster:
-the profile it planned with, the simulation settings, the replica counts it ran, the requests
-exactly as they were sent (arrival, prompt and output tokens, from the load tester's records)
-and the p90 TTFT / ITL the client measured. `predict` replays those requests through the
-simulation, so a test can keep checking the model against a real run in milliseconds.
+`python -m benchmarks.planner_check` writes one after it has served a workload on a local
+cluster: the profile it planned with, the simulation settings, the replica counts it ran, the
+requests exactly as they were sent (arrival, prompt and output tokens, from the load tester's
+records) and the p90 TTFT / ITL the client measured. `predict` replays those requests through
+the simulation, so a test can keep checking the model against a real run in milliseconds.
 """
 
 from __future__ import annotations

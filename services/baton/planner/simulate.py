@@ -104,8 +104,8 @@ class SimSettings:
     percentile: float = 90.0
     # The fraction of its cores a pod's threads got while they were runnable: 1 when the
     # pod has its device to itself (what a plan assumes); below 1 on a machine shared with
-    # other work, as measured by `baton-loadtest planner-check` from the kernel's run-queue
-    # accounting. Every step of that pool then takes cost / share.
+    # other work, as measured by `python -m benchmarks.planner_check` from the kernel's
+    # run-queue accounting. Every step of that pool then takes cost / share.
     prefill_cpu_share: float = 1.0
     decode_cpu_share: float = 1.0
 

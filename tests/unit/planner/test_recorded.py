@@ -1,7 +1,7 @@
 """The simulation against measured runs: each fixture under fixtures/ is a run recorded on a
-local cluster by `baton-loadtest planner-check --record` (the profile, the requests as sent,
-the replica counts and the client's p90s); replaying its requests through the simulation must
-land within 15% of what was measured."""
+local cluster by `python -m benchmarks.planner_check --record` (the profile, the requests as
+sent, the replica counts and the client's p90s); replaying its requests through the simulation
+must land within 15% of what was measured."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ TOLERANCE = 0.15
 
 
 def test_there_is_a_recorded_run_to_check():
-    assert FIXTURES, "record one: see baton_loadtest.planner_check"
+    assert FIXTURES, "record one: see benchmarks.planner_check"
 
 
 # Known misses, each checked strictly so that a model that starts to reproduce it is

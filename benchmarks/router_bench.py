@@ -5,7 +5,7 @@ front of the same upstream, in alternating rounds (so drift on a noisy machine h
 paths alike); for each path it records time to first byte (TTFB) and end-to-end latency,
 and reports p50/p99 per path and router minus direct.
 
-Upstreams: `sim` (default) is `baton_loadtest.sim_worker`, a simulated worker with fixed
+Upstreams: `sim` (default) is `benchmarks.sim_worker`, a simulated worker with fixed
 token timing, which isolates the router's cost; `real` is a `baton serve` worker on the
 bundled model (noisier: its latency depends on how requests batch).
 
@@ -13,7 +13,7 @@ bundled model (noisier: its latency depends on how requests batch).
 deployment where the router has a core of its own; without it all three compete for the
 same cores and the router's CPU time shows up as extra latency of the clients and upstream.
 
-    python -m baton_loadtest.router_bench [--upstream sim|real] [--concurrency 1,16,64] [--pin]
+    python -m benchmarks.router_bench [--upstream sim|real] [--concurrency 1,16,64] [--pin]
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from baton_loadtest.procs import free_port, wait_ready
+from benchmarks.procs import free_port, wait_ready
 
 
 @dataclass
@@ -126,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     up_url, router_url = f"http://127.0.0.1:{up_port}", f"http://127.0.0.1:{router_port}"
     if args.upstream == "sim":
         model = "sim"
-        up_cmd = [sys.executable, "-m", "baton_loadtest.sim_worker", "--port", str(up_port),
+        up_cmd = [sys.executable, "-m", "benchmarks.sim_worker", "--port", str(up_port),
                   "--tokens", str(args.max_tokens), "--itl", str(args.itl)]
     else:
         model = "SmolLM2-135M-Instruct"

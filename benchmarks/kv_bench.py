@@ -5,7 +5,7 @@ layout (30 layers, 3 KV heads, head dim 64, blocks of 16 tokens, bf16: 360 KiB a
 puller pulls shuffled, non-contiguous blocks into shuffled destinations. The reference is
 the same gather + scatter done in one process (what any transport must at least do).
 
-    python -m baton_loadtest.kv_bench [--blocks 256] [--repeats 5] [--transports tcp]
+    python -m benchmarks.kv_bench [--blocks 256] [--repeats 5] [--transports tcp]
 
 `tcp-staged` is tcp forced through its host staging buffers on both sides: the path a GPU
 cache takes (here over host memory, so it measures the extra copies and the chunking).
@@ -30,7 +30,7 @@ SHAPE = dict(layers=30, kv_heads=3, head_dim=64, block_size=16)
 
 HOLDER = """
 import json, sys, time, torch
-from baton_loadtest.kv_bench import make
+from benchmarks.kv_bench import make
 n_blocks, repeats, kind = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 kv = torch.randn(30, 2, n_blocks, 16, 3, 64).to(torch.bfloat16)
 t = make(kind)

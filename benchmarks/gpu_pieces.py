@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from baton.kv_transfer import NIXL_MODULES
-from baton_loadtest.procs import tail
+from benchmarks.procs import tail
 
 PR_SET_CHILD_SUBREAPER = 36
 TERM_GRACE_S = 10.0

@@ -16,7 +16,7 @@ tokens of unique text, so no prefix-cache hit helps) arriving as a Poisson strea
 Target (issue 4): disaggregated ITL p99 with long prompts <= 1.2x its value without them;
 the colocated figure is printed beside it.
 
-    python -m baton_loadtest.interference_bench [--seconds 30] [--long-rate 0.5]
+    python -m benchmarks.interference_bench [--seconds 30] [--long-rate 0.5]
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from pathlib import Path
 
 import aiohttp
 
-from baton_loadtest.procs import free_port_run
+from benchmarks.procs import free_port_run
 
 MODEL = "SmolLM2-135M-Instruct"
 WORDS = ("river mountain quiet engine lantern copper violet harbor meadow signal orchard "

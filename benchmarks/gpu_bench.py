@@ -2,11 +2,11 @@
 against the device's copy bandwidth measured in the same run.
 
     make bench-gpu                                   # both, default sizes, on CUDA
-    python -m baton_loadtest.gpu_bench kernels [--batches 1,4,16,64,256]
+    python -m benchmarks.gpu_bench kernels [--batches 1,4,16,64,256]
         [--contexts 512,2048,8192,32768] [--dtype bfloat16] [--block-size 16]
-    python -m baton_loadtest.gpu_bench engine [--decode-batches 1,32,256] [--prompt-len 128]
+    python -m benchmarks.gpu_bench engine [--decode-batches 1,32,256] [--prompt-len 128]
         [--max-tokens 128] [--enforce-eager] [--attention-backend triton]
-    python -m baton_loadtest.gpu_bench all [--shape tiny] [--json result.json]
+    python -m benchmarks.gpu_bench all [--shape tiny] [--json result.json]
 
 What is measured:
 
@@ -34,7 +34,7 @@ What is measured:
 
 On a machine without a GPU everything runs on CPU at tiny sizes (for the smoke test), the
 kernels only in Triton's interpreter: set ``TRITON_INTERPRET=1`` before starting, e.g.
-``TRITON_INTERPRET=1 python -m baton_loadtest.gpu_bench all --shape tiny --batches 1,2
+``TRITON_INTERPRET=1 python -m benchmarks.gpu_bench all --shape tiny --batches 1,2
 --contexts 64,256 --decode-batches 1,4 --prompt-len 16 --max-tokens 8``.
 
 The last line printed is the JSON of every number (also written to ``--json PATH``).
@@ -56,7 +56,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from baton_loadtest.timing import measure_copy_bandwidth, release, time_calls
+from benchmarks.timing import measure_copy_bandwidth, release, time_calls
 
 GIB = 1 << 30
 MIB = 1 << 20

@@ -1,7 +1,7 @@
 """Structured outputs benchmark: the grammar engine's per-step mask time at batch 1 and 64,
 and offline throughput with half the requests constrained by a JSON schema against none.
 
-    python -m baton_loadtest.structured_bench [--num-requests 64] [--max-tokens 64]
+    python -m benchmarks.structured_bench [--num-requests 64] [--max-tokens 64]
         [--dtype bfloat16] [--compare] [--out result.json]
 
 Mask time: `--rows` matchers, each walking its own random path through a nested schema

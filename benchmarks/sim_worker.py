@@ -5,7 +5,7 @@ It answers `/load` like a ready Baton worker and streams `--tokens` completion c
 through the router minus latency measured directly is the router's own cost, free of the
 model's noise (the same idea as llm-d's inference simulator).
 
-    python -m baton_loadtest.sim_worker --port 9001 --tokens 16 --itl 0.005
+    python -m benchmarks.sim_worker --port 9001 --tokens 16 --itl 0.005
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ torch's compute threads, the worker's event loop, the router process and the loa
 (read from /proc per thread before and after the timed batch, so it holds on a loaded
 machine where wall-clock rates do not).
 
-    python -m baton_loadtest.serving_bench [--num-requests 64] [--dtype bfloat16]
+    python -m benchmarks.serving_bench [--num-requests 64] [--dtype bfloat16]
         [--paths offline,serve,up] [--json out.json]
 """
 
@@ -29,9 +29,9 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from baton_loadtest.procs import free_port, free_port_run, wait_ready
-from baton_loadtest.threads_cpu import cpu_by_role
 from baton_loadtest.workload import OfflineRequest, chat_workload
+from benchmarks.procs import free_port, free_port_run, wait_ready
+from benchmarks.threads_cpu import cpu_by_role
 
 MODEL = "SmolLM2-135M-Instruct"
 

@@ -4,7 +4,7 @@ simulated worker: a few tokens, no delay) so the client is the only thing measur
 Reports closed-loop throughput at 64 clients and, open loop, whether a target rate is held:
 achieved rate and how late requests left versus their planned send times (p50/p99).
 
-    python -m baton_loadtest.loadgen_bench [--requests 5000] [--rate 500]
+    python -m benchmarks.loadgen_bench [--requests 5000] [--rate 500]
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ import numpy as np
 from baton_loadtest.cli import load_tokenizer
 from baton_loadtest.client import ClientSettings
 from baton_loadtest.generator import plan
-from baton_loadtest.procs import free_port, wait_ready
 from baton_loadtest.runner import run_plan
 from baton_loadtest.spec import ArrivalSpec, LengthSpec, WorkloadSpec
+from benchmarks.procs import free_port, wait_ready
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -39,7 +39,7 @@ def main(argv: list[str] | None = None) -> int:
     url = f"http://127.0.0.1:{port}"
     sim_cpus = {cpus[0]} if len(cpus) > 1 else None
     proc = subprocess.Popen(
-        [sys.executable, "-m", "baton_loadtest.sim_worker", "--port", str(port),
+        [sys.executable, "-m", "benchmarks.sim_worker", "--port", str(port),
          "--tokens", str(args.tokens), "--itl", "0"],
         preexec_fn=(lambda: os.sched_setaffinity(0, sim_cpus)) if sim_cpus else None)
     if len(cpus) > 1:

@@ -11,7 +11,8 @@ import sys
 
 import pytest
 
-from baton_loadtest.gpu_bench import DECODE_WARMUP_STEPS, main
+from benchmarks.gpu_bench import DECODE_WARMUP_STEPS, main
+from tests.unit.deploy.kube import ROOT
 
 pytest.importorskip("triton")
 # The run takes ~10 s and, on a fresh cache, converts the bundled model for its tokenizer.
@@ -32,9 +33,9 @@ def bench(tmp_path_factory):
     """One CPU run of `all`: (stdout lines, the --json file's results)."""
     out = tmp_path_factory.mktemp("gpu_bench") / "result.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "baton_loadtest.gpu_bench", *ARGS, "--json", str(out)],
+        [sys.executable, "-m", "benchmarks.gpu_bench", *ARGS, "--json", str(out)],
         env={**os.environ, "TRITON_INTERPRET": "1"}, capture_output=True, text=True,
-        timeout=300)
+        timeout=300, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     return proc.stdout.splitlines(), json.loads(out.read_text())
 

@@ -1,13 +1,13 @@
 """`make gpu-check` / `bash gpu-kit/gpu-check.sh`: everything Baton claims on a GPU, in pieces
 under one total deadline, one JSON report rewritten after every piece.
 
-    python -m baton_loadtest.gpu_check [--out DIR | --json PATH] [--deadline-s 480]
+    python -m benchmarks.gpu_check [--out DIR | --json PATH] [--deadline-s 480]
         [--only NAME,...] [--skip NAME,...] [--limit NAME=SECONDS ...] [--kit DIR] [--run-dir DIR]
 
 The pieces, in order (`PIECES`); each runs in a subprocess of its own session with a limit of
 its own, cut to what is left of the deadline, so a piece that hangs loses only itself:
 
-- `preflight`: every module of baton, baton_kernels and baton_loadtest imported; each missing
+- `preflight`: every module of baton, baton_kernels, baton_loadtest and benchmarks imported;
   import named with the modules that need it (before any pytest run);
 - `probe`: a matmul on a CUDA tensor read back and checked: `cuda_ran` (in this process);
 - `model`: the bundled model when it is installed, else a stand-in: random weights of its
@@ -18,10 +18,10 @@ its own, cut to what is left of the deadline, so a piece that hangs loses only i
   device (the model above and an 8B-shaped random model), a seeded sampled request;
 - `bench_kernels`, `bench_engine`: decode attention's KV read rate as a share of the copy
   bandwidth; the 8B-shaped engine's decode tok/s and its batch-1 step over the weight-streaming
-  floor (baton_loadtest.gpu_bench);
+  floor (benchmarks.gpu_bench);
 - `colocated`, `kv_tcp`, `kv_nixl` (one GPU) and `kv_nccl`, `tp2` (two GPUs): `baton up`
   clusters answering the OpenAI client, prefill + decode equal to colocated, no KV block or
-  lease left held (baton_loadtest.gpu_scenarios);
+  lease left held (benchmarks.gpu_scenarios);
 - `engine_cpu`: the engine on CPU, greedy, token for token against this machine's
   transformers on the same model (the lease's library versions, even without a GPU).
 
@@ -46,7 +46,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from baton_loadtest.gpu_pieces import (
+from benchmarks.gpu_pieces import (
     Deadline,
     become_subreaper,
     cuda_probe,
@@ -57,7 +57,7 @@ from baton_loadtest.gpu_pieces import (
     sweep_orphans,
 )
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_DEADLINE_S = 480.0
 RESERVE_S = 5.0        # kept back for the last report
 MIN_PIECE_S = 15.0     # a piece the deadline leaves less than this is skipped, not started
@@ -195,7 +195,7 @@ class Check:
             return result, None
 
     def piece_preflight(self, piece: Piece, timeout: float) -> dict:
-        result, found = self.python_json(piece.name, ["-m", "baton_loadtest.gpu_preflight"],
+        result, found = self.python_json(piece.name, ["-m", "benchmarks.gpu_preflight"],
                                          timeout)
         return {**result, **(found or {})}
 
@@ -204,7 +204,7 @@ class Check:
         return {"status": "ok" if probe["cuda_ran"] else "failed", **probe}
 
     def piece_model(self, piece: Piece, timeout: float) -> dict:
-        argv = ["-m", "baton_loadtest.gpu_standin", "--out", str(self.scratch / "model")]
+        argv = ["-m", "benchmarks.gpu_standin", "--out", str(self.scratch / "model")]
         if self.args.kit:
             argv += ["--config-dir", str(self.args.kit / "model" / "SmolLM2-135M-Instruct")]
         result, model = self.python_json(piece.name, argv, timeout)
@@ -245,12 +245,12 @@ class Check:
 
     def piece_engine_cpu(self, piece: Piece, timeout: float) -> dict:
         result, compared = self.python_json(
-            piece.name, ["-m", "baton_loadtest.gpu_standin", "--compare", str(self.model_dir)],
+            piece.name, ["-m", "benchmarks.gpu_standin", "--compare", str(self.model_dir)],
             timeout)
         return {**result, **(compared or {})}
 
     def bench(self, piece: Piece, timeout: float, what: str) -> dict:
-        argv = ["-m", "baton_loadtest.gpu_bench", what]
+        argv = ["-m", "benchmarks.gpu_bench", what]
         if what == "engine":
             argv += ["--tokenizer-dir", str(self.model_dir)]
         result, measured = self.python_json(piece.name, argv, timeout)
@@ -269,7 +269,7 @@ class Check:
     def scenario(self, piece: Piece, timeout: float) -> dict:
         reference = self.scratch / "colocated.json"
         # Its own deadline a little inside ours, so it stops its cluster and writes its result.
-        argv = ["-m", "baton_loadtest.gpu_scenarios", piece.name, "--model",
+        argv = ["-m", "benchmarks.gpu_scenarios", piece.name, "--model",
                 str(self.model_dir), "--logs", str(self.logs),
                 "--timeout-s", str(max(10.0, timeout - 15))]
         if piece.name != "colocated" and self.reference_ok(reference):

@@ -19,8 +19,8 @@ from argparse import Namespace
 import pytest
 import torch
 
-from baton_loadtest.gpu_check import PIECES, Check, headline_numbers
-from baton_loadtest.gpu_pieces import junit_counts
+from benchmarks.gpu_check import PIECES, Check, headline_numbers
+from benchmarks.gpu_pieces import junit_counts
 from tests.unit.deploy.kube import ROOT
 
 GPU_PIECES = [p.name for p in PIECES if p.gpus]
@@ -157,8 +157,8 @@ HANGING_PIECE = textwrap.dedent("""
 CHECKER = textwrap.dedent("""
     import json, os, sys, time
     from pathlib import Path
-    from baton_loadtest.gpu_pieces import (alive, become_subreaper, run_subprocess,
-                                           sweep_orphans)
+    from benchmarks.gpu_pieces import (alive, become_subreaper, run_subprocess,
+                                       sweep_orphans)
     assert become_subreaper()
     log = Path(sys.argv[1])
     started = time.monotonic()
@@ -173,7 +173,7 @@ CHECKER = textwrap.dedent("""
 
 def test_a_piece_past_its_limit_is_stopped_with_what_it_started(tmp_path):
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        str(ROOT / p) for p in ("services", "kernels", "loadtest"))}
+        str(ROOT / p) for p in ("services", "kernels", "loadtest", "."))}
     proc = subprocess.run([sys.executable, "-c", CHECKER, str(tmp_path / "piece.log"),
                            HANGING_PIECE], capture_output=True, text=True, timeout=60, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -206,7 +206,7 @@ class TimedCheck(Check):
 
 
 def test_the_deadline_cuts_each_piece_and_skips_what_it_cannot_start(tmp_path, monkeypatch):
-    monkeypatch.setattr("baton_loadtest.gpu_check.RESERVE_S", 0.2)
+    monkeypatch.setattr("benchmarks.gpu_check.RESERVE_S", 0.2)
     check = TimedCheck(tmp_path, 2.0, {"kernel_tests": 5.0, "engine_tests": 5.0},
                        limits={"kernel_tests": 1.2})
     report = check.run()
@@ -223,7 +223,7 @@ def test_the_deadline_cuts_each_piece_and_skips_what_it_cannot_start(tmp_path, m
 
 
 def test_only_brings_what_its_pieces_need(tmp_path):
-    from baton_loadtest.gpu_check import with_dependencies
+    from benchmarks.gpu_check import with_dependencies
 
     assert with_dependencies({"kv_nixl"}, tmp_path) == {"kv_nixl", "probe", "model",
                                                         "colocated"}

@@ -1,4 +1,4 @@
-"""The analysis and the report of `baton-loadtest scenario vs-vllm` (the runs: `vs_vllm.py`).
+"""The analysis and the report of `benchmarks.scenarios vs-vllm` (the runs: `vs_vllm.py`).
 
 A request meets the SLOs the way vLLM's `benchmark_serving --goodput ttft:T tpot:I` counts
 it: it succeeded, its TTFT <= T, and its TPOT — (E2E - TTFT) / (output tokens - 1), the mean

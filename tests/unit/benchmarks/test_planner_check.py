@@ -11,11 +11,11 @@ import pytest
 
 from baton.planner.recorded import Measured, RecordedRun
 from baton.planner.simulate import SimSettings, Trace
-from baton_loadtest.cli import main
 from baton_loadtest.client import RequestRecord
-from baton_loadtest.planner_check import (
+from benchmarks.planner_check import (
     comparison,
     cpu_share,
+    main,
     markdown,
     measured_trace,
     runqueue_times,
@@ -81,7 +81,7 @@ def test_comparison_reports_both_predictions_and_the_error_of_the_shared_one():
     assert "CPU share while runnable: prefill 50%" in text
 
 
-def test_planner_check_is_a_loadtest_command(capsys):
+def test_planner_check_has_its_own_command_line(capsys):
     with pytest.raises(SystemExit):
-        main(["planner-check", "--help"])
+        main(["--help"])
     assert "--record" in capsys.readouterr().out

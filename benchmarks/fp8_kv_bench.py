@@ -1,7 +1,7 @@
 """FP8 KV cache vs the model's dtype on the bundled model: KV blocks per GiB, greedy agreement
 (the first position where each parity prompt's tokens differ), and offline throughput.
 
-    python -m baton_loadtest.fp8_kv_bench [--kv-cache-dtype fp8] [--prompts 32]
+    python -m benchmarks.fp8_kv_bench [--kv-cache-dtype fp8] [--prompts 32]
         [--max-tokens 64] [--parity-tokens 48] [--out result.json]
 """
 

@@ -2,7 +2,7 @@
 Llama-shaped model with random weights (`load_format="dummy"`), decode steps at batch 1 and
 16 after a 64-token prompt, TP=1 with all cores against TP=2 with half the cores a rank.
 
-    python -m baton_loadtest.tp_bench [--hidden 1024] [--layers 8] [--dtype float32]
+    python -m benchmarks.tp_bench [--hidden 1024] [--layers 8] [--dtype float32]
         [--sizes 1 2] [--out result.json]
 
 On CPU both ranks share the machine's memory bandwidth, so TP mostly adds the all-reduces'

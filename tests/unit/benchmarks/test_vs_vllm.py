@@ -1,5 +1,5 @@
-"""`scenario vs-vllm`: the SLO rule, the highest passing rate, the target ratios, the report
-and plot from synthetic sweeps, the flags and the vLLM-skip message; one slow run end to end
+"""`benchmarks.scenarios vs-vllm`: the SLO rule, the highest passing rate, the target ratios, the
+report and plot from synthetic sweeps, the flags and the vLLM-skip message; one slow run end to end
 against Baton alone."""
 
 from __future__ import annotations
@@ -8,12 +8,12 @@ import json
 
 import pytest
 
-from baton_loadtest import vs_vllm
-from baton_loadtest import vs_vllm_report as vr
-from baton_loadtest.cli import main
 from baton_loadtest.client import RequestRecord
 from baton_loadtest.report import summarize
 from baton_loadtest.spec import WorkloadSpec
+from benchmarks import vs_vllm
+from benchmarks import vs_vllm_report as vr
+from benchmarks.scenarios import main
 
 SLO = vr.TpotSLO(ttft_s=2.0, itl_s=0.2)
 TINY = """
@@ -239,7 +239,7 @@ def test_baton_systems_get_the_same_budget_and_disagg_one_core_each():
 
 
 def test_other_scenarios_still_need_a_workload(tmp_path, capsys):
-    assert main(["scenario", "chunk-sweep", "--out", str(tmp_path)]) == 2
+    assert main(["chunk-sweep", "--out", str(tmp_path)]) == 2
     assert "needs --workload" in capsys.readouterr().err
 
 
@@ -249,7 +249,7 @@ def test_vs_vllm_end_to_end_against_baton(tmp_path):
     wl = tmp_path / "tiny.yaml"
     wl.write_text(TINY)
     out = tmp_path / "vs"
-    code = main(["scenario", "vs-vllm", "--systems", "vllm,baton-colocated", "--workloads",
+    code = main(["vs-vllm", "--systems", "vllm,baton-colocated", "--workloads",
                  str(wl), "--rates", "tiny=2", "--num-requests", "6", "--warmup-requests", "2",
                  "--out", str(out), "--no-progress", "--slo-ttft", "300", "--slo-itl", "60"])
     assert code == 0

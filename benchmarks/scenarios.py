@@ -10,16 +10,24 @@ setting, then the results side by side.
   and one decode worker splitting them (KV over tcp; `--disagg-min-prefill-tokens`).
 - `vs-vllm`: goodput at equal SLOs against vLLM's server, a rate sweep of several
   workloads on each system (`vs_vllm.py`; its own flags, no `--workload`).
+
+    python -m benchmarks.scenarios static-vs-continuous --workload loadtest/workloads/chat.yaml \
+        --out runs/s
+    python -m benchmarks.scenarios vs-vllm --vllm-python /tmp/vllm-venv/bin/python --out runs/vs
 """
 
 from __future__ import annotations
 
+import argparse
+import sys
 from pathlib import Path
 
 from baton_loadtest import report
+from baton_loadtest.cli import load_tokenizer, run_command, run_once, workload_args
 from baton_loadtest.client import ClientSettings
-from baton_loadtest.procs import free_port_run
 from baton_loadtest.spec import WorkloadSpec
+from benchmarks import vs_vllm
+from benchmarks.procs import free_port_run
 
 SCENARIOS = {
     "static-vs-continuous": "the engine's static policy vs continuous batching",
@@ -43,13 +51,11 @@ def variants(args) -> list[tuple[str, list[str], dict]]:
     return [(f"budget_{n}", ["--max-num-batched-tokens", str(n)], workers) for n in sizes]
 
 
-def cmd_scenario(args, run_once, load_tokenizer) -> int:
+def cmd_scenario(args) -> int:
     from baton.launch import Cluster
 
     if args.scenario == "vs-vllm":
-        from baton_loadtest import vs_vllm
-
-        return vs_vllm.run(args, run_once, load_tokenizer)
+        return vs_vllm.run(args)
     if args.workload is None:
         raise ValueError(f"scenario {args.scenario} needs --workload")
     spec = WorkloadSpec.load(args.workload).with_overrides(args.num_requests, args.rate,
@@ -77,9 +83,9 @@ def cmd_scenario(args, run_once, load_tokenizer) -> int:
     return 0
 
 
-def add_parser(sub, workload_args, run_once, load_tokenizer) -> None:
-    p = sub.add_parser("scenario", help="compare local clusters that differ in one setting",
-                       description="\n".join(f"{k}: {v}" for k, v in SCENARIOS.items()))
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.scenarios", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("scenario", choices=sorted(SCENARIOS))
     workload_args(p, workload_required=False)
     load = p.add_mutually_exclusive_group()
@@ -93,7 +99,9 @@ def add_parser(sub, workload_args, run_once, load_tokenizer) -> None:
     p.add_argument("--disagg-min-prefill-tokens", type=int, default=256,
                    help="colocated-vs-disaggregated, vs-vllm: the router's remote-prefill "
                         "threshold")
-    from baton_loadtest.vs_vllm import add_arguments
+    vs_vllm.add_arguments(p)
+    return run_command(cmd_scenario, p.parse_args(argv), p.prog)
 
-    add_arguments(p)
-    p.set_defaults(fn=lambda args: cmd_scenario(args, run_once, load_tokenizer))
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,4 +1,4 @@
-"""The serving scenarios of `make gpu-check` (baton_loadtest.gpu_check): local clusters started
+"""The serving scenarios of `make gpu-check` (benchmarks.gpu_check): local clusters started
 with `baton up` in a subprocess, on the bundled model, every worker on `--device cuda`.
 
 - `colocated`: one colocated worker; its greedy answers are the reference.
@@ -9,7 +9,7 @@ with `baton up` in a subprocess, on the bundled model, every worker on `--device
 - `tp2`: one worker with tensor parallelism over two GPUs (answers reported, not compared:
   two ranks reduce in another order).
 
-    python -m baton_loadtest.gpu_scenarios NAME --json OUT --logs DIR [--model DIR]
+    python -m benchmarks.gpu_scenarios NAME --json OUT --logs DIR [--model DIR]
         [--reference colocated.json] [--timeout-s 120]
 
 Each disaggregated run passes only when its greedy answers equal the colocated ones, the long
@@ -29,7 +29,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from baton_loadtest.procs import free_port_run, tail, wait_ready
+from benchmarks.procs import free_port_run, tail, wait_ready
 
 MODEL = "SmolLM2-135M-Instruct"
 MAX_TOKENS = 32

@@ -12,7 +12,8 @@ import time
 import pytest
 
 from baton.engine.async_engine import ENGINE_THREAD_NAME, name_os_thread
-from baton_loadtest.threads_cpu import cpu_by_role, descendants
+from benchmarks.threads_cpu import cpu_by_role, descendants
+from tests.unit.deploy.kube import ROOT
 
 
 def _burn(seconds: float) -> None:
@@ -61,9 +62,9 @@ def test_descendants_walks_the_process_tree():
 def test_serving_bench_runs_offline_and_serve_and_writes_its_report(tmp_path):
     out = tmp_path / "serving.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "baton_loadtest.serving_bench", "--num-requests", "2",
+        [sys.executable, "-m", "benchmarks.serving_bench", "--num-requests", "2",
          "--dtype", "float32", "--paths", "offline,serve", "--json", str(out)],
-        capture_output=True, text=True, timeout=600)
+        capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
     assert set(report["paths"]) == {"offline", "serve"}

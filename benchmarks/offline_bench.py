@@ -3,7 +3,7 @@
 workload with ignore_eos, in one run. Also the batch-1 decode step against the time to
 stream the weights once.
 
-    python -m baton_loadtest.offline_bench [--num-requests 64] [--skip-hf]
+    python -m benchmarks.offline_bench [--num-requests 64] [--skip-hf]
         [--vllm-python /path/to/vllm-venv/bin/python] [--out result.json]
 
 Throughput counts useful tokens only (each request's own prompt and output), so padding in
@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
-from baton_loadtest.timing import measure_copy_bandwidth, measure_read_bandwidth
 from baton_loadtest.workload import OfflineRequest, chat_workload
+from benchmarks.timing import measure_copy_bandwidth, measure_read_bandwidth
 
 
 def run_baton(reqs: list[OfflineRequest], dtype: str, **engine_args) -> float:

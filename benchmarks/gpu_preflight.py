@@ -2,7 +2,7 @@
 with the modules that need it, before any test runs (a lease must not end on a collection
 error).
 
-    python -m baton_loadtest.gpu_preflight [--json preflight.json]
+    python -m benchmarks.gpu_preflight [--json preflight.json]
 
 `status` is ok when everything the check runs imports; a missing package that only a part the
 check never runs needs (the planner's Kubernetes client, plots, GGUF reading: the kit leaves
@@ -20,7 +20,7 @@ import time
 import traceback
 from pathlib import Path
 
-PACKAGES = ("baton", "baton_kernels", "baton_loadtest")
+PACKAGES = ("baton", "baton_kernels", "baton_loadtest", "benchmarks")
 # Imports the check's pieces need, and for what.
 NEEDED = {"torch": "everything", "triton": "the Triton kernels", "transformers": "models",
           "safetensors": "weights", "tokenizers": "the tokenizer", "pytest": "the GPU tests",

@@ -1,6 +1,6 @@
 """The planner checked against measured runs: profile, plan, serve, compare.
 
-    baton-loadtest planner-check --workload loadtest/workloads/chat.yaml --rate 0.3 \\
+    python -m benchmarks.planner_check --workload loadtest/workloads/chat.yaml --rate 0.3 \\
         --ttft-slo 5 --itl-slo 0.2 --out runs/planner_chat [--profile profile.yaml] \\
         [--num-requests 20] [--record tests/unit/planner/fixtures/chat_1p1d_e.json]
 
@@ -30,7 +30,7 @@
 Re-record the suite's newest fixture (about 5 minutes on two cores; longer on a busy machine;
 TTFT 5 s because one core prefills chat's p90 prompt in about 2.5 s before any queueing):
 
-    baton-loadtest planner-check --workload loadtest/workloads/chat.yaml --rate 0.3 \
+    python -m benchmarks.planner_check --workload loadtest/workloads/chat.yaml --rate 0.3 \
         --num-requests 20 --ttft-slo 5 --itl-slo 0.2 --out runs/planner_chat \
         --record tests/unit/planner/fixtures/chat_1p1d_e.json
 """
@@ -48,12 +48,13 @@ from pathlib import Path
 import numpy as np
 
 from baton_loadtest import report
+from baton_loadtest.cli import load_tokenizer, run_command, run_once
 from baton_loadtest.client import ClientSettings, RequestRecord
 from baton_loadtest.generator import PlannedRequest
 from baton_loadtest.generator import plan as plan_requests
-from baton_loadtest.interference_bench import pin_process
-from baton_loadtest.procs import free_port_run
 from baton_loadtest.spec import WorkloadSpec
+from benchmarks.interference_bench import pin_process
+from benchmarks.procs import free_port_run
 
 MODEL = "SmolLM2-135M-Instruct"
 TOLERANCE = 0.15  # the issue's target for predicted vs measured p90
@@ -138,7 +139,7 @@ def make_plan(profile, trace, args, cores: int):
 
 
 # -- the measured side --------------------------------------------------------------------
-def run_variant(v: Variant, spec: WorkloadSpec, tokenizer, args, run_once
+def run_variant(v: Variant, spec: WorkloadSpec, tokenizer, args
                 ) -> tuple[dict, list[RequestRecord], dict[str, float]]:
     """The run's summary, its records, and each pool's measured CPU share (`cpu_share`)."""
     from baton.launch import Cluster
@@ -235,7 +236,7 @@ def recorded_run(name: str, profile, v: Variant, records, summary: dict, shares:
                            args.transfer_overhead, 90.0,
                            prefill_cpu_share=round(shares.get("prefill", 1.0), 4),
                            decode_cpu_share=round(shares.get("decode", 1.0), 4))
-    notes = (f"baton-loadtest planner-check on {profile.hardware.cpu}; workload "
+    notes = (f"python -m benchmarks.planner_check on {profile.hardware.cpu}; workload "
              f"{args.workload}, rate {args.rate}, {len(records)} requests, {args.dtype}")
     return RecordedRun(name, profile, settings, v.prefill, v.decode, measured_trace(records),
                        Measured(p90(summary, "ttft_s"), p90(summary, "itl_s")), notes)
@@ -304,7 +305,7 @@ NOTE = ("'plan': `baton plan`'s row for this P:D (the planned requests, pods wit
         "planner does not simulate colocated pods (measured only).")
 
 
-def run_all(args, planned, profile, spec, tokenizer, cores: int, run_once) -> dict:
+def run_all(args, planned, profile, spec, tokenizer, cores: int) -> dict:
     rows = {(r.prefill, r.decode): r for r in planned.rows}
     variants = [Variant("recommended", planned.prefill, planned.decode, 1)]
     if not args.skip_alternative:
@@ -313,7 +314,7 @@ def run_all(args, planned, profile, spec, tokenizer, cores: int, run_once) -> di
               "slo": {"ttft_s": args.ttft_slo, "itl_s": args.itl_slo},
               "plan": planned.to_json(), "note": NOTE, "variants": {}}
     for v in variants:
-        summary, records, shares = run_variant(v, spec, tokenizer, args, run_once)
+        summary, records, shares = run_variant(v, spec, tokenizer, args)
         ttft, itl = p90(summary, "ttft_s"), p90(summary, "itl_s")
         row = {"label": v.label, "prefill": v.prefill, "decode": v.decode,
                "measured": {"ttft_p90_s": ttft, "itl_p90_s": itl}, "cpu_share": shares,
@@ -331,7 +332,7 @@ def run_all(args, planned, profile, spec, tokenizer, cores: int, run_once) -> di
     return result
 
 
-def check(args, run_once, load_tokenizer) -> int:
+def check(args) -> int:
     from baton.planner.plan import PlanError, format_plan
     from baton.planner.profile import Profile
 
@@ -347,7 +348,7 @@ def check(args, run_once, load_tokenizer) -> int:
         print(f"baton plan: {err}", file=sys.stderr)
         return 1
     print(format_plan(planned, profile), flush=True)
-    result = run_all(args, planned, profile, spec, tokenizer, cores, run_once)
+    result = run_all(args, planned, profile, spec, tokenizer, cores)
     result["profile"] = str(args.profile or args.out / "profile.yaml")
     (args.out / "report.json").write_text(json.dumps(result, indent=1))
     text = markdown(result)
@@ -356,9 +357,9 @@ def check(args, run_once, load_tokenizer) -> int:
     return 0
 
 
-def add_parser(sub, run_once, load_tokenizer) -> None:
-    p = sub.add_parser("planner-check", help="profile, plan, serve the plan, compare p90s",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.planner_check", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workload", required=True, help="a YAML file (see loadtest/workloads)")
     p.add_argument("--rate", type=float, required=True, help="open-loop req/s")
     p.add_argument("--num-requests", type=int, default=None)
@@ -380,4 +381,8 @@ def add_parser(sub, run_once, load_tokenizer) -> None:
     p.add_argument("--skip-alternative", action="store_true",
                    help="run only the recommended configuration")
     p.add_argument("--no-progress", action="store_true")
-    p.set_defaults(fn=lambda args: check(args, run_once, load_tokenizer))
+    return run_command(check, p.parse_args(argv), p.prog)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
