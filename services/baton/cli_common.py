@@ -3,15 +3,14 @@
 on every subcommand, and the engine's flags (`baton serve`, `baton up`; `--model` /
 `--dtype` also in `baton generate` and `baton profile`).
 
-Defaults are read from the dataclass a flag fills (`field_default`), so each lives in one
-place. Torch-free: `baton.engine.config` imports nothing heavy.
+Defaults are read from the dataclass a flag fills (`field_default`, `EngineConfig.default`),
+so each lives in one place. Torch-free: `baton.engine.config` imports nothing heavy.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-from functools import partial
 from typing import Any
 
 from baton.common.auth import internal_token
@@ -59,7 +58,7 @@ def field_default(cls: type, name: str) -> Any:
     raise ValueError(f"{cls.__name__} has no field {name!r}")
 
 
-engine_default = partial(field_default, EngineConfig)
+engine_default = EngineConfig.default
 
 
 # -- the engine's flags -------------------------------------------------------------------
@@ -208,7 +207,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
     Without `--kv-transport` a `both` worker has none and prefill/decode workers the best one
     installed. Raises ValueError naming the first bad field."""
     role = Role(getattr(args, "role", Role.BOTH))
-    return EngineConfig(
+    return EngineConfig.from_args(
         **{field: getattr(args, dest) for dest, field in _ENGINE_FIELDS.items()},
         kv_transport=_kv_transport(args.kv_transport, role, args.tensor_parallel_size),
         engine_id=f"{role}-{args.port}" if hasattr(args, "port") else None,

@@ -116,7 +116,7 @@ def test_kv_pool_flags_reach_the_engine_config():
         return engine_config(build_parser().parse_args(["serve", *flags]))
 
     plain = config()  # off CUDA the engine's 2 GiB, on CUDA its 0.9 of the device
-    assert (plain.kv_cache_memory_bytes, plain.gpu_memory_utilization) == (None, None)
-    assert config("--kv-cache-gib", "0.5").kv_cache_memory_bytes == 1 << 29
+    assert (plain.cache.kv_cache_memory_bytes, plain.cache.gpu_memory_utilization) == (None, None)
+    assert config("--kv-cache-gib", "0.5").cache.kv_cache_memory_bytes == 1 << 29
     shared = config("--device", "cuda", "--gpu-memory-utilization", "0.45")
-    assert shared.kv_pool_fraction("cuda") == 0.45 and shared.device == "cuda"
+    assert shared.cache.pool_fraction("cuda") == 0.45 and shared.compute.device == "cuda"

@@ -1,20 +1,88 @@
-"""The engine's typed, frozen configuration."""
+"""The engine's typed, frozen configuration: one group per concern (`EngineConfig.checkpoint`,
+`.compute`, `.cache`, `.scheduler`, `.parallel`, `.kv_transfer`), each validated once.
+
+The flat argument names — `LLM(model, dtype=...)`'s keywords, the CLI flags' dests, the tuning
+file's `worker` keys, the TP follower spec — map onto the groups in one table, `ARGS`
+(`EngineConfig.from_args`, `EngineConfig.args`), the way vLLM's flat `EngineArgs` build its
+grouped config. Errors name the flat argument, as the user typed it."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import StrEnum
+from functools import reduce
+from typing import Any
 
 from baton.common.auth import MIN_TOKEN_CHARS
 from baton.kv_transfer import TRANSPORTS
 
-SCHEDULING_POLICIES = ("fcfs", "priority", "static")
-KV_FAILURE_POLICIES = ("recompute", "fail")
-DTYPES = ("float32", "bfloat16", "float16")
-DEVICES = ("auto", "cpu", "cuda")
-LOAD_FORMATS = ("auto", "dummy")
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
-# auto: the model's dtype; fp8 = fp8_e4m3 (as vLLM), stored with per-layer scales
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+
+class DType(StrEnum):
+    FLOAT32 = "float32"
+    BFLOAT16 = "bfloat16"
+    FLOAT16 = "float16"
+
+
+class Device(StrEnum):
+    AUTO = "auto"
+    CPU = "cpu"
+    CUDA = "cuda"
+
+
+class LoadFormat(StrEnum):
+    AUTO = "auto"
+    DUMMY = "dummy"  # config.json only, random weights (benchmarks)
+
+
+class AttentionBackendName(StrEnum):
+    AUTO = "auto"  # triton on CUDA, torch elsewhere
+    TORCH = "torch"
+    TRITON = "triton"
+
+
+class KVCacheDType(StrEnum):
+    AUTO = "auto"  # the model's dtype
+    FP8 = "fp8"  # = fp8_e4m3 (as vLLM), stored with per-layer scales
+    FP8_E4M3 = "fp8_e4m3"
+    FP8_E5M2 = "fp8_e5m2"
+
+
+class SchedulingPolicy(StrEnum):
+    FCFS = "fcfs"
+    PRIORITY = "priority"
+    STATIC = "static"
+
+
+class KVFailurePolicy(StrEnum):
+    RECOMPUTE = "recompute"  # a failed pull prefills the request locally
+    FAIL = "fail"  # a failed pull ends the request
+
+
+def _values(enum: type[StrEnum]) -> tuple[str, ...]:
+    return tuple(member.value for member in enum)
+
+
+def _check(ok: bool, name: str, value: object, rule: str) -> None:
+    if not ok:
+        raise ValueError(f"EngineConfig.{name}={value!r} {rule}")
+
+
+def _coerce(config: object, name: str, enum: type[StrEnum], arg: str) -> None:
+    """Turn field `name` of the frozen `config` into its `enum` member; ValueError naming the
+    flat argument `arg` for a value outside it."""
+    value = getattr(config, name)
+    _check(value in _values(enum), arg, value, f"must be one of {_values(enum)}")
+    object.__setattr__(config, name, enum(value))
+
+
+# The accepted strings, for CLI choices and messages
+DTYPES = _values(DType)
+DEVICES = _values(Device)
+LOAD_FORMATS = _values(LoadFormat)
+ATTENTION_BACKENDS = _values(AttentionBackendName)
+KV_CACHE_DTYPES = _values(KVCacheDType)
+SCHEDULING_POLICIES = _values(SchedulingPolicy)
+KV_FAILURE_POLICIES = _values(KVFailurePolicy)
 # The KV pool's size when nothing sizes it: a fixed budget off CUDA; on CUDA this fraction of
 # the device (vLLM's default), the pool taking what the weights and activations leave.
 DEFAULT_KV_CACHE_BYTES = 2 << 30
@@ -22,71 +90,80 @@ DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 
 
 @dataclass(frozen=True)
-class EngineConfig:
-    """Knobs of one engine. `model=None` means the bundled SmolLM2-135M-Instruct.
-
-    The KV pool holds `num_kv_blocks` blocks when given, else as many as fit in
-    `kv_cache_memory_bytes` when given; else, on CUDA, what `gpu_memory_utilization` of the
-    device leaves after the weights and a profiled forward (`runner/memory.py`), and off
-    CUDA `DEFAULT_KV_CACHE_BYTES`. `kv_pool_fraction` says which applies.
-    """
+class CheckpointConfig:
+    """Which weights, how they load, at which dtype and context length. `model=None` means
+    the bundled SmolLM2-135M-Instruct."""
 
     model: str | None = None
     revision: str | None = None  # a hub model's branch, tag or commit (None: main)
     # True: no tokenizer is loaded (a checkpoint without one): token-id prompts only,
     # outputs carry token ids and no text (vLLM's skip_tokenizer_init)
     skip_tokenizer_init: bool = False
-    load_format: str = "auto"  # "dummy": config.json only, random weights (benchmarks)
-    dtype: str = "bfloat16"
-    device: str = "auto"
+    load_format: LoadFormat = LoadFormat.AUTO
+    dtype: DType = DType.BFLOAT16
+    max_model_len: int | None = None  # None: the model's, capped by the KV pool
+    cache_dir: str | None = None  # where downloads and compiled kernels are kept
+
+    def __post_init__(self) -> None:
+        _coerce(self, "load_format", LoadFormat, "load_format")
+        _coerce(self, "dtype", DType, "dtype")
+        _check(self.max_model_len is None or self.max_model_len >= 2, "max_model_len",
+               self.max_model_len, "must be >= 2")
+
+
+@dataclass(frozen=True)
+class ComputeConfig:
+    """Where and how the forward passes run."""
+
+    device: Device = Device.AUTO
+    attention_backend: AttentionBackendName = AttentionBackendName.AUTO
+    enforce_eager: bool = False  # True: no CUDA graphs for decode steps (CUDA only)
+    num_threads: int | None = None  # torch's CPU threads (None: every core)
+    seed: int = 0  # the sampler's
+
+    def __post_init__(self) -> None:
+        _coerce(self, "device", Device, "device")
+        _coerce(self, "attention_backend", AttentionBackendName, "attention_backend")
+        _check(self.num_threads is None or self.num_threads >= 1, "num_threads",
+               self.num_threads, "must be >= 1")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The paged KV cache. The pool holds `num_kv_blocks` blocks when given, else as many as
+    fit in `kv_cache_memory_bytes` when given; else, on CUDA, what `gpu_memory_utilization` of
+    the device leaves after the weights and a profiled forward (`runner/memory.py`), and off
+    CUDA `DEFAULT_KV_CACHE_BYTES`. `pool_fraction` says which applies."""
+
     block_size: int = 16
-    max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 128
-    max_model_len: int | None = None
     enable_prefix_caching: bool = True
     num_kv_blocks: int | None = None
-    kv_cache_memory_bytes: int | None = None  # None: see the class docstring
+    kv_cache_memory_bytes: int | None = None
     # The fraction of the CUDA device's total memory this engine may use (vLLM's meaning;
     # None: DEFAULT_GPU_MEMORY_UTILIZATION). Two engines on one GPU each take their own.
     gpu_memory_utilization: float | None = None
-    kv_cache_dtype: str = "auto"  # one of KV_CACHE_DTYPES; fp8 holds 2x bf16's blocks
-    scheduling_policy: str = "fcfs"
-    attention_backend: str = "auto"  # auto: triton on CUDA, torch elsewhere
-    enforce_eager: bool = False  # True: no CUDA graphs for decode steps (CUDA only)
-    num_threads: int | None = None
-    cache_dir: str | None = None
-    seed: int = 0
-    # Ranks the model is split over, one process each (`runner/tp.py`): this process is
-    # rank 0 and spawns the others; one GPU per rank on CUDA.
-    tensor_parallel_size: int = 1
-    # Disaggregation: the KV transport (None: this engine neither holds nor pulls KV),
-    # how long a prefill keeps blocks for a puller, how long a pull may take, and what a
-    # failed pull does to its request (prefill locally, or end it).
-    kv_transport: str | None = None
-    kv_host: str = "127.0.0.1"  # the address peers reach this engine's KV at (pod IP)
-    kv_port: int = 0  # its port (0: any free one; fixed in a cluster for NetworkPolicies)
-    engine_id: str | None = None
-    kv_lease_ttl_s: float = 30.0
-    kv_transfer_timeout_s: float = 30.0
-    kv_failure_policy: str = "recompute"
-    # The shared secret that keys the KV port's handshake (the internal token): with it,
-    # only peers proving the same secret pull from or serve this engine. Never shown.
-    kv_secret: str | None = field(default=None, repr=False)
+    kv_cache_dtype: KVCacheDType = KVCacheDType.AUTO  # fp8 holds 2x bf16's blocks
+
+    def __post_init__(self) -> None:
+        _check(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), "block_size", self.block_size,
+               "must be a power of two in [1, 128]")
+        _check(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks",
+               self.num_kv_blocks, "must be >= 1")
+        _check(self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0,
+               "kv_cache_memory_bytes", self.kv_cache_memory_bytes, "must be None or > 0")
+        _check(self.gpu_memory_utilization is None or 0 < self.gpu_memory_utilization <= 1,
+               "gpu_memory_utilization", self.gpu_memory_utilization,
+               "must be None or in (0, 1]")
+        _coerce(self, "kv_cache_dtype", KVCacheDType, "kv_cache_dtype")
 
     @property
-    def live_settings(self) -> LiveSettings:
-        """The knobs live tuning may change later, as this config starts them."""
-        return LiveSettings(self.max_num_seqs, self.max_num_batched_tokens, self.kv_lease_ttl_s,
-                            self.kv_transfer_timeout_s, self.kv_failure_policy)
-
-    @property
-    def kv_cache_bytes(self) -> int:
+    def budget_bytes(self) -> int:
         """The KV budget when the pool is not sized from the device's memory."""
         if self.kv_cache_memory_bytes is None:
             return DEFAULT_KV_CACHE_BYTES
         return self.kv_cache_memory_bytes
 
-    def kv_pool_fraction(self, device_type: str) -> float | None:
+    def pool_fraction(self, device_type: str) -> float | None:
         """The fraction of the device the engine sizes its KV pool by on a `device_type`
         device ("cuda", "cpu"), or None when the pool has a fixed size: `num_kv_blocks` or
         `kv_cache_memory_bytes` given, or a device other than CUDA."""
@@ -95,68 +172,68 @@ class EngineConfig:
             return None
         return self.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION
 
-    def check_live(self, live: LiveSettings) -> None:
-        """Raise ValueError when `live` raises a limit above this (start) config's: buffers
-        and graphs are sized at start, so that needs a restart."""
-        for name in ("max_num_seqs", "max_num_batched_tokens"):
-            if getattr(live, name) > getattr(self, name):
-                raise ValueError(f"{name}={getattr(live, name)} is above the "
-                                 f"{getattr(self, name)} this engine started with; raising "
-                                 "it needs a restart")
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """The scheduler's limits (live-tunable down to the start values) and policy."""
+
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 128
+    policy: SchedulingPolicy = SchedulingPolicy.FCFS
 
     def __post_init__(self) -> None:
-        _check(self.load_format in LOAD_FORMATS, "load_format", self.load_format,
-               f"must be one of {LOAD_FORMATS}")
-        _check(self.dtype in DTYPES, "dtype", self.dtype, f"must be one of {DTYPES}")
-        _check(self.device in DEVICES, "device", self.device, f"must be one of {DEVICES}")
-        _check(0 <= self.kv_port < 65536, "kv_port", self.kv_port, "must be 0..65535")
-        _check(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), "block_size", self.block_size,
-               "must be a power of two in [1, 128]")
-        _check(self.max_num_batched_tokens >= 1, "max_num_batched_tokens",
-               self.max_num_batched_tokens, "must be >= 1")
-        _check(self.max_num_seqs >= 1, "max_num_seqs", self.max_num_seqs, "must be >= 1")
-        _check(self.max_model_len is None or self.max_model_len >= 2, "max_model_len",
-               self.max_model_len, "must be >= 2")
-        _check(self.num_kv_blocks is None or self.num_kv_blocks >= 1, "num_kv_blocks",
-               self.num_kv_blocks, "must be >= 1")
-        _check(self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0,
-               "kv_cache_memory_bytes", self.kv_cache_memory_bytes, "must be None or > 0")
-        _check(self.gpu_memory_utilization is None or 0 < self.gpu_memory_utilization <= 1,
-               "gpu_memory_utilization", self.gpu_memory_utilization,
-               "must be None or in (0, 1]")
-        _check(self.kv_cache_dtype in KV_CACHE_DTYPES, "kv_cache_dtype", self.kv_cache_dtype,
-               f"must be one of {KV_CACHE_DTYPES}")
-        _check(self.scheduling_policy in SCHEDULING_POLICIES, "scheduling_policy",
-               self.scheduling_policy, f"must be one of {SCHEDULING_POLICIES}")
-        _check(self.attention_backend in ATTENTION_BACKENDS, "attention_backend",
-               self.attention_backend, f"must be one of {ATTENTION_BACKENDS}")
-        _check(self.num_threads is None or self.num_threads >= 1, "num_threads",
-               self.num_threads, "must be >= 1")
+        for name in ("max_num_batched_tokens", "max_num_seqs"):
+            _check(getattr(self, name) >= 1, name, getattr(self, name), "must be >= 1")
+        _coerce(self, "policy", SchedulingPolicy, "scheduling_policy")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    # Ranks the model is split over, one process each (`runner/tp.py`): this process is
+    # rank 0 and spawns the others; one GPU per rank on CUDA.
+    tensor_parallel_size: int = 1
+
+    def __post_init__(self) -> None:
         _check(1 <= self.tensor_parallel_size <= 64, "tensor_parallel_size",
                self.tensor_parallel_size, "must be in [1, 64]")
-        _check(self.kv_transport in (None, "tcp") or self.tensor_parallel_size == 1,
-               "tensor_parallel_size", self.tensor_parallel_size,
-               f"must be 1 with kv_transport={self.kv_transport!r}: KV transfer between "
-               "tensor-parallel pods (each rank its own KV heads) runs over 'tcp' only")
-        _check(self.kv_transport is None or self.kv_transport in TRANSPORTS,
-               "kv_transport", self.kv_transport,
-               f"must be None or one of {', '.join(map(repr, TRANSPORTS))}")
-        _check(self.kv_lease_ttl_s > 0, "kv_lease_ttl_s", self.kv_lease_ttl_s, "must be > 0")
-        _check(self.kv_transfer_timeout_s > 0, "kv_transfer_timeout_s",
-               self.kv_transfer_timeout_s, "must be > 0")
-        _check(self.kv_failure_policy in KV_FAILURE_POLICIES, "kv_failure_policy",
-               self.kv_failure_policy, f"must be one of {KV_FAILURE_POLICIES}")
-        _check(self.kv_secret is None or len(self.kv_secret) >= MIN_TOKEN_CHARS, "kv_secret",
-               "<hidden>", f"must be None or at least {MIN_TOKEN_CHARS} characters")
 
 
 @dataclass(frozen=True)
 class LiveKVSettings:
-    """The KV connector's knobs that live tuning changes between steps."""
+    """The KV connector's knobs that live tuning changes between steps: how long a prefill
+    keeps blocks for a puller, how long a pull may take, and what a failed pull does."""
 
-    lease_ttl_s: float
-    transfer_timeout_s: float
-    failure_policy: str  # one of KV_FAILURE_POLICIES
+    lease_ttl_s: float = 30.0
+    transfer_timeout_s: float = 30.0
+    failure_policy: KVFailurePolicy = KVFailurePolicy.RECOMPUTE
+
+    def __post_init__(self) -> None:
+        _check(self.lease_ttl_s > 0, "kv_lease_ttl_s", self.lease_ttl_s, "must be > 0")
+        _check(self.transfer_timeout_s > 0, "kv_transfer_timeout_s", self.transfer_timeout_s,
+               "must be > 0")
+        _coerce(self, "failure_policy", KVFailurePolicy, "kv_failure_policy")
+
+
+@dataclass(frozen=True)
+class KVTransferConfig:
+    """Disaggregation: the KV transport (None: this engine neither holds nor pulls KV), where
+    peers reach this engine's KV, and the live knobs."""
+
+    transport: str | None = None  # a name in kv_transfer.TRANSPORTS
+    host: str = "127.0.0.1"  # the address peers reach this engine's KV at (pod IP)
+    port: int = 0  # its port (0: any free one; fixed in a cluster for NetworkPolicies)
+    engine_id: str | None = None
+    live: LiveKVSettings = LiveKVSettings()
+    # The shared secret that keys the KV port's handshake (the internal token): with it,
+    # only peers proving the same secret pull from or serve this engine. Never shown.
+    secret: str | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        _check(self.transport is None or self.transport in TRANSPORTS, "kv_transport",
+               self.transport, f"must be None or one of {', '.join(map(repr, TRANSPORTS))}")
+        _check(0 <= self.port < 65536, "kv_port", self.port, "must be 0..65535")
+        _check(self.secret is None or len(self.secret) >= MIN_TOKEN_CHARS, "kv_secret",
+               "<hidden>", f"must be None or at least {MIN_TOKEN_CHARS} characters")
 
 
 @dataclass(frozen=True)
@@ -164,27 +241,111 @@ class LiveSettings:
     """An engine's knobs that live tuning changes between steps (`EngineCore.reconfigure`):
     the scheduler's limits (at most the values it started with) and the KV connector's."""
 
-    max_num_seqs: int
-    max_num_batched_tokens: int
-    kv_lease_ttl_s: float
-    kv_transfer_timeout_s: float
-    kv_failure_policy: str
+    scheduler: SchedulerConfig
+    kv: LiveKVSettings
+
+
+# flat argument -> its place in EngineConfig (group, field[, field])
+ARGS: dict[str, tuple[str, ...]] = {
+    **{name: ("checkpoint", name) for name in (
+        "model", "revision", "skip_tokenizer_init", "load_format", "dtype", "max_model_len",
+        "cache_dir")},
+    **{name: ("compute", name) for name in (
+        "device", "attention_backend", "enforce_eager", "num_threads", "seed")},
+    **{name: ("cache", name) for name in (
+        "block_size", "enable_prefix_caching", "num_kv_blocks", "kv_cache_memory_bytes",
+        "gpu_memory_utilization", "kv_cache_dtype")},
+    "max_num_batched_tokens": ("scheduler", "max_num_batched_tokens"),
+    "max_num_seqs": ("scheduler", "max_num_seqs"),
+    "scheduling_policy": ("scheduler", "policy"),
+    "tensor_parallel_size": ("parallel", "tensor_parallel_size"),
+    "kv_transport": ("kv_transfer", "transport"),
+    "kv_host": ("kv_transfer", "host"),
+    "kv_port": ("kv_transfer", "port"),
+    "engine_id": ("kv_transfer", "engine_id"),
+    "kv_secret": ("kv_transfer", "secret"),
+    "kv_lease_ttl_s": ("kv_transfer", "live", "lease_ttl_s"),
+    "kv_transfer_timeout_s": ("kv_transfer", "live", "transfer_timeout_s"),
+    "kv_failure_policy": ("kv_transfer", "live", "failure_policy"),
+}
+# The flat arguments live tuning may change on a running engine
+LIVE_ARGS = ("max_num_seqs", "max_num_batched_tokens", "kv_lease_ttl_s",
+             "kv_transfer_timeout_s", "kv_failure_policy")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Knobs of one engine, by concern. Build it from flat arguments with `from_args`."""
+
+    checkpoint: CheckpointConfig = CheckpointConfig()
+    compute: ComputeConfig = ComputeConfig()
+    cache: CacheConfig = CacheConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    parallel: ParallelConfig = ParallelConfig()
+    kv_transfer: KVTransferConfig = KVTransferConfig()
 
     def __post_init__(self) -> None:
-        for name in ("max_num_seqs", "max_num_batched_tokens"):
-            _check(getattr(self, name) >= 1, name, getattr(self, name), "must be >= 1")
-        _check(self.kv_lease_ttl_s > 0, "kv_lease_ttl_s", self.kv_lease_ttl_s, "must be > 0")
-        _check(self.kv_transfer_timeout_s > 0, "kv_transfer_timeout_s",
-               self.kv_transfer_timeout_s, "must be > 0")
-        _check(self.kv_failure_policy in KV_FAILURE_POLICIES, "kv_failure_policy",
-               self.kv_failure_policy, f"must be one of {KV_FAILURE_POLICIES}")
+        transport = self.kv_transfer.transport
+        _check(transport in (None, "tcp") or self.parallel.tensor_parallel_size == 1,
+               "tensor_parallel_size", self.parallel.tensor_parallel_size,
+               f"must be 1 with kv_transport={transport!r}: KV transfer between "
+               "tensor-parallel pods (each rank its own KV heads) runs over 'tcp' only")
+
+    @classmethod
+    def from_args(cls, **args: Any) -> EngineConfig:
+        """The config the flat arguments (names in `ARGS`) give; the rest default. Raises
+        TypeError for an unknown argument, ValueError naming the first bad value."""
+        unknown = sorted(set(args) - ARGS.keys())
+        if unknown:
+            raise TypeError(f"EngineConfig has no argument {unknown[0]!r}; known: "
+                            f"{', '.join(ARGS)}")
+        groups: dict[str, dict[str, Any]] = {}
+        live: dict[str, Any] = {}
+        for name, value in args.items():
+            group, *path = ARGS[name]
+            (live if path[0] == "live" else groups.setdefault(group, {}))[path[-1]] = value
+        return cls(CheckpointConfig(**groups.get("checkpoint", {})),
+                   ComputeConfig(**groups.get("compute", {})),
+                   CacheConfig(**groups.get("cache", {})),
+                   SchedulerConfig(**groups.get("scheduler", {})),
+                   ParallelConfig(**groups.get("parallel", {})),
+                   KVTransferConfig(live=LiveKVSettings(**live), **groups.get("kv_transfer", {})))
+
+    def args(self) -> dict[str, Any]:
+        """The flat arguments that rebuild this config (`from_args(**c.args()) == c`)."""
+        return {name: self.arg(name) for name in ARGS}
+
+    def arg(self, name: str) -> Any:
+        """The value of flat argument `name`, an enum's as its string (KeyError for one not
+        in `ARGS`)."""
+        value = reduce(getattr, ARGS[name], self)
+        return value.value if isinstance(value, StrEnum) else value
+
+    def with_args(self, **args: Any) -> EngineConfig:
+        """This config with the flat arguments `args` changed (validated as `from_args`)."""
+        return EngineConfig.from_args(**{**self.args(), **args})
+
+    @staticmethod
+    def default(name: str) -> Any:
+        """The default of flat argument `name`, for a flag's default (ValueError for a name
+        not in `ARGS`, so a renamed field fails when the parser is built)."""
+        if name not in ARGS:
+            raise ValueError(f"EngineConfig has no argument {name!r}")
+        return _DEFAULT.arg(name)
 
     @property
-    def kv(self) -> LiveKVSettings:
-        return LiveKVSettings(self.kv_lease_ttl_s, self.kv_transfer_timeout_s,
-                              self.kv_failure_policy)
+    def live_settings(self) -> LiveSettings:
+        """The knobs live tuning may change later, as this config starts them."""
+        return LiveSettings(self.scheduler, self.kv_transfer.live)
+
+    def check_live(self, live: LiveSettings) -> None:
+        """Raise ValueError when `live` raises a limit above this (start) config's: buffers
+        and graphs are sized at start, so that needs a restart."""
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            asked, started = getattr(live.scheduler, name), getattr(self.scheduler, name)
+            if asked > started:
+                raise ValueError(f"{name}={asked} is above the {started} this engine started "
+                                 "with; raising it needs a restart")
 
 
-def _check(ok: bool, name: str, value: object, rule: str) -> None:
-    if not ok:
-        raise ValueError(f"EngineConfig.{name}={value!r} {rule}")
+_DEFAULT = EngineConfig()

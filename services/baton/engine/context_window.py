@@ -13,15 +13,30 @@ from __future__ import annotations
 import logging
 
 from baton.engine.config import EngineConfig
+from baton.engine.errors import ContextLengthError
 
 log = logging.getLogger(__name__)
 
 
+def check_context(prompt_tokens: int, max_tokens: int | None, max_model_len: int) -> None:
+    """Raise ContextLengthError when a prompt of `prompt_tokens` leaves no room for one output
+    token, or for `max_tokens` of them when given (the error's `param` is then
+    `max_tokens`). The one check of a request's length: the engine's and the worker's."""
+    if prompt_tokens >= max_model_len:
+        raise ContextLengthError(
+            f"this model's maximum context length is {max_model_len} tokens, but the prompt "
+            f"has {prompt_tokens} tokens (and at least one output token is needed)")
+    if max_tokens is not None and prompt_tokens + max_tokens > max_model_len:
+        raise ContextLengthError(
+            f"this model's maximum context length is {max_model_len} tokens; {prompt_tokens} "
+            f"prompt tokens + max_tokens {max_tokens} exceed it", param="max_tokens")
+
+
 def fit_kv_pool(max_model_len: int, config: EngineConfig, num_blocks: int) -> int:
-    """`max_model_len` capped by a pool of `num_blocks` blocks of `config.block_size`
-    tokens: when `config.max_model_len` asked for it, a ValueError if it does not fit; when
+    """`max_model_len` capped by a pool of `num_blocks` blocks of `config.cache.block_size`
+    tokens: when `config.checkpoint.max_model_len` asked for it, a ValueError if it does not fit; when
     it is the model's default, lowered to what fits, with a warning."""
-    block_size, requested = config.block_size, config.max_model_len is not None
+    block_size, requested = config.cache.block_size, config.checkpoint.max_model_len is not None
     capacity = num_blocks * block_size
     if max_model_len <= capacity:
         return max_model_len

@@ -16,7 +16,8 @@ from baton.common.sampling_params import SamplingParams
 from baton.common.stats import EngineStats
 from baton.engine import tokenizer as tok
 from baton.engine.config import EngineConfig, LiveSettings
-from baton.engine.context_window import fit_kv_pool
+from baton.engine.context_window import check_context, fit_kv_pool
+from baton.engine.errors import InvalidRequestError
 from baton.engine.kv_cache import KVCacheManager
 from baton.engine.kv_connector.base import KVConnector
 from baton.engine.kv_connector.handoff import KVHandoff, PullKV
@@ -31,15 +32,6 @@ from baton.engine.structured.base import GrammarCompileError
 from baton.engine.structured.manager import StructuredOutputs, rebuild
 
 log = logging.getLogger(__name__)
-
-
-class InvalidRequestError(ValueError):
-    """The request cannot be served as asked (empty prompt, too long, bad token ids).
-    `param`: the request field at fault, when it is not the prompt."""
-
-    def __init__(self, message: str, param: str | None = None) -> None:
-        super().__init__(message)
-        self.param = param
 
 
 class EngineStepError(RuntimeError):
@@ -64,20 +56,23 @@ class StepCounters:
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
-        self.model_dir = resolve_model_dir(config.model, config.cache_dir, config.revision)
-        self.tokenizer = tok.load_tokenizer(self.model_dir, config.skip_tokenizer_init)
+        torch.set_num_threads(config.compute.num_threads or os.cpu_count() or 1)
+        checkpoint = config.checkpoint
+        self.model_dir = resolve_model_dir(checkpoint.model, checkpoint.cache_dir,
+                                           checkpoint.revision)
+        self.tokenizer = tok.load_tokenizer(self.model_dir, checkpoint.skip_tokenizer_init)
         self.runner = ModelRunner(config, self.model_dir, self._max_model_len())
         self.max_model_len = max_len = fit_kv_pool(self.runner.max_model_len, config,
                                                    self.runner.num_blocks)
         self.model_config = self.runner.model_config
         window = self.model_config.sliding_window if self.model_config.all_sliding else None
-        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size,
-                                 config.enable_prefix_caching, sliding_window=window)
+        self.kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size,
+                                 config.cache.enable_prefix_caching, sliding_window=window)
         self.connector = _make_connector(config, self.runner)
+        limits = config.scheduler
         self.scheduler = make_scheduler(SchedulerLimits(
-            config.max_num_batched_tokens, config.max_num_seqs, max_len,
-            config.scheduling_policy), self.kv, self.connector)
+            limits.max_num_batched_tokens, limits.max_num_seqs, max_len, limits.policy),
+            self.kv, self.connector)
         self.eos_token_id = tok.eos_token_id(self.tokenizer, self.model_config.eos_token_ids)
         self.structured = StructuredOutputs.for_tokenizer(
             self.tokenizer, self.model_config.vocab_size, self.eos_token_id)
@@ -90,13 +85,14 @@ class EngineCore:
         from baton.engine.models.rope import context_limit
 
         limit = context_limit(ModelConfig.from_dir(self.model_dir))  # yarn / dynamic extend it
-        if self.config.max_model_len is None:
+        asked = self.config.checkpoint.max_model_len
+        if asked is None:
             return limit
-        if self.config.max_model_len > limit:
-            raise ValueError(f"EngineConfig.max_model_len={self.config.max_model_len} exceeds "
+        if asked > limit:
+            raise ValueError(f"EngineConfig.max_model_len={asked} exceeds "
                              f"the model's context length {limit} (max_position_embeddings, "
                              f"extended by its rope scaling)")
-        return self.config.max_model_len
+        return asked
 
     # -- requests --------------------------------------------------------------------------
     def make_request(self, request_id: str, prompt_token_ids: list[int],
@@ -142,10 +138,7 @@ class EngineCore:
         bad = [t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < vocab)]
         if bad:
             raise InvalidRequestError(f"prompt token ids {bad[:5]} are outside [0, {vocab})")
-        if n >= self.max_model_len:
-            raise InvalidRequestError(
-                f"the prompt has {n} tokens but this model's context window is "
-                f"{self.max_model_len} tokens (prompt + at least one output token)")
+        check_context(n, None, self.max_model_len)
         if self.kv.blocks_for(n + 1) > self.kv.num_blocks:
             raise InvalidRequestError(
                 f"the prompt needs {self.kv.blocks_for(n + 1)} KV blocks but the pool has "
@@ -345,8 +338,9 @@ class EngineCore:
         """Apply live-tuned knobs between steps (call on the engine thread). The scheduler's
         limits may not exceed the ones the engine started with (buffers are sized then)."""
         self.config.check_live(live)
-        self.scheduler.limits = replace(self.scheduler.limits, max_num_seqs=live.max_num_seqs,
-                                        max_num_batched_tokens=live.max_num_batched_tokens)
+        self.scheduler.limits = replace(
+            self.scheduler.limits, max_num_seqs=live.scheduler.max_num_seqs,
+            max_num_batched_tokens=live.scheduler.max_num_batched_tokens)
         if self.connector is not None:
             self.connector.reconfigure(live.kv)
 
@@ -374,14 +368,14 @@ def _arrived_logprobs(req: Request) -> TokenLogprobs | None:
 
 
 def _make_connector(config: EngineConfig, runner) -> KVConnector | None:
-    if config.kv_transport is None:
+    kv = config.kv_transfer
+    if kv.transport is None:
         return None
     from baton.engine.kv_connector.tp_ranks import TensorParallelKV
     from baton.engine.kv_connector.transport import TransportKVConnector
 
-    size = config.tensor_parallel_size
+    size = config.parallel.tensor_parallel_size
     tp = None if size == 1 else TensorParallelKV(runner.tp_leader, 0,
                                                  runner.model_config.num_kv_heads, size)
-    return TransportKVConnector(config.kv_transport, runner.kv_cache, config.engine_id,
-                                config.live_settings.kv, config.kv_host, config.kv_port,
-                                secret=config.kv_secret, tp=tp)
+    return TransportKVConnector(kv.transport, runner.kv_cache, kv.engine_id, kv.live, kv.host,
+                                kv.port, secret=kv.secret, tp=tp)

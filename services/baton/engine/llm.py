@@ -23,7 +23,7 @@ PromptType = str | list[int] | dict
 
 class LLM:
     def __init__(self, model: str | None = None, **engine_args) -> None:
-        self.config = EngineConfig(model=model, **engine_args)
+        self.config = EngineConfig.from_args(model=model, **engine_args)
         self.engine = EngineCore(self.config)
         self._counter = 0
 

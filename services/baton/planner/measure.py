@@ -124,7 +124,7 @@ class Profiler:
         block = 16
         per_seq = -(-(max(self.grid.decode_contexts) + settings.decode_steps + 2) // block)
         blocks = max(self.grid.decode_batches) * per_seq + max(self.grid.prefill_tokens) // block
-        self.engine = EngineCore(EngineConfig(
+        self.engine = EngineCore(EngineConfig.from_args(
             model=settings.model, dtype=settings.dtype, device=settings.device,
             block_size=block, max_num_batched_tokens=settings.max_num_batched_tokens,
             max_num_seqs=max(settings.max_num_seqs, max(self.grid.decode_batches)),
@@ -183,7 +183,7 @@ class Profiler:
 
     def limits(self) -> EngineLimits:
         return EngineLimits(self.settings.max_num_batched_tokens, self.settings.max_num_seqs,
-                            self.engine.max_model_len, self.engine.config.block_size)
+                            self.engine.max_model_len, self.engine.config.cache.block_size)
 
     def hardware(self) -> Hardware:
         import torch

@@ -22,7 +22,6 @@ is exact), and a stop string that straddles the break is not matched.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 
 from baton.common.internal import (
@@ -36,6 +35,7 @@ from baton.common.internal import (
     TokenEvent,
 )
 from baton.common.protocol import ChatCompletionRequest, CompletionRequest
+from baton.common.responses import ChatChunkChoice, ChatDelta, ResponseChunk, TextChoice, Usage
 from baton.router.discovery import Upstream
 from baton.router.handover import Handover
 
@@ -176,17 +176,13 @@ class StreamTracker:
         finish event (and usage, when asked for) and [DONE]."""
         # only after a stream that `can_resume` was interrupted
         assert self.prompt_ids is not None and self.header is not None
-        header = self.header.model_dump()
-        choice: dict[str, object] = {"index": 0, "logprobs": None, "finish_reason": "length"}
-        if self.call.api == "chat":
-            choice["delta"] = {}
-        else:
-            choice["text"] = ""
-        events = [header | {"choices": [choice]}]
+        choices: list[ChatChunkChoice] | list[TextChoice] = (
+            [ChatChunkChoice(index=0, delta=ChatDelta(), logprobs=None, finish_reason="length")]
+            if self.call.api == "chat" else
+            [TextChoice(index=0, text="", logprobs=None, finish_reason="length")])
+        events = [ResponseChunk.of(self.header, choices)]
         if self.call.request.include_usage:
-            p, c = len(self.prompt_ids), len(self.sent)
-            events.append(header | {"choices": [], "usage": {
-                "prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c}})
+            usage = Usage.of(len(self.prompt_ids), len(self.sent))
+            events.append(ResponseChunk.of(self.header, [], usage))
         self.finished = True
-        return b"".join(b"data: " + json.dumps(e).encode() + b"\n\n" for e in events) \
-            + b"data: [DONE]\n\n"
+        return b"".join(e.dump_sse() for e in events) + _DONE + b"\n\n"

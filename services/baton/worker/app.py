@@ -158,7 +158,7 @@ def _install_service_routes(app: FastAPI, state: WorkerState) -> None:
         if tok is None:  # --skip-tokenizer-init: the router hashes prompts approximately
             raise OpenAIError(404, "this worker runs without a tokenizer "
                                    "(--skip-tokenizer-init)", code="no_tokenizer")
-        return {"model": settings.model_name, "block_size": settings.engine.block_size,
+        return {"model": settings.model_name, "block_size": settings.engine.cache.block_size,
                 "tokenizer_json": tok.backend_tokenizer.to_str(),
                 "chat_template": tok.chat_template,
                 "special_tokens": {k: v for k, v in tok.special_tokens_map.items()

@@ -35,10 +35,21 @@ import json
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import cast
+from typing import TypeVar, cast
 
 from baton.common.internal import Api, OpenAIBody, ResumeState, StreamHeader, TokenEvent
 from baton.common.protocol import ChatCompletionRequest, CompletionRequest
+from baton.common.responses import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    Completion,
+    OpenAIResponse,
+    ResponseChunk,
+    TextChoice,
+    TTFTBreakdown,
+    Usage,
+)
 from baton.engine.outputs import EngineOutput
 from baton.engine.sampler import TokenLogprobs
 from baton.worker.logprobs import TokenTexts, joined
@@ -46,6 +57,7 @@ from baton.worker.serving import FirstToken, Job, Update, engine_error
 from baton.worker.tool_calls import ChoiceTools, ToolFormat
 
 SSE_DONE = b"data: [DONE]\n\n"
+_Timed = TypeVar("_Timed", bound=OpenAIResponse)
 
 
 @dataclass(frozen=True)
@@ -164,7 +176,6 @@ class Answer:
         self.texts = fmt.texts
         self.api, self.request, self.header = api, request, header
         self.prompts, self.choices, self.internal = prompts, choices, internal
-        self._base = header.model_dump()  # every chunk's id, object, created, model
         self.chat = api == "chat"
         self.want_logprobs = bool(request.logprobs) if self.chat \
             else request.logprobs is not None
@@ -185,17 +196,23 @@ class Answer:
     # -- whole -----------------------------------------------------------------------------
     def body(self) -> dict:
         """The non-streaming response body, once every choice finished."""
+        h = self.header
+        whole: ChatCompletion | Completion
         if self.chat:
-            choices = [self._whole_message(c) for c in self.choices]
+            whole = ChatCompletion(id=h.id, object="chat.completion", created=h.created,
+                                   model=h.model, usage=self.usage(),
+                                   choices=[self._whole_message(c) for c in self.choices])
         else:
             echoed = self.internal.resume is None
-            choices = [{"index": c.index, "text": c.echo + c.text,
-                        "logprobs": self._text_logprobs(c, c.logprobs, c.text_offset, echoed),
-                        "finish_reason": c.finish_reason} for c in self.choices]
-        h = self.header
-        kind = "chat.completion" if self.chat else h.object
-        return self._timed({"id": h.id, "object": kind, "created": h.created,
-                            "model": h.model, "choices": choices, "usage": self.usage()})
+            whole = Completion(id=h.id, object="text_completion", created=h.created,
+                               model=h.model, usage=self.usage(), choices=[
+                                   TextChoice.model_validate({
+                                       "index": c.index, "text": c.echo + c.text,
+                                       "logprobs": self._text_logprobs(
+                                           c, c.logprobs, c.text_offset, echoed),
+                                       "finish_reason": c.finish_reason})
+                                   for c in self.choices])
+        return self._timed(whole).dump()
 
     # -- streamed --------------------------------------------------------------------------
     def opening(self) -> bytes:
@@ -215,12 +232,12 @@ class Answer:
         for c in self.choices:
             echo = "" if c.echo_pending else c.echo  # pending: with the prompt's logprobs
             if self.chat:
-                out += self._sse({"index": c.index, "delta": {"role": "assistant",
-                                                              "content": ""},
-                                  "logprobs": None, "finish_reason": None})
+                out += self._chunk([ChatChunkChoice.model_validate({
+                    "index": c.index, "delta": {"role": "assistant", "content": ""},
+                    "logprobs": None, "finish_reason": None})]).dump_sse()
             elif echo or self.internal.return_token_ids:
-                out += self._sse({"index": c.index, "text": echo, "logprobs": None,
-                                  "finish_reason": None})
+                out += self._chunk([TextChoice(index=c.index, text=echo, logprobs=None,
+                                               finish_reason=None)]).dump_sse()
         return out
 
     def step(self, job: Job, batch: list[EngineOutput]) -> bytes:
@@ -230,17 +247,19 @@ class Answer:
         c = self.add(job, batch)
         finished = c.finish_reason is not None
         chars = len(c.new_text) + (len(c.echo) if c.echo_pending else 0)
-        choices = self._chat_deltas(c, finished) if self.chat else self._text_delta(c, finished)
+        choices: list[ChatChunkChoice] | list[TextChoice] = (
+            self._chat_deltas(c, finished) if self.chat else self._text_delta(c, finished))
         out = b""
         if self.internal.return_token_ids and (c.new_token_ids or choices):
             out += TokenEvent(token_ids=c.new_token_ids, text_chars=chars,
                               finished=finished).sse()
-        for i, choice in enumerate(choices):  # the last one has the finish reason
-            event = self._chunk([choice])
-            out += sse(self._timed(event) if finished and i == len(choices) - 1 else event)
+        for i in range(len(choices)):  # one event each; the last has the finish reason
+            event = self._chunk(choices[i:i + 1])
+            last = finished and i == len(choices) - 1
+            out += (self._timed(event) if last else event).dump_sse()
         return out
 
-    def _chat_deltas(self, c: Choice, finished: bool) -> list[dict]:
+    def _chat_deltas(self, c: Choice, finished: bool) -> list[ChatChunkChoice]:
         """A chat choice's stream choices for its latest update: its content, or its
         calls' parts, one delta each; logprobs and the finish reason on the last."""
         if c.tools is not None:
@@ -253,12 +272,12 @@ class Answer:
             return []
         choices: list[dict] = [{"index": c.index, "delta": d, "logprobs": None,
                                 "finish_reason": None}
-                   for d in deltas or [empty]]
+                               for d in deltas or [empty]]
         choices[-1] |= {"logprobs": self._logprobs(c.new_logprobs, c.new_text_offset),
                         "finish_reason": reason}
-        return choices
+        return [ChatChunkChoice.model_validate(choice) for choice in choices]
 
-    def _text_delta(self, c: Choice, finished: bool) -> list[dict]:
+    def _text_delta(self, c: Choice, finished: bool) -> list[TextChoice]:
         """A completion choice's stream choice for its latest update (none when it has
         nothing to show); the first one of an echo with logprobs carries the prompt."""
         text = c.new_text
@@ -269,14 +288,14 @@ class Answer:
             lps = self._text_logprobs(c, c.new_logprobs, c.new_text_offset, True)
         elif not (text or finished or (self.want_logprobs and c.new_logprobs)):
             return []
-        return [{"index": c.index, "text": text, "logprobs": lps,
-                 "finish_reason": c.finish_reason}]
+        return [TextChoice.model_validate({"index": c.index, "text": text, "logprobs": lps,
+                                           "finish_reason": c.finish_reason})]
 
     def usage_event(self) -> bytes:
-        return sse(self._chunk([]) | {"usage": self.usage()})
+        return ResponseChunk.of(self.header, [], self.usage()).dump_sse()
 
     # -- parts -----------------------------------------------------------------------------
-    def usage(self) -> dict:
+    def usage(self) -> Usage:
         """Usage of the whole stream: a resumed one counts from the original prompt and
         includes the tokens the interrupted pod sent."""
         prompt = sum(len(p) for p in self.prompts)
@@ -285,9 +304,7 @@ class Answer:
         if resume is not None:
             prompt, completion = resume.prompt_tokens, completion + resume.completion_tokens
         cached = max(c.cached for c in self.choices)
-        return {"prompt_tokens": prompt, "completion_tokens": completion,
-                "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": cached}}
+        return Usage.of(prompt, completion, cached)
 
     def _logprobs(self, lps: list[TokenLogprobs], offset: int) -> dict | None:
         if not self.want_logprobs:
@@ -305,29 +322,25 @@ class Answer:
         prompt = self.prompts[c.index * len(self.prompts) // len(self.choices)]
         return joined(self.texts.prompt_logprobs(prompt, c.prompt_logprobs), out)
 
-    def _whole_message(self, c: Choice) -> dict:
-        message = {"role": "assistant", "content": c.text}
+    def _whole_message(self, c: Choice) -> ChatChoice:
+        message: dict = {"role": "assistant", "content": c.text}
         reason = c.finish_reason
         if c.tools is not None:
             message = {"role": "assistant", **c.tools.message(c.text)}
             reason = c.tools.finish_reason(reason)
-        return {"index": c.index, "message": message,
-                "logprobs": self._logprobs(c.logprobs, c.text_offset),
-                "finish_reason": reason}
+        return ChatChoice.model_validate({
+            "index": c.index, "message": message,
+            "logprobs": self._logprobs(c.logprobs, c.text_offset), "finish_reason": reason})
 
-    def _chunk(self, choices: list[dict]) -> dict:
-        chunk = self._base | {"choices": choices}
-        if self.continuous_usage:  # vLLM's continuous_usage_stats: the usage so far
-            chunk["usage"] = self.usage()
-        return chunk
+    def _chunk(self, choices: list[ChatChunkChoice] | list[TextChoice]) -> ResponseChunk:
+        # vLLM's continuous_usage_stats: the usage so far on every chunk
+        return ResponseChunk.of(self.header, choices,
+                                self.usage() if self.continuous_usage else None)
 
-    def _sse(self, choice: dict) -> bytes:
-        return sse(self._chunk([choice]))
-
-    def _timed(self, event: dict) -> dict:
+    def _timed(self, event: _Timed) -> _Timed:
         if self.internal.timing is not None and self.first_token is not None:
-            event["baton_ttft"] = ttft_breakdown(self.internal.timing, self.first_token,
-                                                 self.kv_transfer_s)
+            event.baton_ttft = ttft_breakdown(self.internal.timing, self.first_token,
+                                              self.kv_transfer_s)
         return event
 
 
@@ -357,14 +370,14 @@ async def events(answer: Answer, updates: AsyncIterator[Update]) -> AsyncIterato
 
 
 def ttft_breakdown(router: dict[str, float], first: FirstToken,
-                   transfer: float | None) -> dict[str, float]:
+                   transfer: float | None) -> TTFTBreakdown:
     queue = first.queue_s or 0.0
     parts = {"router_queue_s": router.get("router_queue", 0.0),
              "prefill_s": router.get("prefill", 0.0), "decode_queue_s": queue,
              "first_token_s": max(first.worker_s - queue, 0.0)}
     parts["total_s"] = sum(parts.values())
     parts["transfer_s"] = transfer or 0.0
-    return {k: round(v, 6) for k, v in parts.items()}
+    return TTFTBreakdown(**{k: round(v, 6) for k, v in parts.items()})
 
 
 def sse(obj: dict) -> bytes:

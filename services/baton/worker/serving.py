@@ -24,7 +24,8 @@ from baton.common.internal import KVTransferParams
 from baton.common.metrics import WorkerMetrics
 from baton.common.sampling_params import SamplingParams, child_params
 from baton.engine.async_engine import AsyncEngine, EngineDeadError
-from baton.engine.core import InvalidRequestError
+from baton.engine.context_window import check_context
+from baton.engine.errors import InvalidRequestError
 from baton.engine.kv_connector import KVHandoff
 from baton.engine.outputs import EngineOutput
 from baton.engine.request import Request
@@ -75,34 +76,25 @@ class Serving:
         """Validate every prompt against the context window and build one job per prompt
         and sample (`kv` / `presampled` / `priority`: see `AsyncEngine.make_request`).
         Raises a 400 OpenAIError naming `param` for a bad prompt; nothing is queued yet."""
-        for ids in prompts:
-            self._check_context(len(ids), params, param)
+        try:
+            for ids in prompts:  # every prompt before any job is made
+                check_context(len(ids), params.max_tokens, self.max_model_len)
+            return self._make_jobs(request_id, prompts, params, priority, kv, presampled)
+        except InvalidRequestError as err:
+            raise OpenAIError(400, str(err), param=err.param or param, code=err.code) from None
+
+    def _make_jobs(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
+                   priority: int, kv: KVHandoff | None, presampled: int) -> list[Job]:
         children = child_params(params)
         jobs = []
         for p, ids in enumerate(prompts):
             for i, child in enumerate(children):
                 index = p * len(children) + i
                 rid = f"{request_id}-{index}"
-                try:
-                    req = self.engine.make_request(rid, ids, child, priority, kv=kv,
-                                                   presampled=presampled)
-                except InvalidRequestError as err:
-                    raise OpenAIError(400, str(err), param=err.param or param) from None
+                req = self.engine.make_request(rid, ids, child, priority, kv=kv,
+                                               presampled=presampled)
                 jobs.append(Job(index, rid, ids, req))
         return jobs
-
-    def _check_context(self, n: int, params: SamplingParams, param: str) -> None:
-        limit = self.max_model_len
-        if n >= limit:
-            raise OpenAIError(400, f"this model's maximum context length is {limit} tokens, "
-                                   f"but the prompt has {n} tokens (and at least one output "
-                                   "token is needed)", param=param,
-                              code="context_length_exceeded")
-        if params.max_tokens is not None and n + params.max_tokens > limit:
-            raise OpenAIError(400, f"this model's maximum context length is {limit} tokens; "
-                                   f"{n} prompt tokens + max_tokens {params.max_tokens} "
-                                   "exceed it", param="max_tokens",
-                              code="context_length_exceeded")
 
     def admit(self, jobs: list[Job]) -> None:
         """Queue all jobs in the engine, or none of them: 503 when the engine died, 429 when

@@ -83,7 +83,7 @@ class WorkerSettings:
             # __post_init__ made it a tuple (or None)
             assert isinstance(self.served_model_name, tuple)
             return self.served_model_name
-        model = self.engine.model
+        model = self.engine.checkpoint.model
         if model is None:
             return ("SmolLM2-135M-Instruct",)
         if model.startswith(SCHEME):  # hf://ORG/NAME@REV: the repo id, as vLLM names it
@@ -133,7 +133,7 @@ class WorkerState:
         serving = Serving(engine, self.metrics, settings.max_waiting)
         fmt = OpenAIFormat(engine.tokenizer, settings.model_name, settings.tool_call_parser)
         self.pipeline = Pipeline(serving, fmt, self.tracing, priority_scheduling=(
-            settings.engine.scheduling_policy == "priority"), model_names=settings.model_names)
+            settings.engine.scheduler.policy == "priority"), model_names=settings.model_names)
 
     def load_report(self) -> LoadReport:
         """Role, model and load (the KV pool: blocks used, total, tokens a block): what
@@ -144,7 +144,8 @@ class WorkerState:
             models=list(self.settings.model_names), ready=self.ready,
             running=stats.running, waiting=engine.num_waiting if engine is not None else 0,
             kv_blocks_used=stats.kv_blocks_used, kv_blocks_total=stats.kv_blocks_total,
-            block_size=self.settings.engine.block_size, max_waiting=self.settings.max_waiting,
+            block_size=self.settings.engine.cache.block_size,
+            max_waiting=self.settings.max_waiting,
             max_model_len=engine.max_model_len if engine is not None else None)
 
     def registry_report(self) -> dict | None:
@@ -152,7 +153,7 @@ class WorkerState:
         if not self.ready:
             return None
         return {**self.load_report().model_dump(),
-                "kv_transport": self.settings.engine.kv_transport}
+                "kv_transport": self.settings.engine.kv_transfer.transport}
 
     @property
     def ready(self) -> bool:

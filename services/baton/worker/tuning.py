@@ -1,7 +1,7 @@
 """The worker's side of live tuning (`common.tuning`): the file's `worker` section applied to
 the engine config at start, and to the running engine on each reload.
 
-Live: the fields of `engine.config.LiveSettings` — `max_num_seqs` and
+Live: `engine.config.LIVE_ARGS`, handed on as a `LiveSettings` — `max_num_seqs` and
 `max_num_batched_tokens` (the scheduler's limits; at most the values the worker started
 with, since buffers are sized then), `kv_lease_ttl_s`, `kv_transfer_timeout_s`,
 `kv_failure_policy` — handed to `AsyncEngine.reconfigure`, which applies them on the engine
@@ -12,14 +12,10 @@ pinned by flags are never taken from the file.
 
 from __future__ import annotations
 
-from dataclasses import fields, replace
-
 from baton.common.metrics import ConfigMetrics
 from baton.common.tuning import Tuning, TuningError, set_fields
-from baton.engine.config import EngineConfig, LiveSettings
+from baton.engine.config import LIVE_ARGS, EngineConfig, LiveSettings
 
-# The worker's tuning fields that LiveSettings (and EngineConfig) have under the same name.
-LIVE = tuple(f.name for f in fields(LiveSettings))
 RESTART = ("dtype", "num_kv_blocks", "block_size", "max_model_len")
 
 
@@ -33,7 +29,7 @@ def configure(engine: EngineConfig, tuning: Tuning, pinned: frozenset[str]) -> E
     """The engine config to start with: flags' defaults < the file < flags given. Raises
     TuningError naming the field for a value the config refuses."""
     try:
-        return replace(engine, **_wanted(tuning, pinned))
+        return engine.with_args(**_wanted(tuning, pinned))
     except ValueError as err:
         raise TuningError(f"worker: {err}") from None
 
@@ -60,13 +56,13 @@ class WorkerTuner:
         except ValueError as err:
             raise TuningError(f"worker.{err}") from None
         self.engine.reconfigure(live)
-        restart = sorted(k for k in RESTART if k in want and want[k] != getattr(self.startup, k))
+        restart = sorted(k for k in RESTART if k in want and want[k] != self.startup.arg(k))
         self.metrics.config_restart_pending.set(1 if restart else 0)
         return restart
 
     def _live_settings(self, want: dict) -> LiveSettings:
         try:
-            return replace(self.startup.live_settings,
-                           **{k: want[k] for k in LIVE if k in want})
+            live = {k: want[k] for k in LIVE_ARGS if k in want}
+            return self.startup.with_args(**live).live_settings
         except ValueError as err:
             raise TuningError(f"worker: {err}") from None

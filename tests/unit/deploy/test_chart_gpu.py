@@ -346,5 +346,5 @@ def test_the_engine_parses_what_gpu_pools_pass(renders):
 
     args = container(deployment(renders[GPU], "decode"))["args"]
     config = engine_config(build_parser().parse_args(args))
-    assert config.device == "cuda" and config.gpu_memory_utilization == 0.92
-    assert config.kv_pool_fraction("cuda") == 0.92 and config.kv_cache_memory_bytes is None
+    assert config.compute.device == "cuda" and config.cache.gpu_memory_utilization == 0.92
+    assert config.cache.pool_fraction("cuda") == 0.92 and config.cache.kv_cache_memory_bytes is None

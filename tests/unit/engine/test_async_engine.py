@@ -16,7 +16,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def engine():
-    eng = AsyncEngine(EngineConfig(dtype="float32", num_kv_blocks=256))
+    eng = AsyncEngine(EngineConfig.from_args(dtype="float32", num_kv_blocks=256))
     yield eng
     eng.shutdown()
 

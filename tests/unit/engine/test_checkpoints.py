@@ -15,7 +15,7 @@ import torch
 
 from baton import LLM, SamplingParams
 from baton.common.sampling_params import StructuredOutput
-from baton.engine.core import InvalidRequestError
+from baton.engine.errors import InvalidRequestError
 from tests.unit.engine.tiny_checkpoint import MAX_POSITIONS, VOCAB, save_tiny_llama
 
 GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=3)
@@ -109,7 +109,7 @@ def test_the_default_context_is_lowered_to_what_the_pool_holds(checkpoints, capl
     assert llm.engine.max_model_len == 64 < MAX_POSITIONS
     assert "context length 512 does not fit the KV pool" in caplog.text
     assert "lowered to 64" in caplog.text
-    with pytest.raises(InvalidRequestError, match="context window is 64 tokens"):
+    with pytest.raises(InvalidRequestError, match="maximum context length is 64 tokens"):
         llm.generate([list(range(3, 67))], GREEDY, use_tqdm=False)
 
 

@@ -18,14 +18,15 @@ from baton.engine.config import EngineConfig
 ])
 def test_engine_config_rejects_bad_values(kwargs, field):
     with pytest.raises(ValueError, match=f"EngineConfig.{field}"):
-        EngineConfig(**kwargs)
+        EngineConfig.from_args(**kwargs)
 
 
 def test_gpu_memory_utilization_takes_the_fraction_of_the_device():
-    assert EngineConfig(gpu_memory_utilization=1.0).gpu_memory_utilization == 1.0
+    assert EngineConfig.from_args(
+        gpu_memory_utilization=1.0).cache.gpu_memory_utilization == 1.0
     with pytest.raises(ValueError, match=r"gpu_memory_utilization=-0.5 must be None or in "
                                          r"\(0, 1\]"):
-        EngineConfig(gpu_memory_utilization=-0.5)
+        EngineConfig.from_args(gpu_memory_utilization=-0.5)
 
 
 @pytest.mark.parametrize("kwargs,field", [

@@ -23,14 +23,14 @@ N = 12
 
 
 def engine(role: str, transport: str = "local", **kw) -> EngineCore:
-    cfg = EngineConfig(dtype="float32", num_kv_blocks=128, kv_transport=transport,
+    cfg = EngineConfig.from_args(dtype="float32", num_kv_blocks=128, kv_transport=transport,
                        engine_id=f"{role}-{time.monotonic_ns()}", **kw)
     return EngineCore(cfg)
 
 
 @pytest.fixture(scope="module")
 def engines():
-    p, d, c = engine("prefill"), engine("decode"), EngineCore(EngineConfig(
+    p, d, c = engine("prefill"), engine("decode"), EngineCore(EngineConfig.from_args(
         dtype="float32", num_kv_blocks=128))
     yield p, d, c
     p.close()
@@ -144,7 +144,7 @@ def test_expired_lease_recomputes_locally(tokenizer):
         assert p.kv.num_used_blocks == 0
         tokens, _ = decode(d, "y", ids, params)
         assert d.connector.stats.failures == 1 and d.connector.stats.fallbacks == {"lease_expired": 1}
-        ref = EngineCore(EngineConfig(dtype="float32", num_kv_blocks=128))
+        ref = EngineCore(EngineConfig.from_args(dtype="float32", num_kv_blocks=128))
         assert tokens == colocated(ref, "z", ids)
         assert_no_blocks(p, d)
     finally:

@@ -14,13 +14,13 @@ from baton import LLM, SamplingParams
 from baton.engine.attention.base import BatchLayout, LayerAttention
 from baton.engine.attention.kv_quant import (
     dequantize,
-    fp8_table,
     kv_cache_dtype,
     quantize,
     record_kv_scale,
 )
 from baton.engine.attention.torch_backend import TorchAttentionBackend, windowed_attention
 from baton.engine.config import EngineConfig
+from baton_cpu.attention import fp8_table
 from tests.unit.engine.tiny_checkpoint import save_tiny_llama
 
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
@@ -43,7 +43,7 @@ def test_kv_cache_dtype_names():
     assert kv_cache_dtype("fp8_e4m3", torch.float32) == torch.float8_e4m3fn
     assert kv_cache_dtype("fp8_e5m2", torch.float32) == torch.float8_e5m2
     with pytest.raises(ValueError, match="kv_cache_dtype"):
-        EngineConfig(kv_cache_dtype="int8")
+        EngineConfig.from_args(kv_cache_dtype="int8")
 
 
 def test_fp8_holds_twice_the_blocks_of_bf16(checkpoint):

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from baton.engine.config import EngineConfig
+from baton.engine.config import CacheConfig, EngineConfig
 from baton.engine.runner.memory import GIB, DeviceMemory, KVMemoryProfiler, largest_batch
 
 BLOCK = 2 << 20  # bytes per KV block
@@ -149,12 +149,12 @@ def test_memory_another_process_takes_meanwhile_is_an_error_not_an_oom():
 
 
 def test_which_setting_sizes_the_pool():
-    assert EngineConfig().kv_pool_fraction("cuda") == 0.9
-    assert EngineConfig(gpu_memory_utilization=0.4).kv_pool_fraction("cuda") == 0.4
-    assert EngineConfig(gpu_memory_utilization=0.4).kv_pool_fraction("cpu") is None
-    assert EngineConfig(num_kv_blocks=8).kv_pool_fraction("cuda") is None
-    assert EngineConfig(kv_cache_memory_bytes=GIB).kv_pool_fraction("cuda") is None
-    assert EngineConfig().kv_cache_bytes == 2 * GIB  # CPU's default, unchanged
+    assert EngineConfig().cache.pool_fraction("cuda") == 0.9
+    assert EngineConfig.from_args(gpu_memory_utilization=0.4).cache.pool_fraction("cuda") == 0.4
+    assert EngineConfig.from_args(gpu_memory_utilization=0.4).cache.pool_fraction("cpu") is None
+    assert EngineConfig.from_args(num_kv_blocks=8).cache.pool_fraction("cuda") is None
+    assert EngineConfig.from_args(kv_cache_memory_bytes=GIB).cache.pool_fraction("cuda") is None
+    assert EngineConfig().cache.budget_bytes == 2 * GIB  # CPU's default, unchanged
 
 
 def test_the_largest_batch_fills_the_token_budget_without_writing_kv():
@@ -179,7 +179,7 @@ def test_the_runner_profiles_after_the_weights_and_sizes_its_cache_by_the_plan(
     gpu = FakeGPU(total=75 * bytes_per_block)
     proc = FakeProcess(gpu, context=0)  # the fraction 0.5 holds 37.5 blocks
     monkeypatch.setattr(model_runner, "CudaMemory", lambda device: proc)
-    monkeypatch.setattr(EngineConfig, "kv_pool_fraction", lambda self, device_type: 0.5)
+    monkeypatch.setattr(CacheConfig, "pool_fraction", lambda self, device_type: 0.5)
     profiled = []
     original = model_runner.ModelRunner._profile_forward
 
@@ -188,7 +188,7 @@ def test_the_runner_profiles_after_the_weights_and_sizes_its_cache_by_the_plan(
         original(runner, max_model_len)
 
     monkeypatch.setattr(model_runner.ModelRunner, "_profile_forward", profile)
-    config = EngineConfig(model=str(model_dir), skip_tokenizer_init=True, num_threads=1,
+    config = EngineConfig.from_args(model=str(model_dir), skip_tokenizer_init=True, num_threads=1,
                           max_num_batched_tokens=300, max_num_seqs=4)
     runner = model_runner.ModelRunner(config, model_dir, max_model_len=128)
     assert profiled == [(False, 128)]  # once, before the KV cache existed

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from baton import LLM, SamplingParams
-from baton.engine.core import InvalidRequestError
+from baton.engine.errors import InvalidRequestError
 
 pytestmark = pytest.mark.slow
 

@@ -61,7 +61,7 @@ def core():
     from baton.engine.config import EngineConfig
     from baton.engine.core import EngineCore
 
-    return EngineCore(EngineConfig(dtype="float32", num_kv_blocks=128, max_num_seqs=8))
+    return EngineCore(EngineConfig.from_args(dtype="float32", num_kv_blocks=128, max_num_seqs=8))
 
 
 def generate(core, rid: str, params: SamplingParams) -> list[int]:
@@ -85,7 +85,7 @@ def test_plus_100_forces_a_token_and_minus_100_bans_the_greedy_one(core):
 
 @pytest.mark.slow
 def test_ids_outside_the_vocabulary_are_refused_when_the_request_is_made(core):
-    from baton.engine.core import InvalidRequestError
+    from baton.engine.errors import InvalidRequestError
 
     vocab = core.model_config.vocab_size
     with pytest.raises(InvalidRequestError) as err:

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def core():
-    return EngineCore(EngineConfig(dtype="float32", num_kv_blocks=128, max_num_seqs=8))
+    return EngineCore(EngineConfig.from_args(dtype="float32", num_kv_blocks=128, max_num_seqs=8))
 
 
 def run(core: EngineCore, max_steps: int = 200) -> dict[str, list]:

@@ -55,7 +55,7 @@ def core():
     from baton.engine.config import EngineConfig
     from baton.engine.core import EngineCore
 
-    return EngineCore(EngineConfig(dtype="float32", num_kv_blocks=512, max_num_seqs=16))
+    return EngineCore(EngineConfig.from_args(dtype="float32", num_kv_blocks=512, max_num_seqs=16))
 
 
 def chat(core, text: str) -> list[int]:
@@ -173,7 +173,7 @@ def test_unconstrained_rows_are_untouched_by_constrained_neighbours(core):
     (StructuredOutput("grammar", "start: undefined_rule"), "undefined_rule"),
 ])
 def test_a_spec_that_does_not_compile_is_the_requests_error(core, spec, needle):
-    from baton.engine.core import InvalidRequestError
+    from baton.engine.errors import InvalidRequestError
 
     with pytest.raises(InvalidRequestError) as err:
         core.make_request("bad", [1, 2, 3], SamplingParams(structured=spec))
@@ -251,7 +251,7 @@ def test_a_pulled_request_continues_the_prefills_structured_output(core):
     from baton.engine.kv_connector import HoldKV, PullKV
 
     def engine(role):
-        return EngineCore(EngineConfig(dtype="float32", num_kv_blocks=128, kv_transport="local",
+        return EngineCore(EngineConfig.from_args(dtype="float32", num_kv_blocks=128, kv_transport="local",
                                        engine_id=f"structured-{role}-{time.monotonic_ns()}"))
 
     p, d = engine("prefill"), engine("decode")

@@ -31,7 +31,7 @@ def tiny(tmp_path_factory, model_dir):
 
 
 def engine(model: str, tp: int, transport: str | None = "tcp", **kw) -> EngineCore:
-    return EngineCore(EngineConfig(model=model, dtype="float32", block_size=16,
+    return EngineCore(EngineConfig.from_args(model=model, dtype="float32", block_size=16,
                                    num_kv_blocks=64, num_threads=1, kv_transport=transport,
                                    tensor_parallel_size=tp, **kw))
 

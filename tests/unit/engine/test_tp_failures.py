@@ -35,7 +35,7 @@ def tiny(tmp_path_factory, model_dir):
 
 
 def tp_config(path, **kw) -> EngineConfig:
-    return EngineConfig(model=str(path), dtype="float32", tensor_parallel_size=2,
+    return EngineConfig.from_args(model=str(path), dtype="float32", tensor_parallel_size=2,
                         num_threads=1, num_kv_blocks=64, **kw)
 
 

@@ -70,7 +70,7 @@ def test_bad_frames_are_refused(damage):
 
 
 def test_spec_round_trip_and_version():
-    config = EngineConfig(tensor_parallel_size=2, num_threads=1, kv_secret="s" * 32)
+    config = EngineConfig.from_args(tensor_parallel_size=2, num_threads=1, kv_secret="s" * 32)
     spec = FollowerSpec.make(1, 2, 1234, "/models/x", 512, config)
     again = FollowerSpec.from_line(spec.to_line())
     assert again == spec and again.engine_config() == config
@@ -92,11 +92,12 @@ def test_logits_calls_follow_the_runner():
 
 def test_config_checks_the_tensor_parallel_size():
     with pytest.raises(ValueError, match="tensor_parallel_size=0"):
-        EngineConfig(tensor_parallel_size=0)
+        EngineConfig.from_args(tensor_parallel_size=0)
     with pytest.raises(ValueError, match="KV transfer between tensor-parallel pods"):
-        EngineConfig(tensor_parallel_size=2, kv_transport="nixl")
-    assert EngineConfig(tensor_parallel_size=2, kv_transport="tcp").kv_transport == "tcp"
-    assert EngineConfig(tensor_parallel_size=2).tensor_parallel_size == 2
+        EngineConfig.from_args(tensor_parallel_size=2, kv_transport="nixl")
+    assert EngineConfig.from_args(tensor_parallel_size=2, kv_transport="tcp").kv_transfer.transport == "tcp"
+    assert EngineConfig.from_args(
+        tensor_parallel_size=2).parallel.tensor_parallel_size == 2
 
 
 def control_frame(raw: bytes) -> bytes:

@@ -17,10 +17,10 @@ from tests.unit.kv_transfer.factories import OTHER_SECRET, SECRET, cache
 
 
 def test_engine_config_validates_and_hides_the_secret():
-    assert EngineConfig().kv_secret is None
-    assert SECRET not in repr(EngineConfig(kv_secret=SECRET))
+    assert EngineConfig().kv_transfer.secret is None
+    assert SECRET not in repr(EngineConfig.from_args(kv_secret=SECRET))
     with pytest.raises(ValueError, match="kv_secret") as err:
-        EngineConfig(kv_secret="short-secret")
+        EngineConfig.from_args(kv_secret="short-secret")
     assert "short-secret" not in str(err.value)
 
 

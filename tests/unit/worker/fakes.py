@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from baton.common.internal import KVEndpointInfo, KVLayoutInfo, KVTransferParams
 from baton.common.metrics import WorkerMetrics
 from baton.common.sampling_params import SamplingParams
-from baton.engine.core import InvalidRequestError
+from baton.engine.errors import InvalidRequestError
 from baton.engine.outputs import EngineOutput
 from baton.engine.sampler import TokenLogprobs
 from baton.worker.openai_api import OpenAIFormat

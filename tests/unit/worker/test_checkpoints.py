@@ -21,7 +21,7 @@ NAMES = ("tiny", "alias")
 @pytest.fixture(scope="module")
 def app(tmp_path_factory):
     model = save_tiny_llama(tmp_path_factory.mktemp("ckpt") / "tiny")
-    engine = EngineConfig(model=str(model), dtype="float32", num_kv_blocks=32,
+    engine = EngineConfig.from_args(model=str(model), dtype="float32", num_kv_blocks=32,
                           skip_tokenizer_init=True)
     settings = WorkerSettings(engine=engine, served_model_name=list(NAMES))
     state = WorkerState(settings)
@@ -105,7 +105,7 @@ def test_served_names_take_one_name_or_several(given, names):
     ("Qwen/Qwen3-0.6B", "Qwen/Qwen3-0.6B"), ("hf://org/m@v2", "org/m"),
     ("/models/llama/", "llama"), ("/w/SmolLM2.Q4.gguf", "SmolLM2.Q4")])
 def test_without_served_names_the_model_argument_names_it(model, name):
-    assert WorkerSettings(engine=EngineConfig(model=model)).model_names == (name,)
+    assert WorkerSettings(engine=EngineConfig.from_args(model=model)).model_names == (name,)
 
 
 @pytest.mark.parametrize("bad", [[], ["a", "a"], ["a", " "]])
@@ -122,8 +122,9 @@ def test_the_flags_reach_the_settings_and_baton_up_passes_them_on():
             "--served-model-name", "a", "b", "--max-model-len", "128"]
     args = build_parser().parse_args(argv)
     engine = engine_config(args)
-    assert (engine.model, engine.revision, engine.skip_tokenizer_init,
-            engine.max_model_len) == ("org/m", "v1", True, 128)
+    checkpoint = engine.checkpoint
+    assert (checkpoint.model, checkpoint.revision, checkpoint.skip_tokenizer_init,
+            checkpoint.max_model_len) == ("org/m", "v1", True, 128)
     assert _worker_settings(args, engine, frozenset()).model_names == ("a", "b")
     passed = worker_flag_args(args)  # what `baton up` gives each worker
     assert passed[passed.index("--served-model-name"):][:3] == ["--served-model-name", "a", "b"]

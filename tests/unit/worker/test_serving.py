@@ -40,6 +40,8 @@ def test_a_prompt_beyond_the_context_window_is_a_400_and_nothing_is_made(prompt,
     with pytest.raises(OpenAIError) as err:
         serving.make_jobs("r", [[1], prompt], SamplingParams(max_tokens=max_tokens), "prompt")
     assert err.value.status == 400 and err.value.param == param
+    assert err.value.code == "context_length_exceeded"
+    assert err.value.message.startswith("this model's maximum context length is 64 tokens")
     assert engine.made == []
 
 

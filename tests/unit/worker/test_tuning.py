@@ -7,10 +7,10 @@ import pytest
 
 from baton.common.metrics import WorkerMetrics
 from baton.common.tuning import TuningError, parse_tuning
-from baton.engine.config import EngineConfig, LiveSettings
+from baton.engine.config import EngineConfig, LiveKVSettings, LiveSettings, SchedulerConfig
 from baton.worker.tuning import WorkerTuner, configure
 
-START = EngineConfig(max_num_seqs=8, max_num_batched_tokens=512, kv_lease_ttl_s=30.0)
+START = EngineConfig.from_args(max_num_seqs=8, max_num_batched_tokens=512, kv_lease_ttl_s=30.0)
 
 
 class RecordingEngine:
@@ -33,7 +33,8 @@ def restart_pending(metrics: WorkerMetrics) -> float:
 def test_a_reload_hands_the_live_knobs_to_the_engine():
     tuner, engine, metrics = make_tuner()
     assert tuner.apply(parse_tuning("worker: {max_num_seqs: 2, kv_failure_policy: fail}")) == []
-    assert engine.applied == [LiveSettings(2, 512, 30.0, START.kv_transfer_timeout_s, "fail")]
+    assert engine.applied == [LiveSettings(SchedulerConfig(512, 2), LiveKVSettings(
+        30.0, START.kv_transfer.live.transfer_timeout_s, "fail"))]
     assert restart_pending(metrics) == 0
 
 
@@ -55,7 +56,8 @@ def test_raising_a_limit_above_the_start_value_is_refused():
 def test_pinned_fields_keep_the_flags_value():
     tuner, engine, _ = make_tuner(frozenset({"max_num_seqs"}))
     tuner.apply(parse_tuning("worker: {max_num_seqs: 2, kv_lease_ttl_s: 5}"))
-    assert (engine.applied[0].max_num_seqs, engine.applied[0].kv_lease_ttl_s) == (8, 5.0)
+    live = engine.applied[0]
+    assert (live.scheduler.max_num_seqs, live.kv.lease_ttl_s) == (8, 5.0)
 
 
 def test_restart_knobs_are_reported_not_applied():
@@ -70,6 +72,6 @@ def test_restart_knobs_are_reported_not_applied():
 def test_configure_at_start_takes_the_file_under_the_flags():
     tuning = parse_tuning("worker: {max_num_seqs: 4, restart: {block_size: 32}}")
     cfg = configure(START, tuning, frozenset({"block_size"}))
-    assert (cfg.max_num_seqs, cfg.block_size) == (4, START.block_size)
+    assert (cfg.scheduler.max_num_seqs, cfg.cache.block_size) == (4, START.cache.block_size)
     with pytest.raises(TuningError, match="worker: EngineConfig.block_size=3"):
         configure(START, parse_tuning("worker: {restart: {block_size: 3}}"), frozenset())

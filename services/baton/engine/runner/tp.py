@@ -97,10 +97,11 @@ def start_tensor_parallel(config: EngineConfig, model_dir: Path, max_model_len: 
     and the group its model is built in. `tp`: a follower's group, given (no leader)."""
     if tp is not None:
         return None, tp
-    if config.tensor_parallel_size == 1:
+    if config.parallel.tensor_parallel_size == 1:
         return None, TPGroup()
-    if device.type == "cuda" and torch.cuda.device_count() < config.tensor_parallel_size:
-        raise ValueError(f"EngineConfig.tensor_parallel_size={config.tensor_parallel_size} "
+    size = config.parallel.tensor_parallel_size
+    if device.type == "cuda" and torch.cuda.device_count() < size:
+        raise ValueError(f"EngineConfig.tensor_parallel_size={size} "
                          f"needs one GPU per rank; {torch.cuda.device_count()} visible")
     leader = TPLeader.start(config, model_dir, max_model_len, device)
     torch.set_num_threads(threads_per_rank(config))
@@ -109,7 +110,8 @@ def start_tensor_parallel(config: EngineConfig, model_dir: Path, max_model_len: 
 
 def threads_per_rank(config: EngineConfig) -> int:
     """CPU threads each rank computes with: the configured count, else the cores split."""
-    return config.num_threads or max(1, (os.cpu_count() or 1) // config.tensor_parallel_size)
+    per_rank = (os.cpu_count() or 1) // config.parallel.tensor_parallel_size
+    return config.compute.num_threads or max(1, per_rank)
 
 
 class TPLeader:
@@ -137,7 +139,7 @@ class TPLeader:
         """Spawn ranks 1..N-1 and meet them in a process group (rank 0 here)."""
         import torch.distributed as dist
 
-        size = config.tensor_parallel_size
+        size = config.parallel.tensor_parallel_size
         store = dist.TCPStore("127.0.0.1", 0, size, is_master=True,
                               timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
                               wait_for_workers=False)

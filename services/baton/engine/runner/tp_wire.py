@@ -57,7 +57,7 @@ class FollowerSpec:
     version: int = SPEC_VERSION
 
     def engine_config(self) -> EngineConfig:
-        return EngineConfig(**self.config)
+        return EngineConfig.from_args(**self.config)
 
     def to_line(self) -> bytes:
         return (json.dumps(dataclasses.asdict(self)) + "\n").encode()
@@ -73,8 +73,7 @@ class FollowerSpec:
     @classmethod
     def make(cls, rank: int, size: int, store_port: int, model_dir, max_model_len: int,
              config: EngineConfig) -> FollowerSpec:
-        return cls(rank, size, store_port, str(model_dir), max_model_len,
-                   dataclasses.asdict(config))
+        return cls(rank, size, store_port, str(model_dir), max_model_len, config.args())
 
 
 @dataclass

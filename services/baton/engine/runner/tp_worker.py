@@ -71,7 +71,7 @@ def build_runner(spec: FollowerSpec):
 
     config = spec.engine_config()
     torch.set_num_threads(threads_per_rank(config))
-    device = resolve_device(config.device)
+    device = resolve_device(config.compute.device)
     if device.type == "cuda":
         torch.cuda.set_device(spec.rank)  # one GPU per rank
     store = dist.TCPStore("127.0.0.1", spec.store_port, spec.size, is_master=False,
