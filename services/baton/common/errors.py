@@ -3,6 +3,12 @@
 from __future__ import annotations
 
 import json
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from fastapi import FastAPI
+    from starlette.requests import Request
+    from starlette.responses import Response
 
 # status -> OpenAI's error type
 _TYPES = {
@@ -34,7 +40,7 @@ class OpenAIError(Exception):
         return _TYPES.get(self.status, "invalid_request_error" if self.status < 500
                           else "internal_server_error")
 
-    def body(self) -> dict:
+    def body(self) -> dict[str, dict[str, str | None]]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
                           "code": self.code}}
 
@@ -42,28 +48,28 @@ class OpenAIError(Exception):
         return json.dumps(self.body()).encode()
 
 
-def error_response(err: OpenAIError):
+def error_response(err: OpenAIError) -> Response:
     from starlette.responses import Response
 
     return Response(err.json_bytes(), status_code=err.status, headers=err.headers,
                     media_type="application/json")
 
 
-def install_error_handlers(app) -> None:
+def install_error_handlers(app: FastAPI) -> None:
     """Every error a FastAPI app can raise leaves as OpenAI-shaped JSON."""
     from fastapi.exceptions import RequestValidationError
     from starlette.exceptions import HTTPException
 
     @app.exception_handler(OpenAIError)
-    async def _openai(_request, err: OpenAIError):
+    async def _openai(_request: Request, err: OpenAIError) -> Response:
         return error_response(err)
 
     @app.exception_handler(HTTPException)
-    async def _http(_request, err: HTTPException):
+    async def _http(_request: Request, err: HTTPException) -> Response:
         return error_response(OpenAIError(err.status_code, str(err.detail)))
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_request, err: RequestValidationError):
+    async def _validation(_request: Request, err: RequestValidationError) -> Response:
         return error_response(OpenAIError(400, str(err.errors()[0].get("msg"))))
 
 

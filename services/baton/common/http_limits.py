@@ -20,6 +20,12 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from aiohttp.streams import StreamReader
+    from aiohttp.web_protocol import RequestHandler
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 HEADER_TIMEOUT_S = 10.0
 
@@ -65,12 +71,13 @@ class _AiohttpHeadGuard(asyncio.Protocol):
     head is complete when the handler's parser queues a message; bytes that arrive while
     the last message's body is incomplete are body, any others start the next head."""
 
-    def __init__(self, inner, timeout_s: float, on_timeout: Callable[[], None] | None) -> None:
+    def __init__(self, inner: RequestHandler, timeout_s: float,
+                 on_timeout: Callable[[], None] | None) -> None:
         self.inner = inner
         self._timeout_s = timeout_s
         self._on_timeout = on_timeout
         self._deadline: HeadDeadline | None = None
-        self._body = None  # the last message's payload (a StreamReader)
+        self._body: StreamReader | None = None  # the last message's payload
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.inner.connection_made(transport)
@@ -89,7 +96,8 @@ class _AiohttpHeadGuard(asyncio.Protocol):
             self._body = messages[-1][1]
 
     def eof_received(self) -> bool | None:
-        return self.inner.eof_received()
+        inner: asyncio.Protocol = self.inner  # its answer as asyncio types it
+        return inner.eof_received()
 
     def connection_lost(self, exc: Exception | None) -> None:
         if self._deadline is not None:
@@ -103,7 +111,7 @@ class _AiohttpHeadGuard(asyncio.Protocol):
         self.inner.resume_writing()
 
 
-def aiohttp_protocols(server: Callable[[], asyncio.Protocol], timeout_s: float,
+def aiohttp_protocols(server: Callable[[], RequestHandler], timeout_s: float,
                       on_timeout: Callable[[], None] | None = None
                       ) -> Callable[[], asyncio.Protocol]:
     """A protocol factory for `loop.create_server`: `server` (an aiohttp `web.Server`, e.g.
@@ -113,12 +121,14 @@ def aiohttp_protocols(server: Callable[[], asyncio.Protocol], timeout_s: float,
 
 # -- uvicorn's httptools protocol (the workers) ------------------------------------------
 def httptools_protocol(timeout_s: float = HEADER_TIMEOUT_S,
-                       on_timeout: Callable[[], None] | None = None) -> type:
+                       on_timeout: Callable[[], None] | None = None
+                       ) -> type[HttpToolsProtocol]:
     """uvicorn's `HttpToolsProtocol` with the head deadline, for `uvicorn.run(http=…)`."""
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
     class GuardedHttpToolsProtocol(HttpToolsProtocol):
-        def connection_made(self, transport) -> None:
+        # uvicorn's own override narrows the transport the same way (a stream server's)
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
             self.head_deadline = HeadDeadline(transport, timeout_s, on_timeout)
             self.head_deadline.arm()
@@ -131,7 +141,7 @@ def httptools_protocol(timeout_s: float = HEADER_TIMEOUT_S,
             self.head_deadline.disarm()
             super().on_headers_complete()
 
-        def connection_lost(self, exc) -> None:
+        def connection_lost(self, exc: Exception | None) -> None:
             self.head_deadline.disarm()
             super().connection_lost(exc)
 

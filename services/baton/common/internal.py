@@ -21,12 +21,13 @@ follows it; the router counts them as sent only once that content event went thr
 from __future__ import annotations
 
 import json
-from typing import Annotated, Final, Literal, TypeAlias
+from typing import Annotated, Any, Final, Literal, Self, TypeAlias
 
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    SerializerFunctionWrapHandler,
     field_serializer,
     model_serializer,
     model_validator,
@@ -62,10 +63,10 @@ class KVLayoutInfo(BaseModel):
     device: Annotated[str, Field(min_length=1, max_length=16)] = "cpu"  # cache device type
 
     @model_serializer(mode="wrap")
-    def _whole_as_before(self, handler):
+    def _whole_as_before(self, handler: SerializerFunctionWrapHandler) -> dict[str, object]:
         """A whole host cache (TP=1) on the wire exactly as before tensor parallelism and
         device types."""
-        data = handler(self)
+        data: dict[str, object] = handler(self)
         if self.device == "cpu":
             data.pop("device", None)
         if self.tp_size == 1 and self.head_start == 0 and self.total_kv_heads in (
@@ -115,8 +116,9 @@ class KVTransferParams(BaseModel):
         None = None
 
     @model_serializer(mode="wrap")
-    def _one_rank_as_before(self, handler):
-        data = handler(self)
+    def _one_rank_as_before(self, handler: SerializerFunctionWrapHandler
+                            ) -> dict[str, object]:
+        data: dict[str, object] = handler(self)
         if self.rank_endpoints is None:
             data.pop("rank_endpoints", None)
         return data
@@ -133,21 +135,21 @@ class _WithOpenAIBody(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _body_of_api(cls, data):
+    def _body_of_api(cls, data: object) -> object:
         if isinstance(data, dict) and isinstance(data.get("request"), dict):
-            model = API_MODELS.get(data.get("api"))
+            model = API_MODELS.get(data.get("api", ""))
             if model is not None:
                 data = {**data, "request": model.model_validate(data["request"])}
         return data
 
     @model_validator(mode="after")
-    def _body_matches_api(self):
+    def _body_matches_api(self) -> Self:
         if not isinstance(self.request, API_MODELS[self.api]):
             raise ValueError(f"api {self.api!r} does not match the request body")
         return self
 
     @field_serializer("request")
-    def _client_fields_only(self, request: OpenAIBody) -> dict:
+    def _client_fields_only(self, request: OpenAIBody) -> dict[str, Any]:
         return request.model_dump(exclude_unset=True)  # the body as the client sent it
 
     def to_json(self) -> bytes:
@@ -196,7 +198,7 @@ class GenerateRequest(_WithOpenAIBody):
     resume: ResumeState | None = None
 
     @model_validator(mode="after")
-    def _consistent(self):
+    def _consistent(self) -> Self:
         ids, resume = self.prompt_token_ids, self.resume
         if self.kv_transfer_params is not None and not ids:
             raise ValueError("kv_transfer_params need the prompt_token_ids they cover")

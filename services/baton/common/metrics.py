@@ -16,12 +16,12 @@ from collections.abc import Callable, Iterable
 
 import prometheus_client
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from baton.common.stats import EngineStats
 
-prometheus_client.disable_created_metrics()
+prometheus_client.disable_created_metrics()  # type: ignore[no-untyped-call]  # unannotated upstream
 
 CONTENT_TYPE = prometheus_client.CONTENT_TYPE_LATEST
 TTFT_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
@@ -110,10 +110,10 @@ class EngineCollector(Collector):
     def __init__(self, snapshot: Callable[[], EngineStats | None]) -> None:
         self._snapshot = snapshot
 
-    def describe(self) -> Iterable:
+    def describe(self) -> Iterable[Metric]:
         return []
 
-    def collect(self) -> Iterable:
+    def collect(self) -> Iterable[Metric]:
         stats = self._snapshot()
         if stats is None:
             return

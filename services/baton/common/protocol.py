@@ -15,7 +15,7 @@ a forced tool call) becomes `SamplingParams.structured`; a request may have one.
 from __future__ import annotations
 
 import json
-from typing import Annotated, Literal
+from typing import Annotated, Literal, Self, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -61,7 +61,7 @@ class JsonSchemaSpec(BaseModel):
 
     @field_validator("schema_")
     @classmethod
-    def _valid(cls, schema):
+    def _valid(cls, schema: dict[str, object]) -> dict[str, object]:
         check_json_schema(schema, "response_format.json_schema.schema")
         return schema
 
@@ -72,7 +72,7 @@ class ResponseFormat(BaseModel):
     json_schema: JsonSchemaSpec | None = None
 
     @model_validator(mode="after")
-    def _schema_iff_json_schema(self):
+    def _schema_iff_json_schema(self) -> Self:
         if (self.type == "json_schema") != (self.json_schema is not None):
             raise ValueError("response_format has json_schema exactly when its type is "
                              "json_schema")
@@ -121,14 +121,14 @@ class _SamplingFields(BaseModel):
     guided_grammar: Annotated[str, Field(min_length=1)] | None = None
 
     @model_validator(mode="after")
-    def _check_stream_options(self):
+    def _check_stream_options(self) -> Self:
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
         return self
 
     @field_validator("logit_bias")
     @classmethod
-    def _token_ids(cls, bias):
+    def _token_ids(cls, bias: dict[str, float] | None) -> dict[str, float] | None:
         for key in bias or ():
             if not (key.isascii() and key.isdigit() and int(key) < 1 << 31):
                 raise ValueError(f"logit_bias keys are token ids (strings of digits), not "
@@ -137,7 +137,8 @@ class _SamplingFields(BaseModel):
 
     @field_validator("guided_json")
     @classmethod
-    def _guided_schema(cls, schema):  # JSON text: parsed here, kept as the object
+    def _guided_schema(cls, schema: dict[str, object] | str | None) -> object:
+        # JSON text: parsed here, kept as the object
         if isinstance(schema, str):
             try:
                 schema = json.loads(schema)
@@ -147,7 +148,7 @@ class _SamplingFields(BaseModel):
         return schema
 
     @model_validator(mode="after")
-    def _one_constraint(self):
+    def _one_constraint(self) -> Self:
         names = list(self.constraints())
         if len(names) > 1:
             raise ParamError(names[1], f"{' and '.join(names)} each constrain the output; "
@@ -214,7 +215,7 @@ class CompletionRequest(_SamplingFields):
     echo: bool = False
 
     @model_validator(mode="after")
-    def _check_prompt(self):
+    def _check_prompt(self) -> Self:
         if isinstance(self.prompt, list) and not self.prompt:
             raise ValueError("prompt must not be an empty list")
         return self
@@ -254,7 +255,7 @@ class ChatMessage(BaseModel):
     tool_call_id: Annotated[str, Field(min_length=1)] | None = None  # tool: the call answered
 
     @model_validator(mode="after")
-    def _fields_of_role(self):
+    def _fields_of_role(self) -> Self:
         if self.tool_calls is not None and self.role != "assistant":
             raise ValueError("only assistant messages have tool_calls")
         if (self.role == "tool") != (self.tool_call_id is not None):
@@ -267,7 +268,7 @@ class ChatMessage(BaseModel):
             self.content = ""
         return self
 
-    def as_template_dict(self) -> dict:
+    def as_template_dict(self) -> dict[str, object]:
         content = self.content
         assert content is not None  # _fields_of_role fills it in
         text = content if isinstance(content, str) else "".join(p.text for p in content)
@@ -290,10 +291,10 @@ class _Conversation(BaseModel):
     tools: Annotated[list[Tool], Field(min_length=1, max_length=MAX_TOOLS)] | None = None
     add_generation_prompt: bool = True
 
-    def template_messages(self) -> list[dict]:
+    def template_messages(self) -> list[dict[str, object]]:
         return [m.as_template_dict() for m in self.messages]
 
-    def template_tools(self) -> list[dict] | None:
+    def template_tools(self) -> list[dict[str, object]] | None:
         """The tools as a template takes them (None without tools, as transformers)."""
         return [t.template_dict() for t in self.tools] if self.tools else None
 
@@ -309,7 +310,7 @@ class ChatCompletionRequest(_Conversation, _SamplingFields):
     parallel_tool_calls: bool = True
 
     @model_validator(mode="after")
-    def _check_logprobs(self):
+    def _check_logprobs(self) -> Self:
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs to be true")
         return self
@@ -367,10 +368,15 @@ def parse_tokenize_request(body: bytes) -> TokenizeRequest:
         chat = "messages" in json.loads(body)
     except (ValueError, TypeError):
         chat = False  # parse_request names the problem
-    return parse_request(TokenizeChatRequest if chat else TokenizeCompletionRequest, body)
+    if chat:
+        return parse_request(TokenizeChatRequest, body)
+    return parse_request(TokenizeCompletionRequest, body)
 
 
-def parse_request(model: type[BaseModel], body: bytes):
+_Model = TypeVar("_Model", bound=BaseModel)
+
+
+def parse_request(model: type[_Model], body: bytes) -> _Model:
     """Parse and validate a JSON body, turning every failure into a 400 OpenAIError."""
     try:
         return model.model_validate_json(body)

@@ -19,10 +19,14 @@ it apply on top in order. Messages carry a version field; unknown versions are d
 from __future__ import annotations
 
 import json
+from typing import TYPE_CHECKING, Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from baton.common.roles import Role
+
+if TYPE_CHECKING:
+    from redis.asyncio import Redis
 
 WIRE_VERSION = 1
 DEFAULT_PREFIX = "baton"
@@ -99,8 +103,9 @@ def blocks(worker_id: str, seq: int, added: list[str], removed: list[str],
                        "added": added, "removed": removed, "reset": reset})
 
 
-def parse_event(data: bytes | str) -> dict | None:
-    """A decoded event, or None for a message of another version or shape."""
+def parse_event(data: bytes | str) -> dict[str, Any] | None:
+    """A decoded event (JSON; a heartbeat's `record` a WorkerRecord), or None for a message
+    of another version or shape."""
     try:
         msg = json.loads(data)
     except ValueError:
@@ -119,10 +124,12 @@ def hash_hex(block_hash: int) -> str:
     return format(block_hash, "x")
 
 
-def redis_client(url: str, timeout_s: float = 2.0):
+def redis_client(url: str, timeout_s: float = 2.0) -> Redis:
     """An asyncio Redis client for `url` (redis://host:port/db) with bounded timeouts, so
     that an unreachable Redis is an error, never a hang."""
     import redis.asyncio as aioredis
 
-    return aioredis.Redis.from_url(url, socket_timeout=timeout_s,
-                                   socket_connect_timeout=timeout_s, health_check_interval=0)
+    client: Redis = aioredis.Redis.from_url(  # from_url has no return annotation
+        url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+        health_check_interval=0)
+    return client

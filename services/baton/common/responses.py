@@ -9,7 +9,7 @@ needs more than its type checked."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict
 
@@ -147,7 +147,7 @@ class OpenAIResponse(BaseModel):
     usage: Usage | None = None
     baton_ttft: TTFTBreakdown | None = None  # Baton's: only when asked for
 
-    def dump(self) -> dict:
+    def dump(self) -> dict[str, Any]:  # JSON
         return self.model_dump(mode="json", exclude_unset=True)
 
     def dump_sse(self) -> bytes:

@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 # non-finite float is a 400). `common.protocol` uses it too.
 STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 ARGUMENT_KEYS = ("arguments", "parameters")  # what models call a call's arguments
-_EMPTY_OBJECT = {"type": "object", "properties": {}}
+_EMPTY_OBJECT: dict[str, object] = {"type": "object", "properties": {}}
 
 
 class ParamError(ValueError):
@@ -60,7 +60,7 @@ class FunctionDefinition(BaseModel):
 
     @field_validator("parameters")
     @classmethod
-    def _valid_schema(cls, schema):
+    def _valid_schema(cls, schema: dict[str, object] | None) -> dict[str, object] | None:
         if schema is not None:
             check_json_schema(schema, "tools.function.parameters")
         return schema
@@ -71,7 +71,7 @@ class Tool(BaseModel):
     type: Literal["function"]
     function: FunctionDefinition
 
-    def template_dict(self) -> dict:
+    def template_dict(self) -> dict[str, object]:
         f = self.function
         return {"type": "function", "function": {
             "name": f.name, **({"description": f.description} if f.description else {}),
@@ -115,7 +115,7 @@ class ToolCallParam(BaseModel):
     type: Literal["function"]
     function: FunctionCall
 
-    def template_dict(self) -> dict:
+    def template_dict(self) -> dict[str, object]:
         f = self.function
         return {"id": self.id, "type": "function",
                 "function": {"name": f.name, "arguments": json.loads(f.arguments)}}
@@ -134,7 +134,8 @@ def _check_tool_choice(tools: list[Tool], choice: ToolChoice) -> None:
                                             f"tools {names}")
 
 
-def forced_schema(tools: list[Tool], choice: ToolChoice, parallel: bool) -> dict | None:
+def forced_schema(tools: list[Tool], choice: ToolChoice, parallel: bool
+                  ) -> dict[str, object] | None:
     """The JSON schema a forced call's output is constrained to, or None when the model
     chooses (`auto`, `none`). Raises ParamError("tool_choice") if the tools cannot
     satisfy the choice."""

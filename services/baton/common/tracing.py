@@ -21,13 +21,18 @@ once: `span()` is one shared no-op context manager, `inject()` returns its argum
 from __future__ import annotations
 
 import time
-from collections.abc import Mapping, MutableMapping
-from typing import TYPE_CHECKING, Any, Literal
+from collections.abc import Callable, Mapping, MutableMapping
+from types import TracebackType
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 if TYPE_CHECKING:
     from contextvars import Token
 
     from opentelemetry.context import Context
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.trace import Span as OTelSpan
+    from opentelemetry.trace import SpanKind
+    from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 TRACES_PATH = "/v1/traces"
 ENDPOINT_ENV = "OTEL_EXPORTER_OTLP_ENDPOINT"  # a collector's base URL: /v1/traces appended
@@ -82,7 +87,7 @@ class Span:
 
     __slots__ = ("raw",)
 
-    def __init__(self, raw) -> None:
+    def __init__(self, raw: OTelSpan) -> None:
         self.raw = raw
 
     def set(self, key: str, value: str | int | float | bool) -> None:
@@ -107,36 +112,37 @@ class _NoSpan(Span):
 
     __slots__ = ()
 
-    def set(self, key, value) -> None:
+    def set(self, key: str, value: str | int | float | bool) -> None:
         pass
 
-    def event(self, name, attributes=None) -> None:
+    def event(self, name: str, attributes: Attributes | None = None) -> None:
         pass
 
-    def error(self, description) -> None:
+    def error(self, description: str) -> None:
         pass
 
-    def end(self, end_ns=None) -> None:
+    def end(self, end_ns: int | None = None) -> None:
         pass
 
     def __enter__(self) -> Span:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         return None
 
 
-NO_SPAN = _NoSpan(None)
+# No OpenTelemetry span behind it (tracing off imports none): `raw` is None.
+NO_SPAN = _NoSpan(cast("OTelSpan", None))
 
 
 class Tracing:
     """Starts spans and carries their context across HTTP calls. Used on the event loop
     (or any one thread per span); built by `setup_tracing`."""
 
-    def __init__(self, provider=None) -> None:
+    def __init__(self, provider: TracerProvider | None = None) -> None:
         self._provider = provider
         self._tracer = provider.get_tracer("baton") if provider is not None else None
-        self._propagator = None
+        self._propagator: TraceContextTextMapPropagator | None = None
         if provider is not None:
             from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
@@ -221,7 +227,8 @@ class _Current:
         self._token = context.attach(trace.set_span_in_context(self.span.raw))
         return self.span
 
-    def __exit__(self, exc_type, exc, _tb) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 _tb: TracebackType | None) -> None:
         from opentelemetry import context
 
         assert self._token is not None  # __enter__ set it
@@ -229,14 +236,14 @@ class _Current:
         if exc is not None:
             if isinstance(exc, Exception):
                 self.span.raw.record_exception(exc)
-                self.span.error(f"{exc_type.__name__}: {exc}")
+                self.span.error(f"{type(exc).__name__}: {exc}")
             else:  # CancelledError, GeneratorExit: not the request's error
                 self.span.set("cancelled", True)
         self.span.end()
 
 
-def _kind(name: str):
-    def get():
+def _kind(name: str) -> Callable[[], SpanKind]:
+    def get() -> SpanKind:
         from opentelemetry.trace import SpanKind
 
         return SpanKind[name]

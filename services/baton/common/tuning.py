@@ -38,7 +38,7 @@ import logging
 import os
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal, TypeAlias
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -105,7 +105,7 @@ def parse_tuning(text: str, source: str = "config") -> Tuning:
         raise TuningError(f"{source}: {problems}") from None
 
 
-def load_tuning(path: str | os.PathLike) -> Tuning:
+def load_tuning(path: str | os.PathLike[str]) -> Tuning:
     path = Path(path)
     try:
         text = path.read_text()
@@ -114,12 +114,14 @@ def load_tuning(path: str | os.PathLike) -> Tuning:
     return parse_tuning(text, str(path))
 
 
-def set_fields(model: BaseModel) -> dict:
+def set_fields(model: BaseModel) -> dict[str, Any]:
     """The fields a file actually sets (None = keep the service's own value)."""
     return {k: v for k, v in model.model_dump(exclude={"restart"}).items() if v is not None}
 
 
 Apply = Callable[[Tuning, Tuning], list[str]]
+# the `..data` link's target and the file's mtime, size and inode (the link alone: no file)
+_Stamp: TypeAlias = tuple[str | None, int, int, int] | tuple[str, None]
 
 
 class ConfigWatcher:
@@ -131,7 +133,7 @@ class ConfigWatcher:
     `start`: a service reads the file at start (`load_initial`) before it can apply
     anything, and a change published in between is applied by the first poll."""
 
-    def __init__(self, directory: str | os.PathLike, apply: Apply | None = None,
+    def __init__(self, directory: str | os.PathLike[str], apply: Apply | None = None,
                  on_result: Callable[[str], None] | None = None, file_name: str = FILE_NAME,
                  interval_s: float = 1.0) -> None:
         self.dir = Path(directory)
@@ -141,10 +143,10 @@ class ConfigWatcher:
         self.interval_s = interval_s
         self.current = Tuning()
         self.restart_pending: list[str] = []
-        self._version: tuple | None = None
-        self._task: asyncio.Task | None = None
+        self._version: _Stamp | None = None
+        self._task: asyncio.Task[None] | None = None
 
-    def _stamp(self) -> tuple | None:
+    def _stamp(self) -> _Stamp | None:
         """What changes when kubelet (or an editor) publishes a new file."""
         try:
             data = os.readlink(self.dir / "..data")

@@ -27,11 +27,13 @@ import logging
 import signal
 import time
 import uuid
+from collections.abc import AsyncIterator, Callable
 from typing import cast
 
 import aiohttp
 import uvloop
 from aiohttp import web
+from aiohttp.typedefs import Handler, Middleware
 
 from baton.common.auth import upstream_headers
 from baton.common.errors import OpenAIError
@@ -42,6 +44,7 @@ from baton.common.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    TokenizeRequest,
     parse_request,
     parse_tokenize_request,
 )
@@ -111,7 +114,7 @@ class Router:
         self.tunables = tunables
         return []
 
-    async def lifespan(self, _app: web.Application):
+    async def lifespan(self, _app: web.Application) -> AsyncIterator[None]:
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=60)
         session = aiohttp.ClientSession(  # every call to a worker carries the token
             connector=connector, auto_decompress=False,
@@ -174,7 +177,7 @@ class Router:
                 for e in self.discovery.all()]})
 
     async def models(self, _request: web.Request) -> web.Response:
-        seen: dict[str, dict] = {}
+        seen: dict[str, dict[str, object]] = {}
         for e in self.discovery.all():
             for name in e.names if e.healthy else ():  # every served name (aliases too)
                 seen.setdefault(name, {"id": name, "object": "model",
@@ -195,7 +198,9 @@ class Router:
         return await self._tokenizer_call(
             request, lambda body: parse_request(DetokenizeRequest, body))
 
-    async def _tokenizer_call(self, request: web.Request, parse) -> web.StreamResponse:
+    async def _tokenizer_call(self, request: web.Request,
+                              parse: Callable[[bytes], TokenizeRequest | DetokenizeRequest]
+                              ) -> web.StreamResponse:
         """/tokenize or /detokenize: validated here, answered by a worker of the body's
         model (any worker without one), retried like any request."""
         tenant = request[TENANT]
@@ -215,7 +220,8 @@ class Router:
         self.metrics.requests.labels(str(response.status), tenant.name).inc()
         return response
 
-    async def _relay(self, request: web.Request, path: str, model_cls,
+    async def _relay(self, request: web.Request, path: str,
+                     model_cls: type[ChatCompletionRequest] | type[CompletionRequest],
                      api: Api) -> web.StreamResponse:
         received = time.monotonic()
         tenant = request[TENANT]
@@ -232,7 +238,8 @@ class Router:
         self.metrics.requests.labels(str(response.status), tenant.name).inc()
         return response
 
-    async def _answer(self, request: web.Request, path: str, model_cls, api: Api,
+    async def _answer(self, request: web.Request, path: str,
+                      model_cls: type[ChatCompletionRequest] | type[CompletionRequest], api: Api,
                       tenant: Tenant, received: float, span: Span) -> web.StreamResponse:
         """Admit, parse, route and relay one request; raises OpenAIError for an answer the
         router gives itself."""
@@ -282,7 +289,7 @@ ROUTER = web.AppKey("router", Router)  # the app's Router, for tests and tools
 
 
 @web.middleware
-async def _openai_errors(request: web.Request, handler):
+async def _openai_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Unknown paths, wrong methods and oversized bodies answer in the OpenAI error shape."""
     try:
         return await handler(request)
@@ -299,14 +306,14 @@ TENANT = web.RequestKey("tenant", Tenant)  # who is calling, set by `_authentica
 PROTECTED = ("/v1/", "/workers", "/tokenize", "/detokenize")
 
 
-def _authenticate(tenants: Tenants):
+def _authenticate(tenants: Tenants) -> Middleware:
     """With any key configured, the OpenAI paths (/v1/…, /tokenize, /detokenize) and
     /workers (worker URLs and loads) need `Authorization: Bearer <key>`, as vLLM's
     --api-key; /health, /ready and /metrics stay open. Without keys every request is
     tenant `default`."""
 
     @web.middleware
-    async def check(request: web.Request, handler):
+    async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
         tenant = tenants.anonymous
         if tenant is None and request.path.startswith(PROTECTED):
             tenant = tenants.identify(request.headers.get("Authorization"))

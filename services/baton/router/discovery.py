@@ -142,7 +142,7 @@ class StaticDiscovery(Discovery):
         if not self.urls:
             raise ValueError("StaticDiscovery needs at least one worker URL")
         self.endpoints = {u.rstrip("/"): Upstream(u.rstrip("/")) for u in self.urls}
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task[None] | None = None
         self._first_round = asyncio.Event()
 
     async def start(self, session: aiohttp.ClientSession) -> None:

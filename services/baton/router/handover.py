@@ -52,7 +52,7 @@ class Releaser:
         self.metrics = metrics
         self.tracing = tracing
         self.timeout_s = timeout_s
-        self._tasks: set[asyncio.Task] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
 
     def release_unclaimed(self, handover: Handover | None, request_id: str) -> None:
         """Starts the release of `handover`'s lease unless a decode pod claimed it. Never

@@ -21,8 +21,10 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Collection, Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
+from baton.common.internal import OpenAIBody
+from baton.common.protocol import ChatCompletionRequest, CompletionRequest
 from baton.common.registry import hash_hex
 from baton.router.discovery import Upstream
 
@@ -56,12 +58,17 @@ def leading_matches(held: Collection[str], hashes: Sequence[str]) -> int:
 
 
 # -- approximate: what the router sent ---------------------------------------------------
-def prompt_of(api: str, req) -> str | list[int] | None:
+def prompt_of(api: str, req: OpenAIBody) -> str | list[int] | None:
     """The prompt as the router sees it, or None when a request has several prompts."""
     if api == "chat":
-        return "".join(f"<{m.role}>" + (m.content if isinstance(m.content, str)
-                                        else "".join(p.text for p in m.content))
-                       for m in req.messages)
+        assert isinstance(req, ChatCompletionRequest)  # the body of its api
+        parts: list[str] = []
+        for m in req.messages:
+            assert m.content is not None  # a parsed ChatMessage has its content filled in
+            parts.append(f"<{m.role}>" + (m.content if isinstance(m.content, str)
+                                          else "".join(p.text for p in m.content)))
+        return "".join(parts)
+    assert isinstance(req, CompletionRequest)  # the body of its api
     prompts = req.prompts()
     return prompts[0] if len(prompts) == 1 else None
 
@@ -124,7 +131,7 @@ class BlockIndex:
     def blocks_held(self, upstream: Upstream) -> int:
         return len(self.held.get(upstream.worker_id, ())) if upstream.worker_id else 0
 
-    def apply(self, event: dict) -> bool:
+    def apply(self, event: dict[str, Any]) -> bool:
         """Fold a block event in; False when it skips a number (catch up from the keys)."""
         wid, seq = event["id"], int(event["seq"])
         last = self.seq.get(wid)

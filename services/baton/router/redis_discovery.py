@@ -15,7 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 
@@ -25,6 +25,7 @@ from baton.router.prefix import BlockIndex
 
 if TYPE_CHECKING:
     from redis.asyncio import Redis
+    from redis.asyncio.client import PubSub
 
 log = logging.getLogger("baton.router")
 
@@ -43,7 +44,7 @@ class RegistryDiscovery(Discovery):
         self.blocks = BlockIndex()
         self.connected = False
         self._first_round = asyncio.Event()
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task[None] | None = None
         self._redis: Redis | None = None
 
     @property
@@ -87,9 +88,9 @@ class RegistryDiscovery(Discovery):
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 2.0)
             finally:
-                await pubsub.aclose()
+                await pubsub.aclose()  # type: ignore[no-untyped-call]  # unannotated in redis-py
 
-    async def _listen(self, pubsub) -> None:
+    async def _listen(self, pubsub: PubSub) -> None:
         quiet_since = time.monotonic()
         while True:
             msg = await pubsub.get_message(timeout=0.5)
@@ -104,7 +105,7 @@ class RegistryDiscovery(Discovery):
                 quiet_since = now
             self._expire(now)
 
-    async def _on_event(self, event: dict) -> None:
+    async def _on_event(self, event: dict[str, Any]) -> None:
         kind = event.get("kind")
         if kind == "heartbeat":
             self._heartbeat(event["record"])

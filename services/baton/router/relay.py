@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import aiohttp
@@ -238,7 +239,8 @@ class Relay:
             pass  # the client left after the last event ([DONE]); nothing is lost
 
 
-def _tracked(client: ClientSide, tracker: StreamTracker):
+def _tracked(client: ClientSide, tracker: StreamTracker
+             ) -> Callable[[bytes], Awaitable[None]]:
     async def write(chunk: bytes) -> None:
         try:
             public = tracker.feed(chunk)

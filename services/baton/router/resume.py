@@ -159,7 +159,7 @@ class StreamTracker:
 
     def _remaining_request(self) -> OpenAIBody:
         r, left = self.call.request, self._budget()
-        update: dict = {}
+        update: dict[str, object] = {}
         if self.call.api == "completions":
             update |= {"max_tokens": left, "echo": False}
         # api "chat" (below) always carries a ChatCompletionRequest

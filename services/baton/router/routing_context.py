@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 
+from baton.common.internal import OpenAIBody
+from baton.common.protocol import ChatCompletionRequest, CompletionRequest
 from baton.router.discovery import Discovery
 from baton.router.prefix import (
     TOKENS_PER_BLOCK,
@@ -25,15 +27,19 @@ from baton.router.tokens import TokenizerCache
 INLINE_TOKENIZE_BYTES = 4096  # bodies up to ~1,000 tokens are tokenized on the event loop
 
 
-def splittable(api: str, req) -> bool:
+def splittable(api: str, req: OpenAIBody) -> bool:
     """Whether a prefill pod can compute this request's prompt for a decode pod: one
     sample, and no prompt logprobs (completions' `echo` with `logprobs`: the decode pod
     that pulls the KV never sees the prompt's logits)."""
-    return req.n == 1 and not (api == "completions" and req.echo
-                               and req.logprobs is not None)
+    if req.n != 1:
+        return False
+    if api == "completions":
+        assert isinstance(req, CompletionRequest)  # the body of its api
+        return not (req.echo and req.logprobs is not None)
+    return True
 
 
-def estimate_prompt_tokens(api: str, req) -> int | None:
+def estimate_prompt_tokens(api: str, req: OpenAIBody) -> int | None:
     """A rough token count for the decision (~4 characters a token, plus the chat
     template's few tokens a message), or None when the request cannot be split."""
     prompt = prompt_of(api, req)
@@ -41,7 +47,11 @@ def estimate_prompt_tokens(api: str, req) -> int | None:
         return None
     if not isinstance(prompt, str):
         return len(prompt)
-    return len(prompt) // 4 + (8 * len(req.messages) if api == "chat" else 0)
+    estimate = len(prompt) // 4
+    if api == "chat":
+        assert isinstance(req, ChatCompletionRequest)  # the body of its api
+        estimate += 8 * len(req.messages)
+    return estimate
 
 
 class ContextBuilder:
@@ -54,7 +64,7 @@ class ContextBuilder:
         self.tokenizers = tokenizers
         self.approximate = ApproximatePrefixIndex()
 
-    async def build(self, api: str, req, body_bytes: int = 0,
+    async def build(self, api: str, req: OpenAIBody, body_bytes: int = 0,
                     session: str | None = None) -> RoutingContext:
         """The routing context of a parsed request. Long prompts are tokenized on a thread
         (~3 ms for 2,000 tokens; the tokenizer releases the GIL), short ones inline; a
@@ -69,7 +79,7 @@ class ContextBuilder:
                               block_tokens=TOKENS_PER_BLOCK,
                               prompt_tokens=estimate_prompt_tokens(api, req), session=session)
 
-    async def _exact(self, api: str, req, body_bytes: int,
+    async def _exact(self, api: str, req: OpenAIBody, body_bytes: int,
                      session: str | None) -> RoutingContext | None:
         tok = self.tokenizers.get(req.model, [e.url for e in self.discovery.all()
                                               if e.healthy and e.serves(req.model)])

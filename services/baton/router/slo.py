@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Iterator
 
 from baton.common.metrics import RouterMetrics
 
@@ -69,7 +70,7 @@ class ClientClock:
         self._metrics.e2e.labels(*self._labels).observe(now - self.received)
 
 
-def _events(data: bytes):
+def _events(data: bytes) -> Iterator[bytes]:
     """The JSON objects of the complete `data:` events in `data` (SSE), or of a body."""
     if not data.startswith((b"data:", b"event:")):
         yield data

@@ -31,6 +31,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from baton.common.auth import bearer
 from baton.common.errors import OpenAIError
+from baton.common.internal import OpenAIBody
+from baton.common.protocol import ChatCompletionRequest, CompletionRequest
 from baton.router.rate_limit import TokenBucket
 
 DEFAULT_TENANT = "default"
@@ -202,10 +204,14 @@ class TokenCharge:
     completion: int
 
     @classmethod
-    def of(cls, api: str, req, prompt_tokens: int | None, body_bytes: int) -> TokenCharge:
-        prompts = 1 if api == "chat" else len(req.prompts())
-        limit = req.max_tokens if api == "completions" else (req.max_completion_tokens
-                                                             or req.max_tokens)
+    def of(cls, api: str, req: OpenAIBody, prompt_tokens: int | None,
+           body_bytes: int) -> TokenCharge:
+        if api == "chat":
+            assert isinstance(req, ChatCompletionRequest)  # the body of its api
+            prompts, limit = 1, req.max_completion_tokens or req.max_tokens
+        else:
+            assert isinstance(req, CompletionRequest)  # the body of its api
+            prompts, limit = len(req.prompts()), req.max_tokens
         prompt = prompt_tokens if prompt_tokens is not None else body_bytes // 4
         return cls(prompt, (limit or 0) * req.n * prompts)
 

@@ -20,27 +20,31 @@ import json
 import logging
 import time
 from datetime import datetime
+from typing import Any, NoReturn
 
 import aiohttp
 
 from baton.common.hashing import hash_token_blocks
+from baton.common.internal import OpenAIBody
+from baton.common.protocol import ChatCompletionRequest, CompletionRequest
 from baton.common.registry import hash_hex
 
 log = logging.getLogger("baton.router")
 
 
-def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False) -> str:
+def _tojson(x: object, ensure_ascii: bool = False, indent: int | str | None = None,
+            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
     """transformers' `tojson` filter (tool schemas go through it)."""
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
                       sort_keys=sort_keys)
 
 
-def _raise(message: str):
+def _raise(message: str) -> NoReturn:
     raise ValueError(message)
 
 
 class RouterTokenizer:
-    def __init__(self, payload: dict) -> None:
+    def __init__(self, payload: dict[str, Any]) -> None:  # /internal/tokenizer's JSON
         import tokenizers
         from jinja2.ext import loopcontrols
         from jinja2.sandbox import ImmutableSandboxedEnvironment
@@ -58,12 +62,13 @@ class RouterTokenizer:
             env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
             self._template = env.from_string(payload["chat_template"])
 
-    def prompt_ids(self, api: str, req) -> list[int] | None:
+    def prompt_ids(self, api: str, req: OpenAIBody) -> list[int] | None:
         """The engine's prompt ids for a single-prompt request, or None when the router
         cannot know them (several prompts, no template, a template error)."""
         if api == "chat":
             if self._template is None:
                 return None
+            assert isinstance(req, ChatCompletionRequest)  # the body of its api
             try:
                 text = self._template.render(
                     messages=req.template_messages(), tools=req.template_tools(),
@@ -71,6 +76,7 @@ class RouterTokenizer:
             except Exception:  # noqa: BLE001 - the worker answers the error itself
                 return None
             return self._tok.encode(text, add_special_tokens=False).ids
+        assert isinstance(req, CompletionRequest)  # the body of its api
         prompts = req.prompts()
         if len(prompts) != 1:
             return None
@@ -90,7 +96,7 @@ class TokenizerCache:
         self.session = session
         self.timeout_s, self.retry_after_s = timeout_s, retry_after_s
         self._have: dict[str, RouterTokenizer] = {}
-        self._fetching: dict[str, asyncio.Task] = {}
+        self._fetching: dict[str, asyncio.Task[None]] = {}
         self._failed_at: dict[str, float] = {}
 
     def get(self, model: str, worker_urls: list[str]) -> RouterTokenizer | None:

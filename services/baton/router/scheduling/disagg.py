@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
 
 from baton.router.discovery import Upstream
 from baton.router.scheduling.context import RoutingContext
@@ -21,8 +22,11 @@ Decider = Callable[[Upstream | None, RoutingContext, "DisaggSettings"], bool]
 DECIDERS: dict[str, Decider] = {}
 
 
-def register(name: str):
-    def deco(fn: Decider) -> Decider:
+_F = TypeVar("_F", bound=Decider)
+
+
+def register(name: str) -> Callable[[_F], _F]:
+    def deco(fn: _F) -> _F:
         DECIDERS[name] = fn
         return fn
     return deco

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import TypeVar
 
 from baton.common.roles import Role
 from baton.router.discovery import Upstream
@@ -13,8 +14,11 @@ Filter = Callable[[list[Upstream], RoutingContext], list[Upstream]]
 FILTERS: dict[str, Filter] = {}
 
 
-def register(name: str):
-    def deco(fn: Filter) -> Filter:
+_F = TypeVar("_F", bound=Filter)
+
+
+def register(name: str) -> Callable[[_F], _F]:
+    def deco(fn: _F) -> _F:
         FILTERS[name] = fn
         return fn
     return deco

@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import random
 from collections.abc import Callable
+from typing import TypeVar
 
 from baton.router.discovery import Upstream
 
@@ -12,8 +13,11 @@ Picker = Callable[[list[Upstream], list[float]], Upstream]
 PICKERS: dict[str, Callable[[], Picker]] = {}  # name -> factory (pickers may keep state)
 
 
-def register(name: str):
-    def deco(factory: Callable[[], Picker]) -> Callable[[], Picker]:
+_F = TypeVar("_F", bound=Callable[[], Picker])
+
+
+def register(name: str) -> Callable[[_F], _F]:
+    def deco(factory: _F) -> _F:
         PICKERS[name] = factory
         return factory
     return deco

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Callable
+from typing import TypeVar
 
 from baton.router.discovery import Upstream
 from baton.router.scheduling.context import RoutingContext
@@ -13,8 +14,11 @@ Scorer = Callable[[list[Upstream], RoutingContext], list[float]]
 SCORERS: dict[str, Scorer] = {}
 
 
-def register(name: str):
-    def deco(fn: Scorer) -> Scorer:
+_F = TypeVar("_F", bound=Scorer)
+
+
+def register(name: str) -> Callable[[_F], _F]:
+    def deco(fn: _F) -> _F:
         SCORERS[name] = fn
         return fn
     return deco
