@@ -22,21 +22,24 @@ import sys
 import time
 
 import torch
+from pydantic import TypeAdapter
 
+from baton.common.internal import KVEndpointInfo
 from baton.kv_transfer import installed_transports, make_transport
-from baton.kv_transfer.base import Endpoint, TransferState, gather_blocks, scatter_blocks
+from baton.kv_transfer.base import TransferState, gather_blocks, scatter_blocks
 
 SHAPE = dict(layers=30, kv_heads=3, head_dim=64, block_size=16)
 
 HOLDER = """
 import json, sys, time, torch
+from pydantic_core import to_jsonable_python
 from benchmarks.kv_bench import make
 n_blocks, repeats, kind = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
 kv = torch.randn(30, 2, n_blocks, 16, 3, 64).to(torch.bfloat16)
 t = make(kind)
 ep = t.start(kv, "holder")
 leases = [t.hold(f"r{r}", list(range(n_blocks)), 600) for r in range(repeats + 1)]
-print(json.dumps({"endpoint": ep.to_dict(), "leases": leases}), flush=True)
+print(json.dumps({"endpoint": to_jsonable_python(ep), "leases": leases}), flush=True)
 time.sleep(3600)
 """
 
@@ -71,7 +74,8 @@ def transport_pulls(kind: str, n: int, repeats: int) -> list[float]:
                               stdout=subprocess.PIPE)
     try:
         hello = json.loads(holder.stdout.readline())
-        ep, leases = Endpoint.from_dict(hello["endpoint"]), hello["leases"]
+        ep = TypeAdapter(KVEndpointInfo).validate_python(hello["endpoint"])
+        leases = hello["leases"]
         puller = make(kind)
         puller.start(_cache(2 * n), "puller")
         puller.connect(ep)

@@ -20,8 +20,9 @@ follows it; the router counts them as sent only once that content event went thr
 
 from __future__ import annotations
 
+import hashlib
 import json
-from typing import Annotated, Any, Final, Literal, Self, TypeAlias
+from typing import TYPE_CHECKING, Annotated, Any, Final, Literal, Self, TypeAlias
 
 from pydantic import (
     BaseModel,
@@ -32,8 +33,12 @@ from pydantic import (
     model_serializer,
     model_validator,
 )
+from pydantic.dataclasses import dataclass
 
 from baton.common.protocol import MAX_LOGPROBS, ChatCompletionRequest, CompletionRequest
+
+if TYPE_CHECKING:  # KVLayoutInfo.of reads a tensor's shape; this module never loads torch
+    import torch
 
 WIRE_VERSION: Final = 1
 TOKENS_EVENT = "baton.tokens"
@@ -46,21 +51,49 @@ _WIRE = ConfigDict(extra="forbid", frozen=True)
 
 
 # -- KV hand-over --------------------------------------------------------------------------
-class KVLayoutInfo(BaseModel):
-    """The shape of a holder's KV cache (`kv_transfer.base.KVLayout` on the wire)."""
+# The layout and the endpoint are pydantic dataclasses: one type each for the transports
+# (`baton.kv_transfer`), the tensor-parallel control frames and this wire, positional or by
+# keyword, validated wherever they are made.
+@dataclass(frozen=True, config=ConfigDict(extra="forbid"))
+class KVLayoutInfo:
+    """One rank's KV cache shape. With tensor parallelism a rank holds `num_kv_heads` of the
+    model's `total_kv_heads` (0: all of them), the global heads [head_start, head_start +
+    num_kv_heads), one of `tp_size` ranks. The fingerprint covers only what every rank of
+    every TP degree shares (layers, block size, total heads, head dim, dtype): peers of
+    different TP degrees handshake, and each pull names the heads it moves. The device type
+    is part of it too (nixl reads DRAM or VRAM, gloo / nccl need the same kind on both
+    sides); a layout on the wire without one is a host cache's. ValueError (a pydantic
+    ValidationError) for heads outside the model's."""
 
-    model_config = _WIRE
     num_layers: Annotated[int, Field(ge=1)]
     block_size: Annotated[int, Field(ge=1)]
     num_kv_heads: Annotated[int, Field(ge=1)]
     head_dim: Annotated[int, Field(ge=1)]
-    dtype: str
-    # tensor parallelism: this rank's heads [head_start, head_start + num_kv_heads) of
-    # total_kv_heads, one of tp_size ranks (absent for a whole cache: TP=1 as before)
+    dtype: str  # torch dtype name, e.g. "bfloat16"
     total_kv_heads: Annotated[int, Field(ge=0)] = 0
     head_start: Annotated[int, Field(ge=0)] = 0
     tp_size: Annotated[int, Field(ge=1)] = 1
     device: Annotated[str, Field(min_length=1, max_length=16)] = "cpu"  # cache device type
+
+    def __post_init__(self) -> None:
+        if self.total_kv_heads == 0:
+            object.__setattr__(self, "total_kv_heads", self.num_kv_heads)
+        if self.head_start + self.num_kv_heads > self.total_kv_heads:
+            raise ValueError(f"heads [{self.head_start}, {self.head_start + self.num_kv_heads})"
+                             f" outside the model's {self.total_kv_heads} KV heads "
+                             f"(tp_size {self.tp_size})")
+
+    @classmethod
+    def of(cls, kv_cache: torch.Tensor, head_start: int = 0, total_kv_heads: int = 0,
+           tp_size: int = 1) -> KVLayoutInfo:
+        """The layout of an engine's cache tensor `[layers, 2, blocks, block_size, kv_heads,
+        head_dim]` (read from its shape, dtype and device: torch is not imported here)."""
+        if kv_cache.dim() != 6 or kv_cache.shape[1] != 2:
+            raise ValueError("the KV cache must be [layers, 2, blocks, block_size, kv_heads, "
+                             f"head_dim], got {tuple(kv_cache.shape)}")
+        layers, _, _, bs, kvh, d = kv_cache.shape
+        return cls(layers, bs, kvh, d, str(kv_cache.dtype).removeprefix("torch."),
+                   total_kv_heads, head_start, tp_size, kv_cache.device.type)
 
     @model_serializer(mode="wrap")
     def _whole_as_before(self, handler: SerializerFunctionWrapHandler) -> dict[str, object]:
@@ -69,17 +102,43 @@ class KVLayoutInfo(BaseModel):
         data: dict[str, object] = handler(self)
         if self.device == "cpu":
             data.pop("device", None)
-        if self.tp_size == 1 and self.head_start == 0 and self.total_kv_heads in (
-                0, self.num_kv_heads):
+        if self.is_whole and self.tp_size == 1:
             for key in ("total_kv_heads", "head_start", "tp_size"):
                 data.pop(key, None)
         return data
 
+    @property
+    def heads(self) -> tuple[int, int]:
+        """This rank's global KV heads, [start, end)."""
+        return self.head_start, self.head_start + self.num_kv_heads
 
-class KVEndpointInfo(BaseModel):
-    """How a puller reaches a holder (`kv_transfer.base.Endpoint` on the wire)."""
+    @property
+    def is_whole(self) -> bool:
+        return self.num_kv_heads == self.total_kv_heads
 
-    model_config = _WIRE
+    @property
+    def fingerprint(self) -> str:
+        raw = f"{self.num_layers}/{self.block_size}/{self.total_kv_heads}/{self.head_dim}/" \
+              f"{self.dtype}"
+        if self.device != "cpu":  # a host cache's fingerprint as before devices were named
+            raw += f"/{self.device}"
+        return hashlib.blake2b(raw.encode(), digest_size=8).hexdigest()
+
+    def mismatch(self, other: KVLayoutInfo) -> str:
+        """What makes two layouts' blocks incompatible whatever their TP degrees ('' when
+        nothing does)."""
+        diffs = [f"{k} {getattr(self, k)} vs {getattr(other, k)}"
+                 for k in ("num_layers", "block_size", "total_kv_heads", "head_dim", "dtype",
+                           "device")
+                 if getattr(self, k) != getattr(other, k)]
+        return ", ".join(diffs)
+
+
+@dataclass(frozen=True, config=ConfigDict(extra="forbid"))
+class KVEndpointInfo:
+    """How a puller reaches a holder: the transport's name, the holder's engine id, its
+    address (host:port; the engine id for `local`) and its cache's layout."""
+
     transport: str
     engine_id: str
     address: str

@@ -1,7 +1,8 @@
 """The KV transfer contract (docs/design.md §5): pull-based, one shape for every transport.
 
-Holder (prefill) side: `start(layout, kv_cache, engine_id)` registers the cache once and
-returns the `Endpoint` peers use; `hold(request_id, block_ids, ttl_s)` pins blocks under a
+Holder (prefill) side: `start(kv_cache, engine_id)` registers the cache once and returns
+the `KVEndpointInfo` peers use (`baton.common.internal`: the same type travels in
+`KVTransferParams`, its layout a `KVLayoutInfo`); `hold(request_id, block_ids, ttl_s)` pins blocks under a
 lease and returns its id (random, unguessable, never derived from the request id: only the
 puller it is handed to can name it); `released()` reports, exactly once per lease, that it
 ended (pulled, expired, or `release`d by the holder) so the engine can free the request's
@@ -23,13 +24,13 @@ kinds of device refuse each other at the handshake.
 from __future__ import annotations
 
 import enum
-import hashlib
 import threading
 import time
 from abc import ABC, abstractmethod
-from dataclasses import asdict, dataclass
 
 import torch
+
+from baton.common.internal import KVEndpointInfo, KVLayoutInfo
 
 
 class TransferError(RuntimeError):
@@ -58,86 +59,11 @@ class KVAuthError(TransferError):
     or their secrets differ. Configure the same internal token on both."""
 
 
-@dataclass(frozen=True)
-class KVLayout:
-    """One rank's KV cache shape. With tensor parallelism a rank holds `num_kv_heads` of the
-    model's `total_kv_heads` (0: all of them), the global heads [head_start, head_start +
-    num_kv_heads), one of `tp_size` ranks. The fingerprint covers only what every rank of
-    every TP degree shares (layers, block size, total heads, head dim, dtype): peers of
-    different TP degrees handshake, and each pull names the heads it moves. The device type
-    is part of it too (nixl reads DRAM or VRAM, gloo / nccl need the same kind on both
-    sides); a layout on the wire without one is a host cache's."""
-
-    num_layers: int
-    block_size: int
-    num_kv_heads: int
-    head_dim: int
-    dtype: str  # torch dtype name, e.g. "bfloat16"
-    total_kv_heads: int = 0
-    head_start: int = 0
-    tp_size: int = 1
-    device: str = "cpu"  # the cache's device type (cpu, cuda): a transport's memory kind
-
-    def __post_init__(self) -> None:
-        if self.total_kv_heads == 0:
-            object.__setattr__(self, "total_kv_heads", self.num_kv_heads)
-        if not (0 <= self.head_start and self.head_start + self.num_kv_heads
-                <= self.total_kv_heads and self.tp_size >= 1):
-            raise ValueError(f"heads [{self.head_start}, {self.head_start + self.num_kv_heads})"
-                             f" outside the model's {self.total_kv_heads} KV heads "
-                             f"(tp_size {self.tp_size})")
-
-    @classmethod
-    def of(cls, kv_cache: torch.Tensor, head_start: int = 0, total_kv_heads: int = 0,
-           tp_size: int = 1) -> KVLayout:
-        if kv_cache.dim() != 6 or kv_cache.shape[1] != 2:
-            raise ValueError("the KV cache must be [layers, 2, blocks, block_size, kv_heads, "
-                             f"head_dim], got {tuple(kv_cache.shape)}")
-        layers, _, _, bs, kvh, d = kv_cache.shape
-        return cls(layers, bs, kvh, d, str(kv_cache.dtype).removeprefix("torch."),
-                   total_kv_heads, head_start, tp_size, kv_cache.device.type)
-
-    @property
-    def heads(self) -> tuple[int, int]:
-        """This rank's global KV heads, [start, end)."""
-        return self.head_start, self.head_start + self.num_kv_heads
-
-    @property
-    def is_whole(self) -> bool:
-        return self.num_kv_heads == self.total_kv_heads
-
-    @property
-    def fingerprint(self) -> str:
-        raw = f"{self.num_layers}/{self.block_size}/{self.total_kv_heads}/{self.head_dim}/" \
-              f"{self.dtype}"
-        if self.device != "cpu":  # a host cache's fingerprint as before devices were named
-            raw += f"/{self.device}"
-        return hashlib.blake2b(raw.encode(), digest_size=8).hexdigest()
-
-    def to_dict(self) -> dict:
-        """On the wire; a whole cache (TP=1) on the host as before tensor parallelism and
-        devices (`KVLayout(**d)` reads both)."""
-        d = asdict(self)
-        if self.is_whole and self.tp_size == 1:
-            for k in ("total_kv_heads", "head_start", "tp_size"):
-                del d[k]
-        if self.device == "cpu":
-            del d["device"]
-        return d
-
-    def mismatch(self, other: KVLayout) -> str:
-        """What makes two layouts' blocks incompatible whatever their TP degrees ('' when
-        nothing does)."""
-        diffs = [f"{k} {getattr(self, k)} vs {getattr(other, k)}"
-                 for k in ("num_layers", "block_size", "total_kv_heads", "head_dim", "dtype",
-                           "device")
-                 if getattr(self, k) != getattr(other, k)]
-        return ", ".join(diffs)
-
-    @property
-    def bytes_per_block(self) -> int:
-        elt = torch.empty(0, dtype=getattr(torch, self.dtype)).element_size()
-        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elt
+def bytes_per_block(layout: KVLayoutInfo) -> int:
+    """A block's bytes in a cache of `layout` (its `layers x 2` slices of this rank's heads)."""
+    elt = torch.empty(0, dtype=getattr(torch, layout.dtype)).element_size()
+    return 2 * layout.num_layers * layout.block_size * layout.num_kv_heads * layout.head_dim \
+        * elt
 
 
 def rank_heads(rank: int, size: int, total: int) -> tuple[int, int]:
@@ -151,7 +77,8 @@ def rank_heads(rank: int, size: int, total: int) -> tuple[int, int]:
     return h, h + 1
 
 
-def _plan(lo: int, hi: int, peers: list) -> tuple[list, int]:
+def _plan(lo: int, hi: int, peers: list[KVEndpointInfo]
+          ) -> tuple[list[tuple[KVEndpointInfo, tuple[int, int]]], int]:
     plan = []
     for peer in sorted(peers, key=lambda p: p.layout.head_start):
         a, b = peer.layout.heads
@@ -162,10 +89,9 @@ def _plan(lo: int, hi: int, peers: list) -> tuple[list, int]:
     return plan, lo
 
 
-def head_plan(mine: KVLayout, peers: list, rank: int | None = None
-              ) -> list[tuple[object, tuple[int, int], tuple[int, int]]]:
-    """Which global heads to pull from which peer (`peers`: objects with a `.layout`, e.g.
-    the holder's rank `Endpoint`s) so that every head of `mine` arrives exactly once, and
+def head_plan(mine: KVLayoutInfo, peers: list[KVEndpointInfo], rank: int | None = None
+              ) -> list[tuple[KVEndpointInfo, tuple[int, int], tuple[int, int]]]:
+    """Which global heads to pull from which peer (`peers`: the holder's rank endpoints) so that every head of `mine` arrives exactly once, and
     the part (i, n) of that peer's lease this pull is (n: how many of our `tp_size` ranks
     read from that peer; `rank`: ours, found from our heads when not given). Raises
     LayoutMismatchError when the shapes differ or some head is held by no peer."""
@@ -189,31 +115,12 @@ def head_plan(mine: KVLayout, peers: list, rank: int | None = None
             for p, heads in plan]
 
 
-def unread_peers(mine: KVLayout, peers: list) -> list:
+def unread_peers(mine: KVLayoutInfo, peers: list[KVEndpointInfo]) -> list[KVEndpointInfo]:
     """The holder ranks none of our ranks reads (their heads replicated on another rank
     that is read): a puller releases their lease copies with an empty pull."""
     size, total = mine.tp_size, mine.total_kv_heads
     read = {id(p) for q in range(size) for p, _ in _plan(*rank_heads(q, size, total), peers)[0]}
     return [p for p in peers if id(p) not in read]
-
-
-@dataclass(frozen=True)
-class Endpoint:
-    """How peers reach a holder; travels in `kv_transfer_params` as a dict."""
-
-    transport: str
-    engine_id: str
-    address: str
-    layout: KVLayout
-
-    def to_dict(self) -> dict:
-        d = asdict(self)
-        d["layout"] = self.layout.to_dict()
-        return d
-
-    @classmethod
-    def from_dict(cls, d: dict) -> Endpoint:
-        return cls(d["transport"], d["engine_id"], d["address"], KVLayout(**d["layout"]))
 
 
 class TransferState(enum.Enum):
@@ -283,7 +190,7 @@ def scatter_blocks(kv_cache: torch.Tensor, block_ids: list[int], data: torch.Ten
     wire_view(kv_cache).index_copy_(2, index, wire_view(data))
 
 
-def check_pull(layout: KVLayout, src: list[int], dst: list[int], num_blocks: int) -> None:
+def check_pull(layout: KVLayoutInfo, src: list[int], dst: list[int], num_blocks: int) -> None:
     """Puller side, before anything moves: one destination per source, each side's ids
     distinct, destinations inside our cache, sources non-negative (the holder checks them
     against its own cache and the lease)."""
@@ -303,15 +210,15 @@ class KVTransport(ABC):
     name: str
 
     @abstractmethod
-    def start(self, kv_cache: torch.Tensor, engine_id: str) -> Endpoint:
+    def start(self, kv_cache: torch.Tensor, engine_id: str) -> KVEndpointInfo:
         """Register the cache (once) and start serving pulls of held blocks."""
 
     @abstractmethod
-    def connect(self, peer: Endpoint) -> None:
+    def connect(self, peer: KVEndpointInfo) -> None:
         """Idempotent; raises LayoutMismatchError or PeerUnreachableError."""
 
     @abstractmethod
-    def pull(self, peer: Endpoint, lease_id: str, src_block_ids: list[int],
+    def pull(self, peer: KVEndpointInfo, lease_id: str, src_block_ids: list[int],
              dst_block_ids: list[int], timeout_s: float) -> Transfer:
         """Start copying the peer's blocks held under `lease_id` into ours; returns at once.
         Raises ValueError for ids `check_pull` refuses; everything else fails the Transfer

@@ -1,6 +1,6 @@
 """The KV port's handshake: who may pull from a holder, settled before any lease is looked up.
 
-Every connection to a holder (tcp, gloo / nccl, nixl: they share tcp's control plane)
+Every connection to a holder (tcp, gloo / nccl, nixl: they share one control plane)
 opens the same way, framed as in `wire.py`:
 
     puller -> holder   MAGIC, Hello {fingerprint, peer: its id, nonce: Np, auth: whether it
@@ -35,12 +35,12 @@ import socket
 import threading
 import time
 from dataclasses import dataclass
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from pydantic import ValidationError
 
+from baton.common.internal import KVEndpointInfo
 from baton.kv_transfer.base import (
-    Endpoint,
     KVAuthError,
     LayoutMismatchError,
     LeaseExpiredError,
@@ -97,10 +97,10 @@ def proof_ok(given: object, expected: str) -> bool:
     return isinstance(given, str) and hmac.compare_digest(given.encode(), expected.encode())
 
 
-def check_reply(reply: dict) -> dict:
+def check_reply(reply: dict[str, Any]) -> dict[str, Any]:
     """The holder's answer, or its refusal raised as the typed TransferError it names."""
     if reply.get("ok") is not True:
-        raise _ERRORS.get(reply.get("kind"), TransferError)(str(reply.get("error", "refused")))
+        raise _ERRORS.get(str(reply.get("kind")), TransferError)(str(reply.get("error", "refused")))
     return reply
 
 
@@ -121,7 +121,7 @@ def accept(conn: socket.socket, ip: str, terms: HolderTerms
     except FrameError as err:
         raise Refused(str(err)) from None
     who = f"{puller}@{ip}"
-    welcome: dict = {"ok": True}
+    welcome: dict[str, Any] = {"ok": True}
     if terms.secret:  # before the request is read: a wrong key learns nothing more
         assert my_nonce is not None  # made above whenever there is a secret
         ids = (their_nonce, my_nonce, puller, terms.engine_id)
@@ -202,8 +202,8 @@ class RefusalLog:
 
 
 # -- puller --------------------------------------------------------------------------------
-def request(sock: socket.socket, terms: PullerTerms, peer: Endpoint,
-            req: InfoRequest | PullRequest, deadline: float) -> dict:
+def request(sock: socket.socket, terms: PullerTerms, peer: KVEndpointInfo,
+            req: InfoRequest | PullRequest, deadline: float) -> dict[str, Any]:
     """Handshake with the holder `peer` on a fresh connection, send `req` and return the
     holder's answer to it. Raises the holder's refusal as a typed TransferError
     (KVAuthError when the secrets disagree), TimeoutError past `deadline`, OSError or
@@ -219,7 +219,7 @@ def request(sock: socket.socket, terms: PullerTerms, peer: Endpoint,
                           "same internal token on both")
     if not terms.secret and theirs is not None:
         raise KVAuthError(f"{where} requires a KV secret and this engine has none")
-    ids = (nonce, theirs, terms.engine_id, peer.engine_id)
+    ids = (nonce, str(theirs), terms.engine_id, peer.engine_id)  # theirs: checked above
     if terms.secret:
         req = req.model_copy(update={"proof": proof(terms.secret, "puller", *ids)})
     send_msg(sock, req.wire())

@@ -1,15 +1,25 @@
-"""Scatter/gather socket I/O for the tcp data phase: the wire-order views of a host cache's
-blocks (no copy: runs of consecutive ids become one buffer), and `sendmsg` /
-`recvmsg_into` over lists of buffers. Only a cache in host memory has such views; a device
-cache goes through `staging.py`, whose host buffer these helpers also move."""
+"""The tcp transport's data plane for a host cache: the blocks' bytes over the control
+socket, read and written in place — the wire-order views of the cache's blocks (no copy:
+runs of consecutive ids become one buffer), `sendmsg` / `recvmsg_into` over lists of
+buffers. Only a cache in host memory has such views; a device cache goes through
+`staging.py`, whose host buffer these helpers also move.
+
+On the wire, after the pull's header `{"ok": true, "nbytes": n}`: the blocks in wire order
+(layer, K/V, block, token, the pull's heads); both sides know `n` from the block ids and
+the heads, and the puller refuses a header that says otherwise."""
 
 from __future__ import annotations
 
+import contextlib
 import socket
+from typing import Any
 
 import torch
 
-from baton.kv_transfer.base import PeerUnreachableError
+from baton.common.internal import KVEndpointInfo, KVLayoutInfo
+from baton.kv_transfer.base import PeerUnreachableError, TransferError
+from baton.kv_transfer.dataplane import Incoming, Outgoing, Remaining
+from baton.kv_transfer.wire import send_msg
 
 _IOV_MAX = 1024
 
@@ -19,7 +29,7 @@ def host_bytes(t: torch.Tensor) -> memoryview:
     host memory to view)."""
     if t.device.type != "cpu":
         raise ValueError(f"no host view of a {t.device.type} tensor")
-    return memoryview(t.view(-1).view(torch.uint8).numpy()).cast("B")
+    return t.view(-1).view(torch.uint8).numpy().data.cast("B")
 
 
 def runs(ids: list[int]) -> list[tuple[int, int]]:
@@ -31,6 +41,65 @@ def runs(ids: list[int]) -> list[tuple[int, int]]:
         else:
             out.append([b, 1])
     return [(s, n) for s, n in out]
+
+
+def unit_bytes(kv_cache: torch.Tensor, heads: tuple[int, int]) -> int:
+    """One (layer, K/V, block) unit of the wire: a block's tokens x the heads [lo, hi)."""
+    _, _, _, bs, _, d = kv_cache.shape
+    return int(bs * (heads[1] - heads[0]) * d * kv_cache.element_size())
+
+
+def wire_bytes(kv_cache: torch.Tensor, n: int, heads: tuple[int, int]) -> int:
+    """A pull of `n` blocks' heads [lo, hi): what travels, staged or not."""
+    return int(kv_cache.shape[0]) * 2 * n * unit_bytes(kv_cache, heads)
+
+
+def expected(kv_cache: torch.Tensor, layout: KVLayoutInfo, pull: Incoming
+             ) -> tuple[tuple[int, int], int]:
+    """Puller: the pull's heads as our local [lo, hi) and the bytes the holder must send;
+    TransferError when its header says another size."""
+    lo = layout.head_start
+    local = (pull.heads[0] - lo, pull.heads[1] - lo)
+    want = wire_bytes(kv_cache, len(pull.dst), local)
+    if pull.reply.get("nbytes") != want:
+        raise TransferError(f"holder sent {pull.reply.get('nbytes')} bytes, expected {want}")
+    return local, want
+
+
+class IovPlane:
+    """tcp over a host cache: the blocks' own memory on the control socket, no copy."""
+
+    head_subsets = True
+
+    def __init__(self, kv_cache: torch.Tensor, layout: KVLayoutInfo) -> None:
+        self.kv_cache, self.layout = kv_cache, layout
+        self.cache_bytes = host_bytes(kv_cache)  # the cache's own bytes (zero-copy)
+
+    def hello(self) -> dict[str, Any]:
+        return {"ok": True}
+
+    def greeted(self, peer: KVEndpointInfo, reply: dict[str, Any]) -> None:
+        """Nothing to learn from a tcp holder's hello."""
+
+    def session(self, peer: KVEndpointInfo, remaining: Remaining
+                ) -> contextlib.nullcontext[dict[str, Any]]:
+        return contextlib.nullcontext({})
+
+    def send(self, out: Outgoing) -> None:
+        views = block_views(self.kv_cache, self.cache_bytes, out.blocks, out.heads)
+        send_msg(out.conn, {"ok": True, "nbytes": sum(len(v) for v in views)})
+        send_views(out.conn, views)
+
+    def receive(self, pull: Incoming) -> int:
+        """Straight into those heads of our `dst` blocks (no staging copy)."""
+        local, want = expected(self.kv_cache, self.layout, pull)
+        if not want:
+            return 0
+        views = block_views(self.kv_cache, self.cache_bytes, pull.dst, local)
+        return recv_views(pull.sock, views, pull.remaining, pull.peer.address)
+
+    def close(self) -> None:
+        """Nothing held beyond the cache's own memory."""
 
 
 def block_views(kv_cache: torch.Tensor, cache_bytes: memoryview, block_ids: list[int],
@@ -86,8 +155,8 @@ def send_views(sock: socket.socket, views: list[memoryview]) -> int:
     return total
 
 
-def recv_views(sock: socket.socket, views: list[memoryview], remaining, peer_address: str
-                ) -> int:
+def recv_views(sock: socket.socket, views: list[memoryview], remaining: Remaining,
+               peer_address: str) -> int:
     """recvmsg_into straight into the cache's destination blocks."""
     total = 0
     i = 0

@@ -21,7 +21,7 @@ Nonce = Annotated[str, StringConstraints(strict=True, pattern=NONCE_PATTERN)]
 class _Message(BaseModel):
     model_config = ConfigDict(frozen=True, extra="ignore")
 
-    def wire(self) -> dict:
+    def wire(self) -> dict[str, Any]:
         """The JSON object `wire.send_msg` frames (fields left at None are not sent)."""
         return self.model_dump(exclude_none=True)
 

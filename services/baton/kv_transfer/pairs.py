@@ -20,27 +20,42 @@ import threading
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Protocol, cast
 
+import torch
 import torch.distributed as dist
+from torch._C._distributed_c10d import Store  # where torch.distributed's comes from
 
 IDLE_S = 600.0  # a pair unused this long is torn down (its peer may be gone for good)
 
 
-def build_group(store, rank: int, timeout: timedelta, backend: str):
+class PairGroup(Protocol):
+    """What a pair's group does: point-to-point sends and receives (gloo's and NCCL's
+    backends have them; torch's type stubs do not say so)."""
+
+    def send(self, tensors: list[torch.Tensor], dst: int, tag: int) -> dist.Work: ...
+
+    def recv(self, tensors: list[torch.Tensor], src: int, tag: int) -> dist.Work: ...
+
+
+def build_group(store: Store, rank: int, timeout: timedelta, backend: str) -> PairGroup:
     """The two-rank group over `store` (the holder is rank 0); blocks until both joined."""
+    group: object
     if backend == "nccl":
         opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout
-        return dist.ProcessGroupNCCL(store, rank, 2, opts)
-    return dist.ProcessGroupGloo(store, rank, 2, timeout)
+        group = dist.ProcessGroupNCCL(store, rank, 2, opts)
+    else:
+        group = dist.ProcessGroupGloo(store, rank, 2, timeout)
+    return cast(PairGroup, group)  # the stubs' Backend lacks send / recv
 
 
 @dataclass
 class Pair:
     gen: str  # the holder's name for this group
-    store: object  # dist.TCPStore: the holder's is the server
-    group: object  # dist.ProcessGroupGloo / ProcessGroupNCCL
-    stream: object = None  # CUDA: the side stream its sends / recvs run on
+    store: Store | None  # a TCPStore: the holder's is the server; None once destroyed
+    group: PairGroup | None  # gloo / NCCL; None until built, and once destroyed
+    stream: torch.cuda.Stream | None = None  # CUDA: the side stream its sends / recvs run on
     tags: int = 0  # holder: the last tag it handed out
     used: float = field(default_factory=time.monotonic)
 

@@ -1,4 +1,5 @@
-"""Host staging for the tcp data phase of a cache that is not in host memory (a GPU's).
+"""The tcp transport's data plane for a cache that is not in host memory (a GPU's): host
+staging (`StagedPlane`; `stage_via_host=True` forces it on a host cache too).
 
 The bytes on the wire are the same as the zero-copy path's (layer, K/V, block, token, the
 pull's heads), cut into chunks that fit a bounded host buffer — pinned when the cache is
@@ -21,15 +22,36 @@ waits (up to its deadline) for a free one.
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import socket
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 
-from baton.kv_transfer.base import TransferTimeoutError
-from baton.kv_transfer.iov import host_bytes, recv_views, send_views
+from baton.common.internal import KVEndpointInfo, KVLayoutInfo
+from baton.kv_transfer.base import TransferError, TransferTimeoutError
+from baton.kv_transfer.dataplane import (
+    DATA_TIMEOUT_S,
+    DataUnavailable,
+    Incoming,
+    Outgoing,
+    Remaining,
+)
+from baton.kv_transfer.iov import (
+    expected,
+    host_bytes,
+    recv_views,
+    send_views,
+    unit_bytes,
+    wire_bytes,
+)
+from baton.kv_transfer.wire import send_msg
+
+log = logging.getLogger(__name__)
 
 STAGING_BYTES = 32 << 20  # per buffer: a few MiB keep both sides streaming
 
@@ -43,25 +65,16 @@ class StagingCopyError(RuntimeError):
         self.began = began
 
 
-def unit_bytes(kv_cache: torch.Tensor, heads: tuple[int, int]) -> int:
-    """One (layer, K/V, block) unit of the wire: a block's tokens x the heads [lo, hi)."""
-    _, _, _, bs, _, d = kv_cache.shape
-    return bs * (heads[1] - heads[0]) * d * kv_cache.element_size()
-
-
-def wire_bytes(kv_cache: torch.Tensor, n: int, heads: tuple[int, int]) -> int:
-    """A pull of `n` blocks' heads [lo, hi): what travels, staged or not."""
-    return kv_cache.shape[0] * 2 * n * unit_bytes(kv_cache, heads)
-
-
-def side_stream(device: torch.device):
+def side_stream(device: torch.device) -> torch.cuda.Stream | None:
     """CUDA: a stream of its own, so a transfer is not serialised behind the engine's
     steps (None elsewhere)."""
-    return torch.cuda.Stream(device) if device.type == "cuda" else None
+    if device.type != "cuda":
+        return None
+    return torch.cuda.Stream(device)  # type: ignore[no-untyped-call]  # torch: untyped
 
 
 @contextmanager
-def on_stream(stream):
+def on_stream(stream: torch.cuda.Stream | None) -> Iterator[None]:
     """Run on `stream` (None: as we are), after whatever this thread's stream has queued
     (the engine wrote the held blocks, or allocated the pulled ones, before that)."""
     if stream is None:
@@ -72,10 +85,10 @@ def on_stream(stream):
         yield
 
 
-def wait_for(stream) -> None:
+def wait_for(stream: torch.cuda.Stream | None) -> None:
     """Until the work queued on `stream` is done: an event on it, not a device sync."""
     if stream is not None:
-        done = torch.cuda.Event()
+        done = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch: untyped
         done.record(stream)
         done.synchronize()
 
@@ -224,3 +237,53 @@ class StagingPool:
     def close(self) -> None:
         with self._lock:
             self._free.clear()
+
+
+class StagedPlane:
+    """tcp over a cache without host memory (or forced): the same wire as `IovPlane`'s,
+    through the staging buffers of `pool`. `engine_id` names the holder in errors."""
+
+    head_subsets = True
+
+    def __init__(self, kv_cache: torch.Tensor, layout: KVLayoutInfo, pool: StagingPool,
+                 engine_id: str) -> None:
+        self.kv_cache, self.layout, self.pool = kv_cache, layout, pool
+        self.engine_id = engine_id
+
+    def hello(self) -> dict[str, Any]:
+        return {"ok": True}
+
+    def greeted(self, peer: KVEndpointInfo, reply: dict[str, Any]) -> None:
+        """Nothing to learn from a tcp holder's hello."""
+
+    def session(self, peer: KVEndpointInfo, remaining: Remaining
+                ) -> contextlib.nullcontext[dict[str, Any]]:
+        return contextlib.nullcontext({})
+
+    def send(self, out: Outgoing) -> None:
+        """Through a host buffer; the first chunk is copied before the header, so a device
+        that refuses the copy is a typed refusal, not a cut stream."""
+        heads = out.heads or (0, int(self.kv_cache.shape[4]))
+        nbytes = wire_bytes(self.kv_cache, len(out.blocks), heads)
+        try:
+            self.pool.send(out.conn, out.blocks, heads, DATA_TIMEOUT_S,
+                           lambda: send_msg(out.conn, {"ok": True, "nbytes": nbytes}))
+        except TransferError as err:  # no buffer came free
+            raise DataUnavailable(f"holder {self.engine_id}: {err}") from None
+        except StagingCopyError as err:
+            why = (f"holder {self.engine_id} could not copy its "
+                   f"{self.kv_cache.device.type} KV blocks for {out.peer}: {err}")
+            log.warning("%s", why)
+            if err.began:
+                raise ConnectionAbortedError(why) from None
+            raise DataUnavailable(why) from None
+
+    def receive(self, pull: Incoming) -> int:
+        local, want = expected(self.kv_cache, self.layout, pull)
+        if not want:
+            return 0
+        return self.pool.receive(pull.sock, pull.dst, local, pull.remaining,
+                                 pull.peer.address)
+
+    def close(self) -> None:
+        self.pool.close()

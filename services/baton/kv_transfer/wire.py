@@ -15,6 +15,7 @@ import json
 import socket
 import struct
 import time
+from typing import Any
 
 MAGIC = b"BATONKV\x02"  # tag + protocol version 2 (version 1 had no magic)
 MAX_FRAME_BYTES = 1 << 20  # control messages: a hello, a pull's block ids, NIXL metadata
@@ -27,7 +28,7 @@ class FrameError(ValueError):
     is not a JSON object. The connection is unusable."""
 
 
-def send_msg(sock: socket.socket, obj: dict, prefix: bytes = b"") -> None:
+def send_msg(sock: socket.socket, obj: dict[str, Any], prefix: bytes = b"") -> None:
     data = json.dumps(obj).encode()
     sock.sendall(prefix + _LEN.pack(len(data)) + data)
 
@@ -52,7 +53,7 @@ def recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> by
 
 
 def recv_msg(sock: socket.socket, limit: int = MAX_FRAME_BYTES,
-             deadline: float | None = None) -> dict:
+             deadline: float | None = None) -> dict[str, Any]:
     """One frame's JSON object. FrameError for a length over `limit` (checked before the
     body is read) or a body that is not a JSON object."""
     (size,) = _LEN.unpack(recv_exact(sock, _LEN.size, deadline))

@@ -108,12 +108,18 @@ def control_frame(raw: bytes) -> bytes:
                         len(padded) // 8) + padded
 
 
+def _endpoint():
+    from baton.common.internal import KVEndpointInfo, KVLayoutInfo
+
+    return KVEndpointInfo("tcp", "e1", "127.0.0.1:1", KVLayoutInfo(2, 4, 1, 8, "float32", 2, 1, 2))
+
+
 def test_kv_control_messages_round_trip_typed():
     from baton.engine.runner.tp_kv_messages import KVHold, KVPull, KVRelease, KVStart
     from baton.engine.runner.tp_wire import Control
 
     sent = [KVStart(engine_id="e1"), KVHold(lease="l1", blocks=[3, 4], ttl=30.0),
-            KVRelease(lease="l1"), KVPull(tag="t", lease="l1", peers=[{"x": 1}], src=[1],
+            KVRelease(lease="l1"), KVPull(tag="t", lease="l1", peers=[_endpoint()], src=[1],
                                           dst=[2], timeout=5.0)]
     stream = io.BytesIO(b"".join(Control(m).encode() for m in sent) + stop_frame())
     got = [read_message(stream) for _ in sent]
@@ -131,8 +137,8 @@ def test_a_kv_control_message_this_version_cannot_read_is_refused(raw):
 def test_kv_replies_parse_typed():
     from baton.engine.runner.tp_kv_messages import REPLY, KVPulled, KVReleased, KVStarted
 
-    assert REPLY.validate_json(KVStarted(endpoint={"a": 1}).model_dump_json()) == KVStarted(
-        endpoint={"a": 1})
+    assert REPLY.validate_json(KVStarted(endpoint=_endpoint()).model_dump_json()) == KVStarted(
+        endpoint=_endpoint())
     pulled = REPLY.validate_json(b'{"op": "pulled", "tag": "t", "ok": false, "kind": '
                                  b'"LeaseExpiredError", "error": "gone"}')
     assert isinstance(pulled, KVPulled) and not pulled.ok and pulled.bytes == 0

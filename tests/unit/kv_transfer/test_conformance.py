@@ -12,10 +12,11 @@ import time
 
 import pytest
 import torch
+from pydantic import TypeAdapter
 
+from baton.common.internal import KVEndpointInfo
 from baton.kv_transfer import make_transport
 from baton.kv_transfer.base import (
-    Endpoint,
     KVAuthError,
     LayoutMismatchError,
     LeaseExpiredError,
@@ -23,6 +24,7 @@ from baton.kv_transfer.base import (
     TransferError,
     TransferState,
     TransferTimeoutError,
+    bytes_per_block,
 )
 from baton.kv_transfer.messages import PullRequest
 from tests.unit.kv_transfer.factories import OTHER_SECRET, SECRET, cache
@@ -55,7 +57,7 @@ def test_runs_of_consecutive_blocks_differ_on_each_side(make):
     t = puller.pull(ep, lease, src, dst, timeout_s=10)
     assert t.wait(10) == TransferState.DONE, t.error
     assert torch.equal(dst_kv[:, :, dst], src_kv[:, :, src])
-    assert t.bytes == len(src) * ep.layout.bytes_per_block
+    assert t.bytes == len(src) * bytes_per_block(ep.layout)
 
 
 def test_two_concurrent_peers(make):
@@ -211,8 +213,8 @@ def test_a_lease_is_bound_to_the_puller_that_claimed_it(make, kind):
     a, _ = make(dst_kv)
     b, _ = make(cache(fill=False))
     lease = holder.hold("r", [6, 7], 30)
-    with a._open(ep, 5) as sock:  # the request and the holder's header, then gone
-        a._request(sock, ep, PullRequest(op="pull", lease=lease, src=[6, 7]),
+    with a.puller.open(ep, 5) as sock:  # the request and the holder's header, then gone
+        a.puller.request(sock, ep, PullRequest(op="pull", lease=lease, src=[6, 7]),
                    time.monotonic() + 5)
     deadline = time.monotonic() + 5
     while True:
@@ -231,12 +233,13 @@ def test_a_lease_is_bound_to_the_puller_that_claimed_it(make, kind):
 
 HOLDER = """
 import json, sys, time, torch
+from pydantic_core import to_jsonable_python
 from baton.kv_transfer import make_transport
 kv = torch.ones(8, 2, 512, 16, 8, 64, dtype=torch.float32)  # 1 GiB
 t = make_transport(sys.argv[1])
 ep = t.start(kv, "victim")
 lease = t.hold("big", list(range(512)), 60)
-print(json.dumps({"endpoint": ep.to_dict(), "lease": lease}), flush=True)
+print(json.dumps({"endpoint": to_jsonable_python(ep), "lease": lease}), flush=True)
 time.sleep(600)
 """
 
@@ -248,7 +251,7 @@ def test_peer_lost_mid_transfer_is_a_typed_error_in_time(how, kind):
     proc = subprocess.Popen([sys.executable, "-c", HOLDER, kind], stdout=subprocess.PIPE)
     try:
         started = json.loads(proc.stdout.readline())
-        ep = Endpoint.from_dict(started["endpoint"])
+        ep = TypeAdapter(KVEndpointInfo).validate_python(started["endpoint"])
         puller = make_transport(kind)
         puller.start(torch.zeros(8, 2, 512, 16, 8, 64), "puller")
         t0 = time.monotonic()

@@ -13,14 +13,16 @@ import time
 
 import pytest
 import torch
+from pydantic import TypeAdapter
+from pydantic_core import to_jsonable_python
 
+from baton.common.internal import KVEndpointInfo, KVLayoutInfo
 from baton.kv_transfer import installed_transports, make_transport
 from baton.kv_transfer.base import (
-    Endpoint,
-    KVLayout,
     LayoutMismatchError,
     TransferError,
     TransferState,
+    bytes_per_block,
 )
 from baton.kv_transfer.wire import recv_magic, recv_msg, send_msg
 from tests.unit.kv_transfer.factories import cache
@@ -87,7 +89,7 @@ def _meta_pull_fails_cleanly(kind: str) -> None:
     try:
         ep = holder.start(meta_cache(), "holder")
         puller.start(meta_cache(), "puller")
-        assert ep.layout.device == "meta" and ep.to_dict()["layout"]["device"] == "meta"
+        assert ep.layout.device == "meta" and to_jsonable_python(ep)["layout"]["device"] == "meta"
         puller.connect(ep)  # the hello (nixl: its agent metadata) and the layout check
         puller.connect(ep)
         lease = holder.hold("r-empty", [5], ttl_s=30)  # a release moves no bytes
@@ -159,8 +161,8 @@ def test_a_device_puller_takes_every_byte_through_staging_without_a_host_view(ho
     try:
         puller.start(meta_cache(), "puller")
         layout = puller.layout
-        ep = Endpoint("tcp", "holder", f"127.0.0.1:{srv.getsockname()[1]}", layout)
-        nbytes, sent = 3 * layout.bytes_per_block, []
+        ep = KVEndpointInfo("tcp", "holder", f"127.0.0.1:{srv.getsockname()[1]}", layout)
+        nbytes, sent = 3 * bytes_per_block(layout), []
         threading.Thread(target=_fake_holder, args=(srv, nbytes, sent), daemon=True).start()
         t = puller.pull(ep, "lease", [1, 2, 3], [7, 8, 12], timeout_s=5)
         assert t.wait(8) == TransferState.DONE, t.error
@@ -172,29 +174,28 @@ def test_a_device_puller_takes_every_byte_through_staging_without_a_host_view(ho
 
 
 def test_a_layout_names_its_device_and_a_layout_without_one_is_a_host_cache():
-    host, meta = KVLayout.of(cache()), KVLayout.of(meta_cache())
+    host, meta = KVLayoutInfo.of(cache()), KVLayoutInfo.of(meta_cache())
     assert host.device == "cpu" and meta.device == "meta"
-    assert "device" not in host.to_dict()  # the wire of before for a host cache
-    assert KVLayout(**host.to_dict()) == host and KVLayout(**meta.to_dict()) == meta
+    assert "device" not in to_jsonable_python(host)  # the wire of before for a host cache
+    assert KVLayoutInfo(**to_jsonable_python(host)) == host
+    assert KVLayoutInfo(**to_jsonable_python(meta)) == meta
     assert host.fingerprint != meta.fingerprint
     assert "device meta vs cpu" in meta.mismatch(host)
-    cuda = KVLayout(**{**host.to_dict(), "device": "cuda"})
+    cuda = KVLayoutInfo(**{**to_jsonable_python(host), "device": "cuda"})
     assert cuda.fingerprint not in (host.fingerprint, meta.fingerprint)
     with pytest.raises(LayoutMismatchError, match="device"):
         puller = make_transport("tcp")
         try:
             puller.start(cache(), "p")
-            puller.connect(Endpoint("tcp", "h", "127.0.0.1:1", cuda))
+            puller.connect(KVEndpointInfo("tcp", "h", "127.0.0.1:1", cuda))
         finally:
             puller.close()
 
 
 def test_a_device_layout_survives_the_transfer_params():
-    from baton.common.internal import KVEndpointInfo
-
     for device in ("cpu", "cuda"):
-        lay = KVLayout(**{**KVLayout.of(cache()).to_dict(), "device": device})
-        ep = Endpoint("tcp", "e", "127.0.0.1:1", lay)
-        info = KVEndpointInfo.model_validate(ep.to_dict())
-        assert Endpoint.from_dict(info.model_dump()) == ep
-        assert ("device" in info.model_dump()["layout"]) == (device != "cpu")
+        lay = KVLayoutInfo(**{**to_jsonable_python(KVLayoutInfo.of(cache())), "device": device})
+        ep = KVEndpointInfo("tcp", "e", "127.0.0.1:1", lay)
+        wire = to_jsonable_python(ep)
+        assert TypeAdapter(KVEndpointInfo).validate_python(wire) == ep
+        assert ("device" in wire["layout"]) == (device != "cpu")

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from baton.kv_transfer.base import KVLayout, LayoutMismatchError, TransferState
+from baton.common.internal import KVLayoutInfo
+from baton.kv_transfer.base import LayoutMismatchError, TransferState, bytes_per_block
 from tests.unit.kv_transfer.factories import cache
 
 
@@ -21,8 +22,8 @@ def test_fp8_blocks_move_as_bytes(make, dtype):
     assert t.wait(10) == TransferState.DONE, t.error
     assert torch.equal(dst_kv[:, :, [1, 12]].view(torch.uint8),
                        src_kv[:, :, [3, 7]].view(torch.uint8))
-    assert t.bytes == 2 * ep.layout.bytes_per_block
-    assert 2 * ep.layout.bytes_per_block == KVLayout.of(cache(dtype=torch.bfloat16)).bytes_per_block
+    assert t.bytes == 2 * bytes_per_block(ep.layout)
+    assert 2 * bytes_per_block(ep.layout) == bytes_per_block(KVLayoutInfo.of(cache(dtype=torch.bfloat16)))
 
 
 def test_bf16_and_fp8_caches_refuse_each_other(make):

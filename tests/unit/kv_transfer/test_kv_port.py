@@ -17,8 +17,12 @@ import pytest
 import torch
 
 from baton.kv_transfer import installed_transports, make_transport
-from baton.kv_transfer.base import KVAuthError, PeerUnreachableError, TransferState
-from baton.kv_transfer.tcp import TcpTransport
+from baton.kv_transfer.base import (
+    KVAuthError,
+    PeerUnreachableError,
+    TransferState,
+    bytes_per_block,
+)
 from baton.kv_transfer.wire import MAGIC, MAX_FRAME_BYTES, send_msg
 from tests.unit.kv_transfer.factories import OTHER_SECRET, SECRET, cache, closed_within, rss_bytes
 
@@ -157,11 +161,11 @@ def test_the_frame_limit_holds_and_fits_large_pulls(pair):
     with raw(ep) as sock:  # a hello one byte over the limit
         sock.sendall(MAGIC + struct.pack(">I", 4097) + b" " * 4097)
         assert closed_within(sock, 1.0) is not None
-    big, _ = TcpTransport(), None
+    big, _ = make_transport("tcp"), None
     try:  # a pull of 2,000 block ids under the default limit
         kv = torch.randn(1, 2, 4096, 1, 1, 2)
         ep2 = big.start(kv, "big")
-        sink = TcpTransport()
+        sink = make_transport("tcp")
         dst = torch.zeros_like(kv)
         sink.start(dst, "sink")
         ids = list(range(0, 4000, 2))
@@ -176,7 +180,7 @@ def test_the_frame_limit_holds_and_fits_large_pulls(pair):
 
 def test_wrong_secret_is_logged_on_the_holder_and_typed_on_the_puller(pair, caplog):
     holder, _, ep, src_kv, _ = pair(secret=SECRET)
-    stranger = TcpTransport(secret=OTHER_SECRET)
+    stranger = make_transport("tcp", secret=OTHER_SECRET)
     stranger.start(cache(blocks=64, fill=False), "stranger")
     try:
         lease = holder.hold("r", [1], 30)
@@ -207,8 +211,8 @@ def test_a_holder_without_the_key_cannot_feed_a_puller(pair):
             send_msg(conn, {"ok": True, "nonce": "0" * 32})
             conn.recv(65536)
             send_msg(conn, {"ok": True, "proof": "f" * 64})
-            send_msg(conn, {"ok": True, "nbytes": 2 * ep.layout.bytes_per_block})
-            conn.sendall(b"\x7f" * 2 * ep.layout.bytes_per_block)
+            send_msg(conn, {"ok": True, "nbytes": 2 * bytes_per_block(ep.layout)})
+            conn.sendall(b"\x7f" * 2 * bytes_per_block(ep.layout))
 
     threading.Thread(target=quietly, args=(serve,), daemon=True).start()
     try:

@@ -9,9 +9,11 @@ import time
 
 import torch
 
-from baton.kv_transfer.base import Endpoint, PeerUnreachableError, TransferState
-from baton.kv_transfer.gloo import GlooTransport
-from baton.kv_transfer.pairs import Pair
+from baton.common.internal import KVEndpointInfo
+from baton.kv_transfer import make_transport
+from baton.kv_transfer.base import PeerUnreachableError, TransferState
+from baton.kv_transfer.network import NetworkTransport
+from baton.kv_transfer.pairs import Pair, PairTable
 from tests.unit.kv_transfer.factories import cache
 
 
@@ -32,7 +34,12 @@ def settled_threads(seconds: float = 3.0) -> int:
     return last
 
 
-def pull(holder: GlooTransport, puller: GlooTransport, ep: Endpoint, rid: str,
+def _pairs(t: NetworkTransport) -> PairTable:
+    """The gloo data plane's pair groups."""
+    return t.plane.pairs
+
+
+def pull(holder: NetworkTransport, puller: NetworkTransport, ep: KVEndpointInfo, rid: str,
          src: list[int], dst: list[int]) -> None:
     lease = holder.hold(rid, src, ttl_s=30)
     t = puller.pull(ep, lease, src, dst, timeout_s=20)
@@ -43,36 +50,36 @@ def pull(holder: GlooTransport, puller: GlooTransport, ep: Endpoint, rid: str,
 
 def _scenario(rounds: int) -> dict:
     """Pulls over one pair, a holder restart on the same address, a puller restart."""
-    holder, puller = GlooTransport(), GlooTransport()
+    holder, puller = make_transport("gloo"), make_transport("gloo")
     ep = holder.start(cache(), "prefill")
     puller.start(cache(fill=False), "decode")
     out = {}
     try:
         for i in range(rounds):
             pull(holder, puller, ep, f"r{i}", [i, i + 1], [15 - i, 14 - i])
-        out["one_pair"] = (holder.pairs.built, len(holder.pairs), puller.pairs.built,
-                           len(puller.pairs), holder.pairs.destroyed, puller.pairs.destroyed)
-        old = puller.pairs.get(ep.address)
+        out["one_pair"] = (_pairs(holder).built, len(_pairs(holder)), _pairs(puller).built,
+                           len(_pairs(puller)), _pairs(holder).destroyed, _pairs(puller).destroyed)
+        old = _pairs(puller).get(ep.address)
         holder.close()  # the holder restarts under the same address
-        out["holder_closed"] = (len(holder.pairs), holder.pairs.destroyed)
-        holder = GlooTransport(port=int(ep.address.rsplit(":", 1)[1]))
+        out["holder_closed"] = (len(_pairs(holder)), _pairs(holder).destroyed)
+        holder = make_transport("gloo", port=int(ep.address.rsplit(":", 1)[1]))
         ep = holder.start(cache(), "prefill")
         pull(holder, puller, ep, "after-restart", [3], [4])
         pull(holder, puller, ep, "again", [5], [6])
-        out["holder_restart"] = (puller.pairs.built, puller.pairs.destroyed, len(puller.pairs),
+        out["holder_restart"] = (_pairs(puller).built, _pairs(puller).destroyed, len(_pairs(puller)),
                                  old.group is None and old.store is None,
-                                 puller.pairs.get(ep.address) is not old, holder.pairs.built)
+                                 _pairs(puller).get(ep.address) is not old, _pairs(holder).built)
         puller.close()  # the puller restarts, same engine id
-        out["puller_closed"] = (len(puller.pairs), puller.pairs.destroyed)
-        puller = GlooTransport()
+        out["puller_closed"] = (len(_pairs(puller)), _pairs(puller).destroyed)
+        puller = make_transport("gloo")
         puller.start(cache(fill=False), "decode")
         pull(holder, puller, ep, "new-puller", [8], [9])
-        out["puller_restart"] = (holder.pairs.built, holder.pairs.destroyed,
-                                 len(holder.pairs), puller.pairs.built)
+        out["puller_restart"] = (_pairs(holder).built, _pairs(holder).destroyed,
+                                 len(_pairs(holder)), _pairs(puller).built)
     finally:
         puller.close()
         holder.close()
-    out["closed"] = (len(holder.pairs), len(puller.pairs))
+    out["closed"] = (len(_pairs(holder)), len(_pairs(puller)))
     return out
 
 
@@ -92,25 +99,25 @@ def test_one_group_per_pair_reused_and_rebuilt_when_a_peer_restarts():
 
 
 def test_two_pullers_have_a_group_each_and_an_unreachable_holder_costs_only_its_own():
-    holder = GlooTransport()
+    holder = make_transport("gloo")
     ep = holder.start(cache(), "prefill")
-    a, b = GlooTransport(), GlooTransport()
+    a, b = make_transport("gloo"), make_transport("gloo")
     a.start(cache(fill=False), "decode-a")
     b.start(cache(fill=False), "decode-b")
     try:
         pull(holder, a, ep, "a1", [1], [2])
         pull(holder, b, ep, "b1", [3], [4])
         pull(holder, a, ep, "a2", [5], [6])
-        assert (holder.pairs.built, len(holder.pairs)) == (2, 2)
-        dead = Endpoint(ep.transport, ep.engine_id, "127.0.0.1:1", ep.layout)
-        a.pairs.put(dead.address, Pair("stale", None, object()))  # as if it had been up
+        assert (_pairs(holder).built, len(_pairs(holder))) == (2, 2)
+        dead = KVEndpointInfo(ep.transport, ep.engine_id, "127.0.0.1:1", ep.layout)
+        _pairs(a).put(dead.address, Pair("stale", None, object()))  # as if it had been up
         t = a.pull(dead, "lease", [7], [8], timeout_s=5)  # an unreachable holder ...
         assert t.wait(10) == TransferState.FAILED and isinstance(t.error, PeerUnreachableError)
-        assert a.pairs.get(dead.address) is None and a.pairs.destroyed == 1  # ... costs it
+        assert _pairs(a).get(dead.address) is None and _pairs(a).destroyed == 1  # ... costs it
         pull(holder, b, ep, "b2", [9], [10])
         pull(holder, a, ep, "a3", [11], [12])  # the other groups are untouched, reused
-        assert (a.pairs.built, b.pairs.built, holder.pairs.built) == (2, 1, 2)
-        assert (len(a.pairs), len(holder.pairs), holder.pairs.destroyed) == (1, 2, 0)
+        assert (_pairs(a).built, _pairs(b).built, _pairs(holder).built) == (2, 1, 2)
+        assert (len(_pairs(a)), len(_pairs(holder)), _pairs(holder).destroyed) == (1, 2, 0)
     finally:
         a.close()
         b.close()

@@ -8,9 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from baton.kv_transfer.base import TransferState, head_plan
+from baton.kv_transfer import make_transport
+from baton.kv_transfer.base import TransferState, bytes_per_block, head_plan
 from baton.kv_transfer.iov import runs
-from baton.kv_transfer.tcp import TcpTransport
+from baton.kv_transfer.network import NetworkTransport
+from baton.kv_transfer.staging import StagingPool
 from tests.unit.kv_transfer.factories import cache
 
 STAGES = [(True, False), (False, True), (True, True)]  # (holder staged, puller staged)
@@ -20,16 +22,21 @@ KVH = 4
 
 @pytest.fixture
 def made():
-    out: list[TcpTransport] = []
+    out: list[NetworkTransport] = []
     yield out
     for t in out:
         t.close()
 
 
-def _tcp(made: list, staged: bool, **kwargs) -> TcpTransport:
-    t = TcpTransport(stage_via_host=staged, staging_bytes=600, **kwargs)
+def _tcp(made: list, staged: bool, **kwargs) -> NetworkTransport:
+    t = make_transport("tcp", stage_via_host=staged, staging_bytes=600, **kwargs)
     made.append(t)
     return t
+
+
+def _staging(t: NetworkTransport) -> StagingPool | None:
+    """The staged plane's buffers (None on a zero-copy side)."""
+    return getattr(t.plane, "pool", None)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float8_e4m3fn])
@@ -44,13 +51,13 @@ def test_staged_pulls_move_the_same_bytes_in_chunks(made, stages, dtype):
     lease = holder.hold("r", src, ttl_s=30)
     t = puller.pull(ep, lease, src, dst, timeout_s=10)
     assert t.wait(10) == TransferState.DONE, t.error
-    assert t.bytes == len(src) * ep.layout.bytes_per_block
+    assert t.bytes == len(src) * bytes_per_block(ep.layout)
     assert torch.equal(dst_kv[:, :, dst].view(torch.uint8), src_kv[:, :, src].view(torch.uint8))
     untouched = [b for b in range(16) if b not in dst]
     assert not dst_kv[:, :, untouched].view(torch.uint8).any()
     assert holder.released() == [("r", "pulled")]
     for t_ in (holder, puller):  # one buffer each, reused; none on a zero-copy side
-        assert t_._staging is None or t_._staging.made == 1
+        assert _staging(t_) is None or _staging(t_).made == 1
 
 
 def test_many_staged_pulls_reuse_a_bounded_set_of_buffers(made):
@@ -67,7 +74,7 @@ def test_many_staged_pulls_reuse_a_bounded_set_of_buffers(made):
     for i in range(16):
         assert torch.equal(dst_kv[:, :, [63 - 2 * i, 62 - 2 * i]], src_kv[:, :, [4 * i, 4 * i + 1]])
     assert sorted(holder.released()) == sorted((f"r{i}", "pulled") for i in range(16))
-    assert 1 <= holder._staging.made <= 4 and 1 <= puller._staging.made <= 4
+    assert 1 <= _staging(holder).made <= 4 and 1 <= _staging(puller).made <= 4
 
 
 def _rank(kv: torch.Tensor, rank: int, size: int, name: str, made: list, staged: bool):
@@ -100,7 +107,7 @@ def test_staged_head_subsets_across_tp_degrees(made, stages, n, m):
 
 
 def test_zero_copy_cannot_be_forced_on_a_device_cache():
-    t = TcpTransport(stage_via_host=False)
+    t = make_transport("tcp", stage_via_host=False)
     with pytest.raises(ValueError, match="stage"):
         t.start(torch.empty(4, 2, 16, 4, 2, 8, device="meta"), "holder")
     t.close()
@@ -136,4 +143,4 @@ def test_a_device_copy_failing_mid_stream_cuts_the_pull_and_keeps_the_lease(made
     t = puller.pull(ep, lease, [1, 2, 3], [4, 5, 6], timeout_s=10)
     assert t.wait(10) == TransferState.DONE, t.error
     assert torch.equal(dst_kv[:, :, [4, 5, 6]], src_kv[:, :, [1, 2, 3]])
-    assert holder.released() == [("r", "pulled")] and holder._staging.made == 1
+    assert holder.released() == [("r", "pulled")] and _staging(holder).made == 1

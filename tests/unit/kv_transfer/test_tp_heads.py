@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from pydantic import TypeAdapter
+from pydantic_core import to_jsonable_python
 
-from baton.common.internal import KVEndpointInfo
-from baton.kv_transfer.base import Endpoint, KVLayout, LayoutMismatchError, TransferState, head_plan
-from baton.kv_transfer.tcp import TcpTransport
+from baton.common.internal import KVEndpointInfo, KVLayoutInfo
+from baton.kv_transfer import make_transport
+from baton.kv_transfer.base import LayoutMismatchError, TransferState, head_plan
+from baton.kv_transfer.network import NetworkTransport
 from tests.unit.kv_transfer.factories import cache
 
 KVH = 4
@@ -19,7 +22,7 @@ def _rank(kv: torch.Tensor, rank: int, size: int, name: str):
     """A tcp transport serving rank `rank` of `size`'s slice of the whole cache `kv`."""
     per = KVH // size
     local = kv[:, :, :, :, rank * per:(rank + 1) * per].contiguous()
-    t = TcpTransport(heads=(rank * per, KVH, size))
+    t = make_transport("tcp", heads=(rank * per, KVH, size))
     return t, t.start(local, name), local  # an engine's ranks share its id
 
 
@@ -31,7 +34,8 @@ def made():
         t.close()
 
 
-def _pull_all(puller: TcpTransport, holders: list[tuple[TcpTransport, Endpoint, str]],
+def _pull_all(puller: NetworkTransport,
+              holders: list[tuple[NetworkTransport, KVEndpointInfo, str]],
               src: list[int], dst: list[int]) -> None:
     plan = head_plan(puller.layout, [ep for _, ep, _ in holders])
     leases = {ep.address: lease for _, ep, lease in holders}
@@ -72,7 +76,7 @@ def test_incompatible_layouts_refused_at_connect_with_the_reason(made):
                        (cache(kvh=KVH, layers=2), "num_layers 2 vs 4"),
                        (cache(kvh=KVH, bs=8), "block_size 8 vs 4"),
                        (cache(kvh=KVH, dtype=torch.bfloat16), "bfloat16 vs float32")):
-        puller = TcpTransport()
+        puller = make_transport("tcp")
         made.append(puller)
         puller.start(other, "decode")
         with pytest.raises(LayoutMismatchError, match=why):
@@ -82,23 +86,23 @@ def test_incompatible_layouts_refused_at_connect_with_the_reason(made):
 
 
 def test_heads_no_holder_rank_has_are_refused():
-    mine = KVLayout(4, 4, 2, 8, "float32", total_kv_heads=4, head_start=2, tp_size=2)
-    only_first = Endpoint("tcp", "p", "h:1", KVLayout(4, 4, 2, 8, "float32", 4, 0, 2))
+    mine = KVLayoutInfo(4, 4, 2, 8, "float32", total_kv_heads=4, head_start=2, tp_size=2)
+    only_first = KVEndpointInfo("tcp", "p", "h:1", KVLayoutInfo(4, 4, 2, 8, "float32", 4, 0, 2))
     with pytest.raises(LayoutMismatchError, match=r"heads \[2, 4\) of ours are held by no"):
         head_plan(mine, [only_first])
 
 
 def test_a_whole_cache_keeps_its_tp1_wire_and_fingerprint():
-    lay = KVLayout.of(cache(kvh=KVH))
-    assert lay.to_dict() == {"num_layers": 4, "block_size": 4, "num_kv_heads": KVH,
+    lay = KVLayoutInfo.of(cache(kvh=KVH))
+    assert to_jsonable_python(lay) == {"num_layers": 4, "block_size": 4, "num_kv_heads": KVH,
                              "head_dim": 8, "dtype": "float32"}
-    shard = KVLayout.of(cache(kvh=2), head_start=2, total_kv_heads=KVH, tp_size=2)
+    shard = KVLayoutInfo.of(cache(kvh=2), head_start=2, total_kv_heads=KVH, tp_size=2)
     assert shard.fingerprint == lay.fingerprint  # same blocks, another TP degree
-    ep = Endpoint("tcp", "e", "127.0.0.1:1", shard)
-    info = KVEndpointInfo.model_validate(ep.to_dict())
-    assert Endpoint.from_dict(info.model_dump()) == ep
+    ep = KVEndpointInfo("tcp", "e", "127.0.0.1:1", shard)
+    wire = TypeAdapter(KVEndpointInfo)  # the endpoint as it travels, there and back
+    assert wire.validate_json(wire.dump_json(ep)) == ep
     with pytest.raises(ValueError, match="outside the model"):
-        KVLayout(4, 4, 2, 8, "float32", total_kv_heads=4, head_start=3)
+        KVLayoutInfo(4, 4, 2, 8, "float32", total_kv_heads=4, head_start=3)
 
 
 def test_a_holder_refuses_heads_it_does_not_hold(made):
@@ -120,11 +124,11 @@ def test_replicated_heads_are_read_from_one_rank_and_the_other_copy_released(mad
     whole = cache(kvh=1)
     holders = []
     for _ in range(2):
-        t = TcpTransport(heads=(0, 1, 2))
+        t = make_transport("tcp", heads=(0, 1, 2))
         ep = t.start(whole.clone(), "prefill")
         made.append(t)
         holders.append((t, ep, t.hold("req", [2], ttl_s=30)))
-    puller = TcpTransport()
+    puller = make_transport("tcp")
     target = cache(kvh=1, fill=False)
     puller.start(target, "decode")
     made.append(puller)
@@ -143,16 +147,16 @@ def test_tp1_transfer_params_keep_the_wire_of_before():
 
     from baton.common.internal import KVTransferParams
 
-    whole = Endpoint("tcp", "e", "127.0.0.1:1", KVLayout.of(cache(kvh=KVH)))
-    params = KVTransferParams(endpoint=KVEndpointInfo.model_validate(whole.to_dict()),
+    whole = KVEndpointInfo("tcp", "e", "127.0.0.1:1", KVLayoutInfo.of(cache(kvh=KVH)))
+    params = KVTransferParams(endpoint=whole,
                               block_ids=[1], num_tokens=3, lease_id="x", first_token=5,
                               lease_ttl_s=30)
     wire = json.loads(params.model_dump_json())
     assert "rank_endpoints" not in wire
     assert set(wire["endpoint"]["layout"]) == {"num_layers", "block_size", "num_kv_heads",
                                                "head_dim", "dtype"}
-    shard = Endpoint("tcp", "e", "127.0.0.1:2", KVLayout.of(cache(kvh=2), 2, KVH, 2))
-    infos = [KVEndpointInfo.model_validate(e.to_dict()) for e in (whole, shard)]
+    shard = KVEndpointInfo("tcp", "e", "127.0.0.1:2", KVLayoutInfo.of(cache(kvh=2), 2, KVH, 2))
+    infos = [whole, shard]
     tp = KVTransferParams.model_validate_json(params.model_copy(
         update={"rank_endpoints": infos}).model_dump_json())
-    assert Endpoint.from_dict(tp.rank_endpoints[1].model_dump()) == shard
+    assert tp.rank_endpoints[1] == shard

@@ -19,8 +19,8 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass
-from typing import cast
 
+from baton.common.internal import KVEndpointInfo, KVTransferParams
 from baton.engine.runner.tp_kv_messages import (
     KVHold,
     KVPull,
@@ -31,7 +31,7 @@ from baton.engine.runner.tp_kv_messages import (
     KVStarted,
 )
 from baton.kv_transfer import base as kvb
-from baton.kv_transfer.base import Endpoint, Transfer, TransferError, TransferState
+from baton.kv_transfer.base import Transfer, TransferError, TransferState
 
 START_TIMEOUT_S = 60.0
 
@@ -88,22 +88,19 @@ class RankedTransfer:
         return self.finished is not None
 
 
-def peers_of(params) -> list[Endpoint]:
+def peers_of(params: KVTransferParams) -> list[KVEndpointInfo]:
     """The holder's rank endpoints a `KVTransferParams` names (one for TP=1)."""
-    ranks = params.rank_endpoints or [params.endpoint]
-    return [Endpoint.from_dict(e.model_dump()) for e in ranks]
+    return params.rank_endpoints or [params.endpoint]
 
 
-def pull_heads(transport, peers: list[Endpoint], lease_id: str, src: list[int],
+def pull_heads(transport, peers: list[KVEndpointInfo], lease_id: str, src: list[int],
                dst: list[int], timeout_s: float, rank: int = 0) -> list[Transfer]:
     """This rank's pulls: its heads from the holder ranks that hold them."""
     plan = kvb.head_plan(transport.layout, peers, rank)
     if rank == 0:  # copies nobody reads (replicated heads): released now, not at their TTL
         for peer in kvb.unread_peers(transport.layout, peers):
             transport.pull(peer, lease_id, [], [], timeout_s)
-    # cast: head_plan's peers are items of `peers`
-    if len(plan) == 1 and plan[0][1] == transport.layout.heads \
-            == cast(Endpoint, plan[0][0]).layout.heads \
+    if len(plan) == 1 and plan[0][1] == transport.layout.heads == plan[0][0].layout.heads \
             and plan[0][2] == (0, 1):  # the same shard: every transport's plain pull
         return [transport.pull(plan[0][0], lease_id, src, dst, timeout_s)]
     return [transport.pull(peer, lease_id, src, dst, timeout_s, heads=heads, part=part)
@@ -113,10 +110,10 @@ def pull_heads(transport, peers: list[Endpoint], lease_id: str, src: list[int],
 class TPRanks:
     """Rank 0's handle on the followers' KV transports."""
 
-    def __init__(self, leader, engine_id: str, rank0: Endpoint) -> None:
+    def __init__(self, leader, engine_id: str, rank0: KVEndpointInfo) -> None:
         self.leader = leader
         leader.send_control(KVStart(engine_id=engine_id))
-        found: dict[int, Endpoint] = {}
+        found: dict[int, KVEndpointInfo] = {}
         deadline = time.monotonic() + START_TIMEOUT_S
         while len(found) < len(leader.procs):
             if time.monotonic() > deadline:
@@ -128,7 +125,7 @@ class TPRanks:
                 if reply.error is not None or reply.endpoint is None:
                     raise RuntimeError(f"tensor-parallel rank {rank} could not start its KV "
                                        f"transport: {reply.error}")
-                found[rank] = Endpoint.from_dict(reply.endpoint)
+                found[rank] = reply.endpoint
         self.endpoints = [rank0] + [found[r] for r in sorted(found)]
         self._pulls: dict[str, RankedTransfer] = {}
         self._copies: dict[str, set[int]] = {}  # lease id -> followers still holding it
@@ -161,7 +158,7 @@ class TPRanks:
         local = pull_heads(transport, peers, params.lease_id, src, dst, timeout_s)
         tag = uuid.uuid4().hex
         self.leader.send_control(KVPull(tag=tag, lease=params.lease_id,
-                                        peers=[p.to_dict() for p in peers], src=src, dst=dst,
+                                        peers=peers, src=src, dst=dst,
                                         timeout=timeout_s))
         self._pulls[tag] = RankedTransfer(request_id, local, set(self.followers))
         return self._pulls[tag]

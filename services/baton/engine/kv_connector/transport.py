@@ -21,7 +21,7 @@ import collections
 import logging
 import uuid
 
-from baton.common.internal import KVEndpointInfo, KVTransferParams
+from baton.common.internal import KVTransferParams
 from baton.engine.config import LiveKVSettings
 from baton.engine.kv_connector.base import KVConnector, KVConnectorStats, KVUpdates
 from baton.engine.kv_connector.handoff import HoldKV, PullKV
@@ -65,11 +65,8 @@ class TransportKVConnector(KVConnector):
         self.transport = make_transport(transport, secret=secret, **kwargs)
         engine_id = engine_id or uuid.uuid4().hex[:12]
         self.endpoint = self.transport.start(kv_cache, engine_id)
-        self._endpoint_info = KVEndpointInfo.model_validate(self.endpoint.to_dict())
         self.ranks = None if tp is None or tp.leader is None else \
             TPRanks(tp.leader, engine_id, self.endpoint)
-        self._rank_infos = None if self.ranks is None else [
-            KVEndpointInfo.model_validate(e.to_dict()) for e in self.ranks.endpoints]
         self._lease_ids: dict[str, str] = {}  # TP holder: request id -> lease id
         self._draining: dict[str, str] = {}  # TP holder: lease id -> request id, ranks' copies
         self.block_size = kv_cache.shape[3]
@@ -205,10 +202,11 @@ class TransportKVConnector(KVConnector):
         if self.ranks is not None:
             self.ranks.hold(lease_id, block_ids, ttl)
             self._lease_ids[req.request_id] = lease_id
-        return KVTransferParams(endpoint=self._endpoint_info, block_ids=block_ids,
+        return KVTransferParams(endpoint=self.endpoint, block_ids=block_ids,
                                 num_tokens=req.num_prompt_tokens, lease_id=lease_id,
                                 first_token=req.output_token_ids[-1], lease_ttl_s=ttl,
-                                rank_endpoints=self._rank_infos)
+                                rank_endpoints=None if self.ranks is None
+                                else self.ranks.endpoints)
 
     def release_lease(self, lease_id: str) -> bool:
         """Holder side: end a lease nobody will pull (its router says so); the request's

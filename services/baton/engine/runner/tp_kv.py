@@ -31,8 +31,9 @@ from baton.engine.runner.tp_kv_messages import (
     KVStart,
     KVStarted,
 )
-from baton.kv_transfer.base import Endpoint, Transfer, TransferState, head_plan, rank_heads
-from baton.kv_transfer.tcp import TcpTransport
+from baton.kv_transfer import make_transport
+from baton.kv_transfer.base import Transfer, TransferState, head_plan, rank_heads
+from baton.kv_transfer.network import NetworkTransport
 
 log = logging.getLogger("baton.tp_worker")
 REPORT_INTERVAL_S = 0.005
@@ -41,7 +42,7 @@ REPORT_INTERVAL_S = 0.005
 class FollowerKV:
     def __init__(self, runner, rank: int, size: int, out: BinaryIO) -> None:
         self.runner, self.rank, self.size, self.out = runner, rank, size, out
-        self.transport: TcpTransport | None = None
+        self.transport: NetworkTransport | None = None
         self._pulls: dict[str, list[Transfer]] = {}
         self._lock = threading.Lock()  # _pulls and writes to `out`
         self._stopped = threading.Event()
@@ -64,7 +65,7 @@ class FollowerKV:
             elif isinstance(msg, KVStart):
                 self._reply(KVStarted(error=f"{type(err).__name__}: {err}"))
 
-    def _started(self) -> TcpTransport:
+    def _started(self) -> NetworkTransport:
         if self.transport is None:
             raise RuntimeError("a KV control message before kv_start")
         return self.transport
@@ -73,17 +74,17 @@ class FollowerKV:
         config = self.runner.config
         total = self.runner.model_config.num_kv_heads
         start, _ = rank_heads(self.rank, self.size, total)
-        port = config.kv_port + self.rank if config.kv_port else 0
-        self.transport = TcpTransport(host=config.kv_host, port=port, secret=config.kv_secret,
-                                      heads=(start, total, self.size))
+        port = config.kv_transfer.port + self.rank if config.kv_transfer.port else 0
+        self.transport = make_transport("tcp", host=config.kv_transfer.host, port=port,
+                                        secret=config.kv_transfer.secret,
+                                        heads=(start, total, self.size))
         endpoint = self.transport.start(self.runner.kv_cache, engine_id)
         threading.Thread(target=self._report, name="baton-tp-kv", daemon=True).start()
-        self._reply(KVStarted(endpoint=endpoint.to_dict()))
+        self._reply(KVStarted(endpoint=endpoint))
 
     def _pull(self, msg: KVPull) -> None:
         transport = self._started()
-        peers = [Endpoint.from_dict(d) for d in msg.peers]
-        plan = head_plan(transport.layout, peers, self.rank)
+        plan = head_plan(transport.layout, msg.peers, self.rank)
         transfers = [transport.pull(peer, msg.lease, msg.src, msg.dst, msg.timeout,
                                     heads=heads, part=part)
                      for peer, heads, part in plan]

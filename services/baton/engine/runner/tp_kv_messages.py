@@ -10,6 +10,8 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
+from baton.common.internal import KVEndpointInfo
+
 
 class _Message(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -40,13 +42,13 @@ class KVRelease(_Message):
 
 
 class KVPull(_Message):
-    """Pull this rank's heads of a lease from the holder's ranks (`peers`: their endpoints'
-    dicts), answered by a `KVPulled` with the same `tag`."""
+    """Pull this rank's heads of a lease from the holder's ranks (`peers`: their
+    endpoints), answered by a `KVPulled` with the same `tag`."""
 
     op: Literal["pull"] = "pull"
     tag: str
     lease: str
-    peers: list[dict]
+    peers: list[KVEndpointInfo]
     src: list[int]
     dst: list[int]
     timeout: float
@@ -58,10 +60,10 @@ CONTROL = TypeAdapter(KVControl)
 
 # -- follower -> rank 0 --------------------------------------------------------------------
 class KVStarted(_Message):
-    """The transport is up (`endpoint`: its dict), or could not start (`error`)."""
+    """The transport is up (`endpoint`: where it serves), or could not start (`error`)."""
 
     op: Literal["kv_started"] = "kv_started"
-    endpoint: dict | None = None
+    endpoint: KVEndpointInfo | None = None
     error: str | None = None
 
 
