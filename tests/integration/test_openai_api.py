@@ -142,3 +142,24 @@ def test_models_endpoint_aggregates(client, cluster):
     models = client.models.list()
     assert [m.id for m in models.data] == [MODEL]
     assert_idle(cluster.workers)
+
+
+def test_nulls_and_a_replayed_answer_from_the_sdk(client, reference_llm):
+    """What agent loops send: explicit None for optional fields (JSON null), and the last
+    answer appended as `message.model_dump()` (refusal, annotations, audio: null / [])."""
+    first = [{"role": "user", "content": "Name a color."}]
+    answer = client.chat.completions.create(
+        model=MODEL, messages=first, temperature=0, max_tokens=8, n=None, stream=None,
+        logprobs=None, top_logprobs=None, seed=None, store=None, metadata=None,
+        service_tier=None, reasoning_effort=None)
+    assert answer.choices[0].message.content == ref_chat(
+        reference_llm, first, temperature=0, max_tokens=8).outputs[0].text
+    replayed = answer.choices[0].message.model_dump()
+    assert "refusal" in replayed and "annotations" in replayed
+    history = [*first, replayed, {"role": "user", "content": "Another one."}]
+    again = client.chat.completions.create(model=MODEL, messages=history, temperature=0,
+                                           max_tokens=8)
+    ref = ref_chat(reference_llm, [*first, {"role": "assistant",
+                                            "content": replayed["content"]},
+                                   history[-1]], temperature=0, max_tokens=8)
+    assert again.choices[0].message.content == ref.outputs[0].text

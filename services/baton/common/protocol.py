@@ -20,6 +20,7 @@ from typing import Annotated, Literal, Self, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from baton.common.errors import OpenAIError
+from baton.common.request_model import STRICT, RequestModel
 from baton.common.sampling_params import (
     LOGIT_BIAS_MAX,
     SEED_MAX,
@@ -27,7 +28,6 @@ from baton.common.sampling_params import (
     SamplingParams,
     StructuredOutput,
 )
-from baton.common.tools import STRICT as _STRICT
 from baton.common.tools import (
     ParamError,
     Tool,
@@ -44,16 +44,15 @@ MAX_TOOLS = 128  # OpenAI's limit
 _Stop = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
 
 
-class StreamOptions(BaseModel):
-    model_config = _STRICT
+class StreamOptions(RequestModel):
     include_usage: bool = False
     continuous_usage_stats: bool = False  # usage on every chunk (with include_usage)
 
 
-class JsonSchemaSpec(BaseModel):
+class JsonSchemaSpec(RequestModel):
     """`response_format.json_schema`; `schema` is a JSON Schema (checked when parsed)."""
 
-    model_config = ConfigDict(**_STRICT, serialize_by_alias=True)
+    model_config = ConfigDict(**STRICT, serialize_by_alias=True)
     name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_\-]{1,64}$")]
     description: str | None = None
     schema_: dict[str, object] = Field(alias="schema")
@@ -66,8 +65,7 @@ class JsonSchemaSpec(BaseModel):
         return schema
 
 
-class ResponseFormat(BaseModel):
-    model_config = _STRICT
+class ResponseFormat(RequestModel):
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaSpec | None = None
 
@@ -88,10 +86,9 @@ class ResponseFormat(BaseModel):
 _Bias = Annotated[float, Field(ge=-LOGIT_BIAS_MAX, le=LOGIT_BIAS_MAX)]
 
 
-class _SamplingFields(BaseModel):
+class _SamplingFields(RequestModel):
     """Fields common to both endpoints."""
 
-    model_config = _STRICT
     model: str
     n: Annotated[int, Field(ge=1, le=16)] = 1
     temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
@@ -237,22 +234,33 @@ class CompletionRequest(_SamplingFields):
         return self.sampling_params(self.max_tokens, self.logprobs, self.prompt_logprobs)
 
 
-class TextPart(BaseModel):
-    model_config = _STRICT
+class TextPart(RequestModel):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(BaseModel):
+class ChatMessage(RequestModel):
     """One message of a conversation. `content` may be null only in an assistant message
-    with `tool_calls`; it is then "" (as vLLM: templates concatenate it)."""
+    with `tool_calls`; it is then "" (as vLLM: templates concatenate it). A message replayed
+    from a response (`message.model_dump()`) carries OpenAI's response fields: empty, they
+    mean nothing and are left out; set, they are a 400 naming them."""
 
-    model_config = _STRICT
+    _EMPTY_IS_UNSET = frozenset({"refusal", "annotations", "audio", "function_call"})
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
     tool_calls: list[ToolCallParam] | None = None  # assistant
     tool_call_id: Annotated[str, Field(min_length=1)] | None = None  # tool: the call answered
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, content: object) -> object:
+        for part in content if isinstance(content, list) else ():
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind != "text" and kind is not None:
+                raise ValueError(f"content parts of type {kind!r} are not supported: this "
+                                 "model takes text (parts of type 'text', or a string)")
+        return content
 
     @model_validator(mode="after")
     def _fields_of_role(self) -> Self:
@@ -283,10 +291,9 @@ class ChatMessage(BaseModel):
         return out
 
 
-class _Conversation(BaseModel):
+class _Conversation(RequestModel):
     """Messages and tools, what a chat template renders."""
 
-    model_config = _STRICT
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     tools: Annotated[list[Tool], Field(min_length=1, max_length=MAX_TOOLS)] | None = None
     add_generation_prompt: bool = True
@@ -311,7 +318,7 @@ class ChatCompletionRequest(_Conversation, _SamplingFields):
 
     @model_validator(mode="after")
     def _check_logprobs(self) -> Self:
-        if self.top_logprobs is not None and not self.logprobs:
+        if self.top_logprobs and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs to be true")
         return self
 
@@ -339,8 +346,7 @@ class ChatCompletionRequest(_Conversation, _SamplingFields):
 
 
 # -- vLLM's /tokenize and /detokenize ------------------------------------------------------
-class TokenizeCompletionRequest(BaseModel):
-    model_config = _STRICT
+class TokenizeCompletionRequest(RequestModel):
     model: str | None = None
     prompt: str
     add_special_tokens: bool = True
@@ -353,8 +359,7 @@ class TokenizeChatRequest(_Conversation):
     return_token_strs: bool = False
 
 
-class DetokenizeRequest(BaseModel):
-    model_config = _STRICT
+class DetokenizeRequest(RequestModel):
     model: str | None = None
     tokens: list[Annotated[int, Field(ge=0, lt=1 << 31)]]
 

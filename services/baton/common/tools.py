@@ -20,11 +20,10 @@ import json
 from typing import Annotated, Literal, cast
 
 import jsonschema
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field, field_validator
 
-# How every request model parses: strict types, no unknown fields, no NaN / Infinity (a
-# non-finite float is a 400). `common.protocol` uses it too.
-STRICT = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
+from baton.common.request_model import RequestModel
+
 ARGUMENT_KEYS = ("arguments", "parameters")  # what models call a call's arguments
 _EMPTY_OBJECT: dict[str, object] = {"type": "object", "properties": {}}
 
@@ -51,8 +50,7 @@ def check_json_schema(schema: object, param: str) -> None:
                          ) from None
 
 
-class FunctionDefinition(BaseModel):
-    model_config = STRICT
+class FunctionDefinition(RequestModel):
     name: Annotated[str, Field(pattern=r"^[A-Za-z0-9_.\-]{1,64}$")]
     description: str | None = None
     parameters: dict[str, object] | None = None  # a JSON Schema of the arguments object
@@ -66,8 +64,7 @@ class FunctionDefinition(BaseModel):
         return schema
 
 
-class Tool(BaseModel):
-    model_config = STRICT
+class Tool(RequestModel):
     type: Literal["function"]
     function: FunctionDefinition
 
@@ -78,13 +75,11 @@ class Tool(BaseModel):
             "parameters": f.parameters if f.parameters is not None else _EMPTY_OBJECT}}
 
 
-class FunctionName(BaseModel):
-    model_config = STRICT
+class FunctionName(RequestModel):
     name: str
 
 
-class NamedToolChoice(BaseModel):
-    model_config = STRICT
+class NamedToolChoice(RequestModel):
     type: Literal["function"]
     function: FunctionName
 
@@ -92,8 +87,7 @@ class NamedToolChoice(BaseModel):
 ToolChoice = Literal["none", "auto", "required"] | NamedToolChoice
 
 
-class FunctionCall(BaseModel):
-    model_config = STRICT
+class FunctionCall(RequestModel):
     name: str
     arguments: str  # JSON text, as OpenAI sends it
 
@@ -107,10 +101,9 @@ class FunctionCall(BaseModel):
         return text
 
 
-class ToolCallParam(BaseModel):
+class ToolCallParam(RequestModel):
     """A call in an assistant message of the conversation."""
 
-    model_config = STRICT
     id: Annotated[str, Field(min_length=1, max_length=256)]
     type: Literal["function"]
     function: FunctionCall
