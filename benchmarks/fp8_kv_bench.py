@@ -54,7 +54,7 @@ def measure(kv_cache_dtype: str, args) -> dict:
     result = {"kv_dtype": str(runner.kv_cache.dtype).removeprefix("torch."),
               "bytes_per_block": runner.bytes_per_block,
               "blocks_per_gib": _GIB // runner.bytes_per_block,
-              "native_decode_step": runner.native_decode is not None,
+              "native_decode_step": runner.platform.fast_decode is not None,
               "tokens": greedy(llm, PARITY_PROMPTS, args.parity_tokens),
               "tokens_per_s": round(throughput(llm, args.prompts, args.max_tokens), 1)}
     del llm, runner

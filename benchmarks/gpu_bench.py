@@ -219,7 +219,7 @@ def make_engine(args: argparse.Namespace, model_dir: Path, device: torch.device)
 
     per_seq = -(-(args.prompt_len + args.max_tokens + 1) // args.block_size)
     max_batch = max(args.decode_batches)
-    return EngineCore(EngineConfig(
+    return EngineCore(EngineConfig.from_args(
         model=str(model_dir), load_format="dummy", dtype=args.dtype, device=device.type,
         block_size=args.block_size, max_num_seqs=max_batch,
         max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=False,
@@ -262,7 +262,7 @@ def weight_bytes(engine) -> int:
     """Bytes one decode step reads from the weights, a tied head counted once. On CPU the bf16
     linears are packed (our GEMM's layout or oneDNN's) outside `parameters()`; there the
     config's count is used."""
-    from baton.engine.models.cpu_packing import PackedLinear
+    from baton_cpu.linear import PackedLinear
 
     model = engine.runner.model
     if any(isinstance(m, PackedLinear) for m in model.modules()):
@@ -289,7 +289,9 @@ def run_engine(args: argparse.Namespace, device: torch.device, shape: ModelShape
     with tempfile.TemporaryDirectory(prefix="baton-gpu-bench-") as tmp:
         engine = make_engine(args, write_model_dir(shape, Path(tmp), args.tokenizer_dir), device)
     try:
-        backend, graphs = engine.runner.backend.name, engine.runner.graphs is not None
+        platform = engine.runner.platform
+        backend = engine.runner.backend.name
+        graphs = platform.name == "cuda" and platform.fast_decode is not None
         print(f"\nengine: {args.shape} shape ({shape.layers} layers, hidden "
               f"{shape.hidden_size}, {shape.num_heads} heads, {shape.num_kv_heads} KV heads, "
               f"vocab {shape.vocab_size}), {args.dtype} on {device.type}, random weights; "

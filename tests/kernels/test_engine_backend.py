@@ -129,7 +129,7 @@ def test_engine_triton_backend_and_decode_replays_match_torch(tiny_model):
 
     eager = LLM(tiny_model, attention_backend="triton", enforce_eager=True, **kw)
     runner = eager.engine.runner
-    assert runner.backend.name == "triton" and runner.graphs is None
+    assert runner.backend.name == "triton" and runner.platform.fast_decode is None
     # What ModelRunner does on CUDA at start (here too, to see the variants in the
     # interpreter): every kernel variant launched once. Serving then launches no other.
     with recording_variants() as warmed:
@@ -139,15 +139,16 @@ def test_engine_triton_backend_and_decode_replays_match_torch(tiny_model):
 
     replayed = LLM(tiny_model, attention_backend="triton", **kw)
     runner = replayed.engine.runner
-    if runner.graphs is None:  # CPU: no CUDA graphs, replay the static buffers eagerly
-        runner.graphs = runner.make_decode_graphs(use_graphs=False)
-        runner.graphs.capture()
-    assert runner.graphs.sizes == [1, 2, 4, 8]
+    graphs = runner.platform.fast_decode
+    if graphs is None:  # CPU: no CUDA graphs, replay the static buffers eagerly
+        graphs = runner.platform.fast_decode = runner.make_decode_graphs(use_graphs=False)
+        graphs.capture()
+    assert graphs.sizes == [1, 2, 4, 8]
     with recording_variants() as replayed_used:
         assert _generate(replayed) == expected
     assert used and used | replayed_used <= warmed, (used | replayed_used) - warmed
     # All-decode steps ran 3 rows padded to 4, then 2, then 1.
-    assert set(runner.graphs.replays) == {1, 2, 4}
+    assert set(graphs.replays) == {1, 2, 4}
     replayed.engine.kv.check_integrity()
 
 

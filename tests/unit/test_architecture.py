@@ -21,7 +21,7 @@ ROOT = "baton"
 
 # Top-level packages that load torch when imported. `transformers` too: the router stays
 # free of it (the runtime test checks both).
-TORCH_LIKE = ("torch", "transformers", "triton", "baton_kernels")
+TORCH_LIKE = ("torch", "transformers", "triton", "baton_kernels", "baton_cpu")
 TORCH_FREE_PACKAGES = ("baton.router", "baton.common")
 
 MAX_FILE_LINES = 400

@@ -1,8 +1,8 @@
 """What ships is what runs: the wheel built from this tree, installed into a fresh venv, holds
-every C kernel source and header the engine compiles, and each one builds from the installed
-files. (A missing header once made every installed Baton fall back to the slower torch
-attention with only a warning; here that is a failure.) The load tool ships with it; Baton's
-own benchmarks (`benchmarks/`) do not."""
+every C kernel source and header the engine compiles (`baton_cpu/csrc/`), and each one builds
+from the installed files. (A missing header once made every installed Baton fall back to the
+slower torch attention with only a warning; here that is a failure.) The load tool ships with
+it; Baton's own benchmarks (`benchmarks/`) do not."""
 
 from __future__ import annotations
 
@@ -25,13 +25,13 @@ pytestmark = pytest.mark.slow
 CHECK = textwrap.dedent("""
     import json, logging, sys, tempfile
     from pathlib import Path
-    import baton
-    from baton.engine import native
+    import baton_cpu
+    from baton_cpu import build
     logging.basicConfig(level=logging.WARNING)
-    package = Path(baton.__file__).parent
+    package = Path(baton_cpu.__file__).parent
     cache = Path(tempfile.mkdtemp())
-    sources = list(package.glob("engine/**/csrc/*.[ch]"))
-    built = {str(s.relative_to(package)): native.load_library(s, cache) is not None
+    sources = list(package.glob("csrc/*.[ch]"))
+    built = {str(s.relative_to(package)): build.load_library(s, cache) is not None
              for s in sources if s.suffix == ".c"}
     print(json.dumps({"package": str(package), "built": built,
                       "files": sorted(str(s.relative_to(package)) for s in sources)}))
@@ -72,8 +72,8 @@ def test_the_installed_wheel_builds_every_native_kernel(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["package"].startswith(str(env_dir))  # the wheel, not this tree
-    in_tree = sorted(str(p.relative_to(ROOT / "services" / "baton"))
-                     for p in (ROOT / "services" / "baton").glob("engine/**/csrc/*.[ch]"))
+    in_tree = sorted(str(p.relative_to(ROOT / "kernels" / "baton_cpu"))
+                     for p in (ROOT / "kernels" / "baton_cpu").glob("csrc/*.[ch]"))
     assert result["files"] == in_tree  # every source and header shipped
     assert result["built"] and all(result["built"].values()), (result, proc.stderr[-3000:])
     assert "torch path is used" not in proc.stderr

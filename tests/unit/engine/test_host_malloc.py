@@ -14,7 +14,7 @@ import pytest
 _PROBE = """
 import json, resource, shutil, sys, tempfile, pathlib
 from baton import LLM, SamplingParams
-from baton.engine.runner.host_malloc import tune_malloc_for_cpu_inference
+from baton.engine.platforms.host_malloc import tune_malloc_for_cpu_inference
 
 src, d = pathlib.Path(sys.argv[1]), pathlib.Path(tempfile.mkdtemp())
 cfg = json.loads((src / "config.json").read_text())
@@ -58,7 +58,7 @@ def test_tuned_malloc_stops_page_faults_in_prefill_steps(model_dir):
 
 _RELEASE_PROBE = """
 import re, torch
-from baton.engine.runner.host_malloc import release_free_heap, tune_malloc_for_cpu_inference
+from baton.engine.platforms.host_malloc import release_free_heap, tune_malloc_for_cpu_inference
 
 def rss_mb():
     return int(re.search(r"VmRSS:\\s+(\\d+)", open("/proc/self/status").read()).group(1)) >> 10

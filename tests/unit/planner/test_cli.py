@@ -103,7 +103,7 @@ def test_profile_quick_measures_the_bundled_model(tmp_path, capsys):
                for p in profile.decode.points)
     assert profile.decode.seconds(16, 16 * 256) >= profile.decode.seconds(1, 64) > 0
     assert "wrote" in capsys.readouterr().out
-    from baton.engine.models.cpu_packing import onednn_bf16_supported
+    from baton_cpu.linear import onednn_bf16_supported
 
     # ~15 s on 2 idle cores with AVX-512; ~135 s where oneDNN has no bf16 (AVX2: F.linear)
     assert elapsed < (120 if onednn_bf16_supported() else 300)

@@ -10,7 +10,7 @@ backends inside each layer's `LayerAttention` spec (`k_scale`, `v_scale`).
 
 Kernels never multiply elements by a scale: q.k * k_scale folds into the softmax scale and
 v_scale multiplies the output. The C kernels read FP8 through a 256-entry table per format
-(`fp8_table`), which gives the exact value of every byte.
+(`baton_cpu.attention.fp8_table`), which gives the exact value of every byte.
 """
 
 from __future__ import annotations
@@ -58,12 +58,6 @@ def dequantize(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tenso
     """Stored values back as `dtype`: x * scale."""
     y = x.to(torch.float32)
     return (y if scale == 1.0 else y * scale).to(dtype)
-
-
-def fp8_table(dtype: torch.dtype) -> torch.Tensor:
-    """(256,) float32: the value of each byte of the FP8 format `dtype` (what the C kernels
-    index with the stored byte)."""
-    return torch.arange(256, dtype=torch.int32).to(torch.uint8).view(dtype).float()
 
 
 def kv_scale_target(name: str) -> tuple[int, str] | None:

@@ -1,6 +1,6 @@
 """Picks the attention backend for an engine: `auto` is `triton` on CUDA (when the triton
-package is installed) and `torch` elsewhere; on CPU the `torch` backend gets the native C
-kernels when they build and support the model's shape."""
+package is installed) and `torch` elsewhere; on CPU the `torch` backend gets `baton_cpu`'s
+paged attention kernels when they build and support the model's shape."""
 
 from __future__ import annotations
 
@@ -47,12 +47,12 @@ def _torch_backend(device: torch.device, dtype: torch.dtype,
 
     native = prefill = None
     if device.type == "cpu":
-        from baton.engine.attention import cpu_native, cpu_prefill
+        from baton_cpu import attention
 
-        native = cpu_native.load(cache_dir)
+        native = attention.load_decode(cache_dir)
         if native is not None and not native.supports(dtype, *model_shape):
             native = None
-        prefill = cpu_prefill.load(cache_dir)
+        prefill = attention.load_prefill(cache_dir)
         if prefill is not None and not prefill.supports(dtype, *model_shape):
             prefill = None
     return TorchAttentionBackend(dtype, native, prefill)

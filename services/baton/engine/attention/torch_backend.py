@@ -1,9 +1,9 @@
 """Attention on CPU (and the fallback anywhere): torch ops plus one small C kernel.
 
-Decodes: when the native kernel (`cpu_native`) could be built, it reads the pages in place;
+Decodes: when the C kernel (`baton_cpu.attention`) could be built, it reads the pages in place;
 otherwise each group of similar-length decodes gathers its pages (`index_select`) and makes
 one SDPA call with q grouped as (n, KVH, G, D), so GQA needs no K/V repetition, and an
-additive mask hides the padding. Prefill chunks: when the native kernel (`cpu_prefill`) could
+additive mask hides the padding. Prefill chunks: when the C prefill kernel could
 be built, one call per layer runs them all, reading the pages in place; otherwise each chunk
 runs `_prefill_attention` (causal with an offset for its cached context), also the kernel's
 reference in the tests. An FP8 cache (`kv_quant`) is written quantised with the layer's
@@ -52,8 +52,8 @@ class TorchAttentionBackend(AttentionBackend[TorchAttentionMetadata]):
     def __init__(self, dtype: torch.dtype = torch.float32, native=None,
                  native_prefill=None) -> None:
         self.dtype = dtype
-        self.native = native  # cpu_native.NativeDecodeAttention or None
-        self.native_prefill = native_prefill  # cpu_prefill.NativePrefillAttention or None
+        self.native = native  # baton_cpu.attention.NativeDecodeAttention or None
+        self.native_prefill = native_prefill  # baton_cpu.attention.NativePrefillAttention or None
 
     def build_metadata(self, layout: BatchLayout) -> TorchAttentionMetadata:
         slots = layout.slot_mapping

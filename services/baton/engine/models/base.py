@@ -1,5 +1,5 @@
 """What every architecture's model shares: the contract the runner calls, weight loading
-from checkpoint tensors one at a time, the CPU fast paths' switches, and the logits.
+from checkpoint tensors one at a time, and the logits.
 
 An architecture (`llama.py`, `gemma.py`, ...) subclasses `CausalLM`, builds its layers from
 `layers.py` in `__init__(cfg, max_positions)`, and says how Hugging Face names map onto its
@@ -19,7 +19,6 @@ from baton.engine.attention.base import ForwardContext, LayerAttention
 from baton.engine.attention.kv_quant import record_kv_scale
 from baton.engine.distributed import tp_group
 from baton.engine.models.config import ModelConfig
-from baton.engine.models.cpu_ops import CpuOps
 from baton.engine.models.layers import VocabEmbedding, copy_loader, gather_logits
 
 if TYPE_CHECKING:
@@ -33,11 +32,10 @@ class CausalLM(nn.Module):
     """A decoder-only LM over a flat, unpadded batch.
 
     Subclasses set `embed_tokens` (a `VocabEmbedding`), `norm`, `lm_head` (None when tied),
-    `rotary` (rebuilt by the loader after materialising) and implement `forward`. Class
-    attributes: `native_decode` — True where `native_decode.py`'s one-call bf16 decode step
-    computes exactly this architecture (plain Llama layers)."""
+    `rotary` (rebuilt by the loader after materialising) and implement `forward`. What a
+    device does to the loaded model (packing, fused kernels) is its platform's
+    (`engine/platforms/`)."""
 
-    native_decode = False
     final_logit_softcap: float | None = None
     # what subclasses set in __init__ (declared only: no class attributes)
     embed_tokens: VocabEmbedding
@@ -50,7 +48,6 @@ class CausalLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.tp = tp_group()
-        self.native: CpuOps | None = None
         # FP8 KV cache scales the checkpoint carries, by (layer, "k" | "v") (`kv_quant`).
         self.kv_scales: dict[tuple[int, str], float] = {}
 
@@ -113,33 +110,3 @@ class CausalLM(nn.Module):
 
     def _tied(self, pname: str) -> bool:
         return pname == "lm_head.weight" and self.cfg.tie_word_embeddings
-
-    # -- CPU fast paths ------------------------------------------------------------------
-    def use_native_ops(self, ops: CpuOps | None) -> None:
-        """Run the norms (and whatever else a subclass's modules take) through `ops` (native
-        CPU kernels), or through torch when None. May be switched between steps."""
-        self.native = ops
-        for module in self.modules():
-            if getattr(module, "uses_cpu_ops", False):
-                # a module with uses_cpu_ops has a `native` attribute of this type
-                module.native = ops  # type: ignore[assignment]
-
-    def prepack_for_cpu(self, cache_dir) -> None:
-        """Swap linears for packed ones (`cpu_packing`: in bf16 the native GEMM, else
-        oneDNN's; in fp32 the small-batch GEMV, when it can be built here); a tied head gets
-        its own linear over the embedding."""
-        from baton.engine.models.cpu_packing import load_gemv_f32, load_linear_kernels, pack_linears
-
-        if self.embed_tokens.weight.dtype == torch.float32:
-            gemv = load_gemv_f32(cache_dir)
-            if gemv is None:
-                return  # F.linear it is
-            native = None
-        else:
-            gemv, native = None, load_linear_kernels(cache_dir)
-        if self.lm_head is None:
-            weight = self.embed_tokens.weight
-            self.lm_head = nn.Linear(weight.shape[1], weight.shape[0], bias=False,
-                                     device=weight.device, dtype=weight.dtype)
-            self.lm_head.weight = weight
-        pack_linears(self, native, gemv)

@@ -41,7 +41,7 @@ def fused_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     """x (T, h), stacked gate_up (E, 2I, h) and down (E, h, I), routing (T, k) weights and
     ids -> (T, h): sum over each token's k experts of weight * down(SiLU(gate) * up).
     Under tensor parallelism a partial sum over this rank's I; the caller all-reduces.
-    `silu_mul` is the native CPU kernel where there is one."""
+    `silu_mul` is a fused kernel where the platform has one (`platforms/cpu_layers.py`)."""
     T, k = ids.shape
     if T == 0:
         return torch.zeros_like(x)

@@ -140,7 +140,7 @@ class GemmaForCausalLM(CausalLM):
     def step_ropes(self, positions: torch.Tensor, dtype: torch.dtype
                    ) -> tuple[StepRotary, StepRotary]:
         """(global, local) rotations of this step; the same one unless overridden."""
-        rope = self.rotary.for_step(positions, dtype, self.native)
+        rope = self.rotary.for_step(positions, dtype)
         return rope, rope
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
@@ -196,8 +196,8 @@ class Gemma3ForCausalLM(GemmaForCausalLM):
             with torch.device(positions.device):
                 table = self.local_rotary = RotaryEmbedding(self.local_cfg,
                                                             self.max_positions)
-        return (self.rotary.for_step(positions, dtype, self.native),
-                table.for_step(positions, dtype, self.native))
+            table.kernel = self.rotary.kernel  # the platform's, if it set one
+        return self.rotary.for_step(positions, dtype), table.for_step(positions, dtype)
 
 
 def local_rope_config(cfg: ModelConfig) -> ModelConfig:

@@ -5,7 +5,7 @@ into it.
 Tensor parallelism follows Megatron: a column-parallel linear holds this rank's rows of the
 output (q/k/v heads, gate/up features), a row-parallel one this rank's columns of the input,
 and its caller all-reduces the partial sums (`TPGroup.all_reduce`) — outside the linear, so
-CPU packing may swap the `nn.Linear` itself. KV heads are replicated when there are fewer of
+the CPU platform may swap the `nn.Linear` itself. KV heads are replicated when there are fewer of
 them than ranks. The embedding and the LM head are split by vocabulary rows.
 
 Loading: a checkpoint tensor reaches a parameter through `param.weight_loader(param,
@@ -24,7 +24,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from baton.engine.distributed import TPGroup, tp_group
-from baton.engine.models.cpu_ops import CpuOps
 
 Loader = Callable[[nn.Parameter, torch.Tensor, object], None]
 
@@ -33,18 +32,13 @@ class RMSNorm(nn.Module):
     """RMSNorm computed in float32 (as Hugging Face does), with the residual add fused in:
     returns (norm(x + residual), x + residual). `offset` 1.0 is Gemma's `(1 + w)` form."""
 
-    uses_cpu_ops = True  # CausalLM.use_native_ops sets `native`
-
     def __init__(self, size: int, eps: float, offset: float = 0.0) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
         self.offset = offset
-        self.native: CpuOps | None = None
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        if self.native is not None and self.offset == 0.0:
-            return self.native.add_rms_norm(x, residual, self.weight, self.eps)
         if residual is not None:
             x = x + residual
         return self.norm(x), x

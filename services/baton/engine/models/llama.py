@@ -3,9 +3,9 @@ batch, and the attention / MLP / layer blocks other architectures reuse.
 
 Shapes: T tokens in the step, h hidden, H query heads, KVH kv heads (this rank's), D head
 dim. Attention is delegated to the step's backend through the ForwardContext, which also
-holds this layer's KV cache; the module itself is stateless between steps. On CPU the norms,
-SiLU * up and rotary run as fused native kernels when they could be built
-(`use_native_ops`, `cpu_ops.py`); the torch code here is the fallback and their reference.
+holds this layer's KV cache; the module itself is stateless between steps. On CPU the
+platform swaps the norms, the SiLU MLP and rotary for fused C kernels, and runs decode steps of
+these layers in one C call (`platforms/cpu_layers.py`); the torch code here is their fallback.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from torch import nn
 from baton.engine.attention.base import ForwardContext, LayerAttention
 from baton.engine.models.base import CausalLM, WeightPiece
 from baton.engine.models.config import ModelConfig
-from baton.engine.models.cpu_ops import CpuOps
 from baton.engine.models.layers import (
     RMSNorm,
     VocabEmbedding,
@@ -66,22 +65,17 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    """Gated MLP: down(act(gate) * up), gate and up fused; `act` "silu" (native kernel on
-    CPU) or "gelu_tanh" (Gemma's GeGLU)."""
-
-    uses_cpu_ops = True
+    """Gated MLP: down(act(gate) * up), gate and up fused; `act` "silu" or "gelu_tanh"
+    (Gemma's GeGLU)."""
 
     def __init__(self, hidden: int, intermediate: int, act: str = "silu") -> None:
         super().__init__()
         self.gate_up_proj = merged_linear(hidden, [intermediate, intermediate])
         self.down_proj = row_linear(intermediate, hidden)
         self.act = act
-        self.native: CpuOps | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)  # (T, 2 I)
-        if self.act == "silu" and self.native is not None:
-            return self.down_proj(self.native.silu_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
         if self.act == "silu":
             return self.down_proj(F.silu(gate) * up)
@@ -135,8 +129,6 @@ def map_llama_style(name: str, tensor: torch.Tensor,
 
 
 class LlamaForCausalLM(CausalLM):
-    native_decode = True  # plain layers: native_decode.py computes exactly these
-
     def __init__(self, cfg: ModelConfig, max_positions: int) -> None:
         super().__init__(cfg)
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
@@ -145,12 +137,11 @@ class LlamaForCausalLM(CausalLM):
         self.lm_head = None if cfg.tie_word_embeddings else lm_head(cfg.vocab_size,
                                                                      cfg.hidden_size)
         self.rotary = RotaryEmbedding(cfg, max_positions)
-        self.native_decode = (self.tp.size == 1 and cfg.sliding_window is None)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 ctx: ForwardContext) -> torch.Tensor:
         x = self.embed_tokens(input_ids)  # (T, h)
-        rope = self.rotary.for_step(positions, x.dtype, self.native)
+        rope = self.rotary.for_step(positions, x.dtype)
         residual = None
         for layer in self.layers:
             x, residual = layer(x, residual, rope, ctx, self.tp)

@@ -101,8 +101,7 @@ def convert_gguf(gguf: Path, cache: Path) -> Path:
 
 
 def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device,
-               max_positions: int, load_format: str = "auto", cache_dir: Path | None = None
-               ) -> tuple[CausalLM, ModelConfig]:
+               max_positions: int, load_format: str = "auto") -> tuple[CausalLM, ModelConfig]:
     """Build the checkpoint's architecture on `device` and load its weights tensor by
     tensor, shard by shard, each copied straight into its parameter on `device`: the host
     holds one memory-mapped shard's pages and one tensor at a time, never the checkpoint
@@ -119,13 +118,6 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device,
         model.load_weights(checkpoint_tensors(model_dir))
     model.rotary = RotaryEmbedding(cfg, max_positions).to(device)  # buffers were on meta
     model.eval()
-    from baton.engine.models import cpu_ops
-    from baton.engine.models.cpu_packing import can_pack
-
-    if can_pack(dtype, device):
-        model.prepack_for_cpu(cache_dir or default_cache_dir())
-    if device.type == "cpu" and dtype in cpu_ops.CpuOps.DTYPES:
-        model.use_native_ops(cpu_ops.load(cache_dir or default_cache_dir()))
     return model, cfg
 
 

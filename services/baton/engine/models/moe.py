@@ -28,7 +28,6 @@ from torch import nn
 from baton.engine.distributed import TPGroup, tp_group
 from baton.engine.models.base import CausalLM, WeightPiece
 from baton.engine.models.config import ModelConfig
-from baton.engine.models.cpu_ops import CpuOps
 from baton.engine.models.fused_moe import fused_experts, route
 from baton.engine.models.layers import RMSNorm, VocabEmbedding, lm_head, set_loader
 from baton.engine.models.llama import (
@@ -48,8 +47,6 @@ class SparseMoE(nn.Module):
     """Router (`gate`, replicated) + E experts stacked as `gate_up` (E, 2I, h), gate rows
     first, and `down` (E, h, I), I this rank's slice. Plain Parameters, not linears, so CPU
     packing leaves them as they are."""
-
-    uses_cpu_ops = True  # SiLU * up through the native kernel on CPU
 
     def __init__(self, hidden: int, intermediate: int, num_experts: int, top_k: int,
                  renormalize: bool, tp: TPGroup | None = None) -> None:
@@ -74,13 +71,11 @@ class SparseMoE(nn.Module):
 
         set_loader(self.gate_up, load_gate_up, [(e, p) for e in experts for p in ("gate", "up")])
         set_loader(self.down, load_down, [(e, "down") for e in experts])
-        self.native: CpuOps | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(T, h) -> (T, h), partial sums under tensor parallelism."""
         weights, ids = route(self.gate(x), self.top_k, self.renormalize)  # (T, k), (T, k)
-        silu_mul = self.native.silu_mul if self.native is not None else None
-        return fused_experts(x, self.gate_up, self.down, weights, ids, silu_mul)
+        return fused_experts(x, self.gate_up, self.down, weights, ids)
 
 
 def _expert_of(param: nn.Parameter, shard) -> tuple[int, str]:

@@ -51,7 +51,6 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
         super().__init__(cfg, max_positions)
         for i, layer in enumerate(self.layers):
             layer.attn = QKNormAttention(cfg, i)  # Llama's layer around Qwen3's attention
-        self.native_decode = False  # the one-call decode step has no q/k norms
 
     def checkpoint_weights(self, name: str, tensor: torch.Tensor) -> Iterable[WeightPiece]:
         if name == "lm_head.weight" and self.cfg.tie_word_embeddings:

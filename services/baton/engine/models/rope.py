@@ -1,12 +1,12 @@
 """Rotary position embeddings (Hugging Face's rotate-half layout) and every scaling Hugging
 Face checkpoints use: default, linear, dynamic (NTK), llama3, yarn, longrope (legacy "su").
 Each step makes one StepRotary that every layer calls on its qkv rows: torch ops over
-looked-up rows of the tables, or on CPU the native kernel (`cpu_ops.py`) reading the tables
-by position.
+looked-up rows of the tables, or a fused kernel reading the tables by position where the
+platform gave the table one (`kernel`: on CPU, `baton_cpu.ops`).
 
 The tables hold, for every position p < max_positions, cos and sin of p's angles, already
 multiplied by the scaling's attention factor (yarn's mscale, longrope's factor): Hugging Face
-multiplies cos / sin by it, and the native kernel reads only the tables.
+multiplies cos / sin by it, and a fused kernel reads only the tables.
 
 What a paged KV cache can honour. A key is rotated once, when its position is computed, and
 then shared through the prefix cache, so a position's rotation must depend on the position
@@ -32,19 +32,18 @@ the whole head with rotate-half pairs (i, i + D/2); the dims past the rotated on
 0 (cos 1, sin 0: passed through exactly). A model with partial rotary permutes its q / k
 projection rows at load with `partial_rotary_order` so that Hugging Face's pairs land on
 ours; q . k is unchanged by permuting both, so attention computes exactly the same thing
-and every rotary path (torch, native kernel, one-call native decode) stays one code path.
+and every rotary path (torch, fused kernel, one-call CPU decode) stays one code path.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from baton.engine.models.config import ModelConfig
-from baton.engine.models.cpu_ops import CpuOps
 
 ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 _ALIASES = {"su": "longrope"}  # Phi-3's first configs
@@ -234,6 +233,7 @@ class RotaryEmbedding(torch.nn.Module):
         # rotate_half(x) * sin == swap_halves(x) * signed_sin: one op less per call.
         self.register_buffer("signed_sin", torch.cat((-sin, sin), dim=-1), persistent=False)
         self._converted: dict[torch.dtype, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.kernel: RotaryKernel | None = None  # set by the platform (`platforms/cpu.py`)
 
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype
                ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -250,30 +250,38 @@ class RotaryEmbedding(torch.nn.Module):
             cached = self._converted[dtype] = (self.cos.to(dtype), self.signed_sin.to(dtype))
         return cached
 
-    def for_step(self, positions: torch.Tensor, dtype: torch.dtype,
-                 native: CpuOps | None = None) -> StepRotary:
-        """The rotation of one step's (T,) positions, for every layer's qkv; `native` (on
-        CPU) reads the whole tables by position instead of looking them up here."""
-        if native is not None:
-            return StepRotary(positions, *self.tables(dtype), native)
+    def for_step(self, positions: torch.Tensor, dtype: torch.dtype) -> StepRotary:
+        """The rotation of one step's (T,) positions, for every layer's qkv; a `kernel`
+        reads the whole tables by position instead of rows looked up here."""
+        if self.kernel is not None:
+            return StepRotary(positions, *self.tables(dtype), self.kernel)
         return StepRotary(positions, *self.lookup(positions, dtype), None)
+
+
+class RotaryKernel(Protocol):
+    """A fused rotary (`baton_cpu.ops.CpuOps.rotary`): qkv rows, (T,) positions, the (P, D)
+    tables in qkv's dtype -> q (T, H, D), k (T, KVH, D)."""
+
+    def rotary(self, qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
+               signed_sin: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int
+               ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
 
 @dataclass(frozen=True)
 class StepRotary:
     """Rotates the q and k heads of qkv rows: `rope(qkv, H, KVH, D) -> q (T, H, D),
     k (T, KVH, D)`. cos / sin are (T, 1, D) rows for the torch path, or the (P, D) tables
-    for the native kernel."""
+    for a kernel."""
 
     positions: torch.Tensor  # (T,) int64
     cos: torch.Tensor
     signed_sin: torch.Tensor
-    native: CpuOps | None
+    kernel: RotaryKernel | None
 
     def __call__(self, qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int):
         H, KVH, D = num_heads, num_kv_heads, head_dim
-        if self.native is not None:
-            return self.native.rotary(qkv, self.positions, self.cos, self.signed_sin, H, KVH, D)
+        if self.kernel is not None:
+            return self.kernel.rotary(qkv, self.positions, self.cos, self.signed_sin, H, KVH, D)
         qk = apply_rotary(qkv[:, :(H + KVH) * D].view(-1, H + KVH, D), self.cos,
                           self.signed_sin)  # one call for q and k: (T, H + KVH, D)
         return qk.split([H, KVH], dim=1)

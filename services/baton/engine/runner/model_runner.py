@@ -16,9 +16,9 @@ from baton.engine.distributed import TPGroup
 from baton.engine.logprobs import TokenLogprobs, prompt_logprob_table, read_prompt_logprobs
 from baton.engine.models.layers import local_heads
 from baton.engine.models.loader import default_cache_dir, load_model
+from baton.engine.platforms import make_platform
 from baton.engine.runner.batch import FlatBatch, build_batch
 from baton.engine.runner.cuda_graphs import DecodeGraphs, capture_sizes
-from baton.engine.runner.host_malloc import release_free_heap, tune_malloc_for_cpu_inference
 from baton.engine.runner.memory import CudaMemory, KVMemoryPlan, KVMemoryProfiler, largest_batch
 from baton.engine.runner.tp import building_in, start_tensor_parallel
 from baton.engine.runner.tp_wire import logits_calls
@@ -97,34 +97,34 @@ class ModelRunner:
     def __init__(self, config: EngineConfig, model_dir: Path, max_model_len: int,
                  tp: TPGroup | None = None) -> None:
         """`tp`: a tensor-parallel follower's group (`tp_worker.py`); None on rank 0, which
-        spawns the followers itself when `config.tensor_parallel_size` > 1 (`runner/tp.py`)."""
+        spawns the followers itself when `config.parallel.tensor_parallel_size` > 1 (`runner/tp.py`)."""
         self.config = config
-        self.device = resolve_device(config.device)
+        self.device = resolve_device(config.compute.device)
         # CUDA without a fixed pool size: the pool is what the device's fraction leaves
-        fraction = config.kv_pool_fraction(self.device.type)
+        fraction = config.cache.pool_fraction(self.device.type)
         profiler = (KVMemoryProfiler(CudaMemory(self.device), fraction)
                     if fraction is not None else None)
-        if config.gpu_memory_utilization is not None and profiler is None:
+        if config.cache.gpu_memory_utilization is not None and profiler is None:
             log.warning("--gpu-memory-utilization is ignored: the KV pool is %s",
-                        "--num-kv-blocks" if config.num_kv_blocks is not None else
-                        "--kv-cache-gib" if config.kv_cache_memory_bytes is not None else
+                        "--num-kv-blocks" if config.cache.num_kv_blocks is not None else
+                        "--kv-cache-gib" if config.cache.kv_cache_memory_bytes is not None else
                         f"--kv-cache-gib's default off CUDA (device {self.device})")
         self.tp_leader, self.tp = start_tensor_parallel(config, model_dir, max_model_len,
                                                         self.device, tp)
-        if self.device.type == "cpu":
-            tune_malloc_for_cpu_inference()
-        self.dtype = DTYPES[config.dtype]
-        self.kv_dtype = kv_cache_dtype(config.kv_cache_dtype, self.dtype)  # FP8 or the model's
-        cache_dir = Path(config.cache_dir) if config.cache_dir else default_cache_dir()
+        self.dtype = DTYPES[config.checkpoint.dtype]
+        self.kv_dtype = kv_cache_dtype(config.cache.kv_cache_dtype, self.dtype)  # FP8 or the model's
+        cache_dir = Path(config.checkpoint.cache_dir) if config.checkpoint.cache_dir else default_cache_dir()
+        self.platform = make_platform(self.device, cache_dir,
+                                      cuda_graphs=not config.compute.enforce_eager)
         with building_in(self.tp):  # this rank's slice of every weight
             self.model, self.model_config = load_model(model_dir, self.dtype, self.device,
-                                                       max_model_len, config.load_format,
-                                                       cache_dir)
+                                                       max_model_len, config.checkpoint.load_format)
+        self.platform.prepare(self.model)  # e.g. packed weights and fused kernels on CPU
         self.kv_scales = apply_kv_scales(self.model, self.kv_dtype)  # (k, v) by layer
-        self.block_size = config.block_size
+        self.block_size = config.cache.block_size
         cfg = self.model_config
         self.backend = make_attention_backend(
-            config.attention_backend, self.device, self.dtype,
+            config.compute.attention_backend, self.device, self.dtype,
             (local_heads(cfg.num_heads, self.tp), self.num_kv_heads, cfg.head_dim), cache_dir)
         self.kv_memory: KVMemoryPlan | None = None  # the profile's numbers, when one ran
         self.num_blocks = self._num_blocks(profiler, max_model_len)
@@ -136,47 +136,22 @@ class ModelRunner:
                                     device=self.device)
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1])
                           for i in range(cfg.num_layers)]
-        self.sampler = Sampler(config.seed)
+        self.sampler = Sampler(config.compute.seed)
         self.staging = HostStaging(self.device)  # the batch metadata's one copy a step
         self.max_model_len = max_model_len
-        self._prepare_steps(config, cache_dir)
-        log.info("model %s (%s), %d KV blocks of %d tokens (%s), attention=%s, cuda "
-                 "graphs=%s", cfg.architecture, config.dtype, self.num_blocks, self.block_size,
+        self.platform.warm_up(self)
+        log.info("model %s (%s), %d KV blocks of %d tokens (%s), attention=%s, %s",
+                 cfg.architecture, config.checkpoint.dtype, self.num_blocks, self.block_size,
                  str(self.kv_dtype).removeprefix("torch."),
-                 self.backend.name, self.graphs.sizes if self.graphs else "off")
+                 self.backend.name, self.platform.describe())
         if self.tp_leader is not None:
             self.tp_leader.wait_ready(self.num_blocks)
-
-    def _prepare_steps(self, config: EngineConfig, cache_dir: Path) -> None:
-        """The step's fast paths, once the weights and the cache exist: on CPU in bfloat16
-        the native decode step; on CUDA every kernel variant compiled and the decode graphs
-        captured."""
-        # On CPU in bfloat16, decode-only steps run as one native call (`native_decode`).
-        self.native_decode = None
-        if self.device.type == "cpu" and self.dtype == torch.bfloat16:
-            from baton.engine.models import native_decode
-
-            self.native_decode = native_decode.load(self.model, self.kv_caches, self.backend,
-                                                    cache_dir)
-        if self.device.type == "cpu":
-            release_free_heap()  # the checkpoint's tensors, freed by packing
-        self.graphs: DecodeGraphs | None = None
-        warmup = getattr(self.backend, "warmup", None)
-        if self.device.type == "cuda" and warmup is not None:
-            # Every kernel variant compiled now (eager mixed and prefill steps too), so no
-            # request waits on a JIT; the capture below only records launches.
-            warmup(*self.kv_caches[0], self.model.attention_specs(),
-                   local_heads(self.model_config.num_heads, self.tp))
-        if (self.device.type == "cuda" and not config.enforce_eager and self.tp.size == 1
-                and getattr(self.backend, "supports_cuda_graphs", False)):
-            self.graphs = self.make_decode_graphs(use_graphs=True)
-            self.graphs.capture()
 
     def make_decode_graphs(self, use_graphs: bool) -> DecodeGraphs:
         """Static-buffer decode replays for batch sizes up to max_num_seqs (not captured
         yet); `use_graphs=False` runs them eagerly, which tests use on CPU."""
         return DecodeGraphs(self.model, self.backend, self.kv_caches,
-                            capture_sizes(self.config.max_num_seqs),
+                            capture_sizes(self.config.scheduler.max_num_seqs),
                             -(-self.max_model_len // self.block_size), self.device, use_graphs)
 
     @property
@@ -194,13 +169,13 @@ class ModelRunner:
         """The KV pool's blocks: `num_kv_blocks`, else what `kv_cache_bytes` holds, else
         (CUDA) what the device's fraction leaves after a profiled forward (`memory.py`);
         tensor-parallel ranks take the smallest of theirs."""
-        if self.config.num_kv_blocks is not None:
-            return self.config.num_kv_blocks
+        if self.config.cache.num_kv_blocks is not None:
+            return self.config.cache.num_kv_blocks
         if profiler is None:
-            n = self.config.kv_cache_bytes // self.bytes_per_block
+            n = self.config.cache.budget_bytes // self.bytes_per_block
             if n < 1:
                 raise ValueError(f"EngineConfig.kv_cache_memory_bytes="
-                                 f"{self.config.kv_cache_bytes} holds no KV block "
+                                 f"{self.config.cache.budget_bytes} holds no KV block "
                                  f"({self.bytes_per_block} bytes each)")
             return int(n)
         self.kv_memory = profiler.plan(self.bytes_per_block,
@@ -218,12 +193,12 @@ class ModelRunner:
         cache = torch.zeros(cfg.num_layers, 2, 1, self.block_size, self.num_kv_heads,
                             cfg.head_dim, dtype=self.kv_dtype, device=self.device)
         ids, positions, layout = largest_batch(
-            config.max_num_batched_tokens, config.max_num_seqs, max_model_len,
+            config.scheduler.max_num_batched_tokens, config.scheduler.max_num_seqs, max_model_len,
             self.block_size, self.device)
         ctx = ForwardContext(self.backend, self.backend.build_metadata(layout),
                              [(cache[i, 0], cache[i, 1]) for i in range(cfg.num_layers)])
         hidden = self.model(ids, positions, ctx)  # (T, h)
-        rows = min(hidden.shape[0], max(config.max_num_seqs, PROMPT_LOGPROB_ROWS))
+        rows = min(hidden.shape[0], max(config.scheduler.max_num_seqs, PROMPT_LOGPROB_ROWS))
         logits = self.model.compute_logits(hidden[-rows:]).float()  # (N, V)
         torch.sort(torch.softmax(logits, dim=-1), dim=-1, descending=True)  # top-p's sort
         if self.device.type == "cuda":
@@ -259,15 +234,7 @@ class ModelRunner:
 
     def _forward(self, batch: FlatBatch) -> torch.Tensor:
         """The last hidden states of every row of the batch, (T, h)."""
-        if self.graphs is not None and self.graphs.can_run(batch):
-            hidden = self.graphs.run(batch)  # (T, h), T = number of decodes
-        elif self.native_decode is not None and self.native_decode.can_run(batch):
-            hidden = self.native_decode(batch)  # (T, h)
-        else:
-            ctx = ForwardContext(self.backend, self.backend.build_metadata(batch.layout),
-                                 self.kv_caches)
-            hidden = self.model(batch.input_ids, batch.positions, ctx)  # (T, h)
-        return hidden
+        return self.platform.forward(self, batch)  # (T, h)
 
     def _prompt_logprobs(self, batch: FlatBatch, hidden: torch.Tensor
                          ) -> dict[str, list[TokenLogprobs | None]]:

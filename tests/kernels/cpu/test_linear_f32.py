@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from baton.engine.models.cpu_packing import SmallBatchLinear, can_pack, pack_linears
+from baton_cpu.linear import SmallBatchLinear, can_pack, pack_linears
 
 
 def reference(x, w, b):

@@ -5,7 +5,7 @@
  * Why: the same step driven from Python makes ~12 kernel calls per layer, each paying
  * interpreter, dispatcher and allocation overhead (~1.5 ms per step for the bundled model's 30
  * layers, 15% of a batch-1 step). This file is only the driver: the kernels are the ones the
- * Python path calls (`linear_bf16.c`, `cpu_ops.c`, `attention/csrc/paged_decode.c`), reached
+ * Python path calls (`linear_bf16.c`, `cpu_ops.c`, `paged_decode.c`), reached
  * through function pointers taken from their loaded libraries, so the two paths compute the
  * same bits and there is one copy of each kernel.
  *

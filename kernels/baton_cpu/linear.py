@@ -28,10 +28,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from baton.engine.native import load_library
+from baton_cpu.build import load_library
 
-_SOURCE = Path(__file__).parent / "csrc" / "linear_bf16.c"
-_SOURCE_F32 = Path(__file__).parent / "csrc" / "linear_f32.c"
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 
 
@@ -88,7 +86,7 @@ class NativeLinear:
 
 
 def load_linear_kernels(cache_dir: Path) -> NativeLinear | None:
-    lib = load_library(_SOURCE, cache_dir)
+    lib = load_library("linear_bf16.c", cache_dir)
     return None if lib is None else NativeLinear(lib)
 
 
@@ -152,7 +150,7 @@ class NativeGemvF32:
 
 def load_gemv_f32(cache_dir: Path) -> NativeGemvF32 | None:
     """The fp32 GEMV, or None where it cannot be built or this CPU has no AVX2 + FMA."""
-    lib = load_library(_SOURCE_F32, cache_dir)
+    lib = load_library("linear_f32.c", cache_dir)
     if lib is None:
         return None
     gemv = NativeGemvF32(lib)

@@ -29,7 +29,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#include "../../csrc/bf16.h"
+#include "bf16.h"
 
 #define MAX_G 16
 #define MAX_D 256

@@ -33,7 +33,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
-#include "../../csrc/bf16.h"
+#include "bf16.h"
 
 /* -std=c11 turns off contraction of a * b + c into FMA in GCC: turn it back on here (one
  * rounding instead of two, half the instructions in the inner loops). */

@@ -18,7 +18,7 @@
 #include <math.h>
 #include <stdint.h>
 
-#include "../../csrc/bf16.h"
+#include "bf16.h"
 
 /* Work is counted in RMSNorm elements (one thread, AVX-512 development machine, bf16:
  * RMSNorm ~0.34 ns per element, SiLU * up ~0.47 ns per output, rotary ~0.18 ns per element).

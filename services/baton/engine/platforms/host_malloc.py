@@ -5,7 +5,7 @@ the bundled model makes tens of 2-13 MB tensors per layer). glibc serves blocks 
 mmap threshold with fresh mmaps and gives a freed heap top back to the kernel past its trim
 threshold, so each such tensor paid for new zeroed pages. With oneDNN's linears that was ~90k
 minor page faults and 20% of a 2,048-token prefill step (measured 772 -> 593 ms median with
-the settings below); our packed GEMM (`models/cpu_packing.py`) allocates less, and there the
+the settings below); our packed GEMM (`baton_cpu.linear`) allocates less, and there the
 faults fell from ~20k per step to ~0 with no measurable change in step time. oneDNN still
 serves CPUs without AVX512-BF16. vLLM answers the same problem by preloading tcmalloc; a
 preload cannot be set from inside a running process, mallopt can.

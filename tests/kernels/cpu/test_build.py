@@ -1,4 +1,4 @@
-"""Building the CPU C kernels (`engine/native.py`): a kernel is rebuilt when its source or a
+"""Building the CPU C kernels (`baton_cpu/build.py`): a kernel is rebuilt when its source or a
 local header it includes changes, and a missing source leaves the torch path (None)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import shutil
 
 import pytest
 
-from baton.engine import native
+from baton_cpu import build
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
                                 reason="no C compiler")
@@ -24,11 +24,11 @@ def _write(tmp_path, value: int):
 def test_header_change_rebuilds(tmp_path):
     cache = tmp_path / "cache"
     src = _write(tmp_path, 41)
-    assert native._build_and_load(src, cache).answer() == 41
+    assert build._build_and_load(src, cache).answer() == 41
     _write(tmp_path, 42)  # the source is unchanged, the header is not
-    assert native._build_and_load(src, cache).answer() == 42
+    assert build._build_and_load(src, cache).answer() == 42
     assert len(list((cache / "kernels").glob("answer-*.so"))) == 2
 
 
 def test_missing_source_gives_none(tmp_path):
-    assert native.load_library(tmp_path / "absent.c", tmp_path) is None
+    assert build.load_library(tmp_path / "absent.c", tmp_path) is None

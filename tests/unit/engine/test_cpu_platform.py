@@ -1,8 +1,10 @@
-"""The one-call native decode step (`models/native_decode.py`) against the Python path it
-replaces: the same final hidden states and the same KV-cache writes, bit for bit, on the
-bundled model (a specialised attention kernel) and on a tiny model with q/k/v biases and
-another head shape (the generic kernel); padding rows; the batches it must leave to the Python
-path; a bad position failing clearly with the cache untouched."""
+"""The CPU platform (`engine/platforms/cpu.py`): a model prepared with the fused kernels
+against its torch code; the one-call decode step against the Python path it replaces: the
+same final hidden states and the same KV-cache writes, bit for bit, on the bundled model (a
+specialised attention kernel) and on a tiny model with q/k/v biases and another head shape
+(the generic kernel); padding rows; the batches it must leave to the Python path; a bad
+position failing clearly with the cache untouched; the models it must leave to the Python
+path."""
 
 from __future__ import annotations
 
@@ -11,9 +13,13 @@ import shutil
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from baton import LLM, SamplingParams
 from baton.engine.attention import ForwardContext
+from baton.engine.models.loader import load_model
+from baton.engine.platforms.cpu import CpuPlatform
+from baton.engine.platforms.cpu_layers import NativeMLP, NativeRMSNorm
 from baton.engine.runner.batch import build_batch
 
 
@@ -40,7 +46,7 @@ def llm(request, tmp_path_factory, model_dir, kernel_cache):
             for layer in llm.engine.runner.model.layers:
                 bias = layer.attn.qkv_proj.bias
                 bias.copy_(torch.randn(bias.shape, generator=g).to(bias.dtype))
-    if llm.engine.runner.native_decode is None:
+    if llm.engine.runner.platform.fast_decode is None:
         pytest.skip("the native decode step needs a C compiler")
     return llm
 
@@ -48,7 +54,7 @@ def llm(request, tmp_path_factory, model_dir, kernel_cache):
 def _decode_batch(llm, lengths: list[int]):
     """Prefill one request per length (Python path), then schedule the next step: all decodes."""
     engine, runner = llm.engine, llm.engine.runner
-    runner.native_decode, native = None, runner.native_decode
+    runner.platform.fast_decode, native = None, runner.platform.fast_decode
     try:
         for i, n in enumerate(lengths):
             engine.add_request(f"r{len(lengths)}-{i}", [(37 * i + 11 * j) % 4000 + 10
@@ -58,7 +64,7 @@ def _decode_batch(llm, lengths: list[int]):
                   list(engine.scheduler.running) + list(engine.scheduler.waiting)):
             engine.step()
     finally:
-        runner.native_decode = native
+        runner.platform.fast_decode = native
     sched = engine.scheduler.schedule()
     return sched, build_batch(sched.scheduled, engine.kv.get_block_ids, runner.block_size,
                               runner.device)
@@ -67,7 +73,7 @@ def _decode_batch(llm, lengths: list[int]):
 def _both_paths(runner, batch):
     """(hidden, cache) after the native step and after the Python step, from one start."""
     before = runner.kv_cache.clone()
-    native_hidden = runner.native_decode(batch)
+    native_hidden = runner.platform.fast_decode.run(batch)
     native_cache = runner.kv_cache.clone()
     runner.kv_cache.copy_(before)
     ctx = ForwardContext(runner.backend, runner.backend.build_metadata(batch.layout),
@@ -94,9 +100,9 @@ def test_native_step_equals_python_step_bit_for_bit(llm, lengths):
     runner = llm.engine.runner
     # Without AVX512-BF16 the native step multiplies with the portable GEMV, which serves a
     # few rows (max_rows); with the packed GEMM (max_rows None) every batch.
-    lengths = lengths[:runner.native_decode.max_rows]
+    lengths = lengths[:runner.platform.fast_decode.max_rows]
     sched, batch = _decode_batch(llm, lengths)
-    assert runner.native_decode.can_run(batch)
+    assert runner.platform.fast_decode.can_run(batch)
     (nh, ncache), (ph, pcache), before = _both_paths(runner, batch)
     assert nh.dtype == torch.bfloat16 and nh.shape == ph.shape == (len(lengths), nh.shape[1])
     assert torch.equal(nh, ph)
@@ -107,9 +113,9 @@ def test_native_step_equals_python_step_bit_for_bit(llm, lengths):
 
 def test_padding_rows_write_nothing(llm):
     runner = llm.engine.runner
-    lengths = [20, 7, 33][:runner.native_decode.max_rows]  # the rows it can run natively
+    lengths = [20, 7, 33][:runner.platform.fast_decode.max_rows]  # the rows it runs natively
     sched, batch = _decode_batch(llm, lengths)
-    assert runner.native_decode.can_run(batch)
+    assert runner.platform.fast_decode.can_run(batch)
     batch.layout.slot_mapping[1] = -1  # a static-policy padding row: attends, never writes
     (nh, ncache), (ph, pcache), before = _both_paths(runner, batch)
     assert torch.equal(nh, ph) and torch.equal(ncache, pcache)
@@ -121,16 +127,16 @@ def test_padding_rows_write_nothing(llm):
 
 def test_prefill_and_oversized_steps_take_the_python_path(llm):
     runner = llm.engine.runner
-    max_rows = runner.native_decode.max_rows  # None with the packed GEMM: any batch
+    max_rows = runner.platform.fast_decode.max_rows  # None with the packed GEMM: any batch
     sched, batch = _decode_batch(llm, [4] * (max_rows + 1 if max_rows else 24))
-    assert runner.native_decode.can_run(batch) == (max_rows is None)
+    assert runner.platform.fast_decode.can_run(batch) == (max_rows is None)
     _finish(llm, sched)
     engine = llm.engine
     engine.add_request("p", list(range(10, 40)), SamplingParams(max_tokens=2))
     sched = engine.scheduler.schedule()
     prefill = build_batch(sched.scheduled, engine.kv.get_block_ids, runner.block_size,
                           runner.device)
-    assert not runner.native_decode.can_run(prefill)
+    assert not runner.platform.fast_decode.can_run(prefill)
     _finish(llm, sched)
 
 
@@ -140,13 +146,13 @@ def test_generate_is_the_same_with_and_without_the_native_step(llm):
     prompts = [[(13 * i + 7 * j) % 3000 + 20 for j in range(5 + 9 * i)] for i in range(12)]
     params = [SamplingParams(temperature=0, max_tokens=6 + 3 * i, ignore_eos=True)
               for i in range(12)]
-    native = runner.native_decode
+    native = runner.platform.fast_decode
     with_native = llm.generate(prompts, params, use_tqdm=False)
-    runner.native_decode = None
+    runner.platform.fast_decode = None
     try:
         without = llm.generate(prompts, params, use_tqdm=False)
     finally:
-        runner.native_decode = native
+        runner.platform.fast_decode = native
     assert ([o.outputs[0].token_ids for o in with_native]
             == [o.outputs[0].token_ids for o in without])
 
@@ -161,11 +167,57 @@ def test_an_out_of_range_position_or_slot_fails_clearly_and_writes_nothing(llm, 
         batch.layout.slot_mapping[1] = runner.num_blocks * runner.block_size
     before = runner.kv_cache.clone()
     with pytest.raises(RuntimeError, match="native decode step failed"):
-        runner.native_decode(batch)
+        runner.platform.fast_decode.run(batch)
     assert torch.equal(runner.kv_cache, before)
     _finish(llm, sched)
 
 
 def test_float32_runs_keep_the_python_path(model_dir):
     llm = LLM(dtype="float32", num_kv_blocks=8)
-    assert llm.engine.runner.native_decode is None
+    assert llm.engine.runner.platform.fast_decode is None
+
+
+class CausalAttention:
+    """Stands in for ForwardContext: one sequence prefilled from scratch, no KV cache."""
+
+    def attention(self, layer_idx, q, k, v, spec=None):
+        G = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)
+        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1),
+                                             v.transpose(0, 1), is_causal=True)
+        return out.transpose(0, 1)  # (T, H, D)
+
+
+def tiny_model(tmp_path, dtype):
+    cfg = dict(architectures=["LlamaForCausalLM"], vocab_size=512, hidden_size=200,
+               intermediate_size=344, num_hidden_layers=3, num_attention_heads=5,
+               num_key_value_heads=1, head_dim=64, max_position_embeddings=256)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    model, _ = load_model(tmp_path, dtype, torch.device("cpu"), 256, "dummy")
+    torch.manual_seed(0)
+    with torch.no_grad():  # dummy norm weights are all 1: make them exercise the multiply
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight"):
+                p.uniform_(0.5, 1.5)
+    return model
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_prepared_model_matches_its_torch_code(tmp_path, dtype):
+    """Packed linears, fused norms, SiLU * up and rotary against the model as loaded."""
+    model = tiny_model(tmp_path, dtype)
+    ids = torch.randint(0, 512, (40,), generator=torch.Generator().manual_seed(1))
+    positions = torch.arange(40)
+    with torch.inference_mode():
+        reference = model(ids, positions, CausalAttention())
+    platform = CpuPlatform(tmp_path)
+    platform.prepare(model)
+    if platform.ops is None:
+        pytest.skip("no C compiler: the model keeps its torch code")
+    assert isinstance(model.norm, NativeRMSNorm) and isinstance(model.layers[0].mlp, NativeMLP)
+    assert model.rotary.kernel is platform.ops
+    with torch.inference_mode():
+        native = model(ids, positions, CausalAttention())
+    # Differences of an ulp now and then, carried through 3 layers.
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(native.float(), reference.float(), rtol=tol, atol=tol)

@@ -1,7 +1,5 @@
-"""Small C kernels for CPU, built with the system C compiler on first use and loaded with
-ctypes (`attention/csrc/paged_decode.c`, `attention/csrc/paged_prefill.c`,
-`models/csrc/linear_bf16.c`, `models/csrc/linear_f32.c`, `models/csrc/cpu_ops.c`,
-`models/csrc/llama_decode.c`).
+"""The C kernels of `csrc/`, built with the system C compiler on first use and loaded with
+ctypes.
 
 A library is built once per source version into `<cache_dir>/kernels/` (an atomic rename, so
 concurrent builders agree). It links the libgomp that torch has loaded (by soname), so both
@@ -27,10 +25,13 @@ FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11",
          "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]
 _lock = threading.Lock()
 _cached: dict[tuple[str, str], ctypes.CDLL | None] = {}
+CSRC = Path(__file__).parent / "csrc"
 
 
-def load_library(source: Path, cache_dir: Path) -> ctypes.CDLL | None:
-    """The compiled `source`, or None (logged once) when it cannot be built here."""
+def load_library(source: str | Path, cache_dir: Path) -> ctypes.CDLL | None:
+    """The compiled `source` (a file name in `csrc/`, or a path), or None (logged once) when
+    it cannot be built here."""
+    source = CSRC / source
     with _lock:
         key = (str(source), str(cache_dir))
         if key not in _cached:

@@ -1,19 +1,17 @@
-"""The fused native CPU ops (add + RMSNorm, SiLU * up, rotary) against the torch code they
-replace, in float32 and bfloat16, at decode (1-7 rows) and prefill (1000 rows) sizes, and the
-model run through them against the model run through torch."""
+"""The fused CPU ops (add + RMSNorm, SiLU * up, rotary) against their torch references, in
+float32 and bfloat16, at decode (1-7 rows) and prefill (1000 rows) sizes. (The model run
+through them: tests/unit/engine/test_cpu_platform.py.)"""
 
 from __future__ import annotations
-
-import json
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from baton.engine.models.config import ModelConfig
-from baton.engine.models.llama import RMSNorm
-from baton.engine.models.loader import load_model
-from baton.engine.models.rope import RotaryEmbedding, apply_rotary
+from baton.engine.models.layers import RMSNorm
+from baton.engine.models.rope import RotaryEmbedding
+from baton_cpu import reference
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -46,12 +44,6 @@ def assert_matches(got: torch.Tensor, ref: torch.Tensor) -> None:
     assert (ulps > 0).float().mean().item() <= 1e-3
 
 
-def norm_reference(x, residual, weight, eps):
-    norm = RMSNorm(weight.shape[0], eps)
-    norm.weight = torch.nn.Parameter(weight, requires_grad=False)
-    return norm(x, residual)  # the torch path: no native ops installed
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows,h", [(1, 576), (7, 203), (1000, 576), (1000, 203)])
 @pytest.mark.parametrize("with_residual", [False, True])
@@ -61,7 +53,7 @@ def test_add_rms_norm_matches_torch(ops, dtype, rows, h, with_residual):
     residual = (torch.randn(rows, h, generator=g) * 3).to(dtype) if with_residual else None
     weight = torch.randn(h, generator=g).to(dtype)
     normed, res = ops.add_rms_norm(x, residual, weight, 1e-5)
-    ref_normed, ref_res = norm_reference(x, residual, weight, 1e-5)
+    ref_normed, ref_res = reference.add_rms_norm(x, residual, weight, 1e-5)
     assert torch.equal(res, ref_res)  # the add rounds exactly as torch's
     assert_matches(normed, ref_normed)
 
@@ -76,8 +68,7 @@ def test_add_rms_norm_rejects_a_weight_of_the_wrong_size(ops):
 def test_silu_mul_matches_torch(ops, dtype, rows, inter):
     g = torch.Generator().manual_seed(rows + inter)
     gate_up = (torch.randn(rows, 2 * inter, generator=g) * 4).to(dtype)
-    gate, up = gate_up.chunk(2, dim=-1)
-    assert_matches(ops.silu_mul(gate_up), F.silu(gate) * up)
+    assert_matches(ops.silu_mul(gate_up), reference.silu_mul(gate_up))
 
 
 def test_silu_mul_saturates_like_torch(ops):
@@ -105,14 +96,14 @@ def test_rotary_matches_apply_rotary(ops, dtype, heads, kv_heads, head_dim, rows
     g = torch.Generator().manual_seed(rows + D)
     qkv = torch.randn(rows, (H + 2 * KVH) * D, generator=g).to(dtype)
     positions = torch.randint(0, 4096, (rows,), generator=g)
-    q, k = rotary.for_step(positions, dtype, ops)(qkv, H, KVH, D)
-    cos, sin = rotary.lookup(positions, dtype)
-    ref = apply_rotary(qkv[:, :(H + KVH) * D].view(rows, H + KVH, D), cos, sin)
+    tables = rotary.tables(dtype)
+    q, k = ops.rotary(qkv, positions, *tables, H, KVH, D)
+    ref_q, ref_k = reference.rotary(qkv, positions, *tables, H, KVH, D)
     assert q.is_contiguous() and k.is_contiguous()
-    assert_matches(q, ref[:, :H])
-    assert_matches(k, ref[:, H:])
+    assert_matches(q, ref_q)
+    assert_matches(k, ref_k)
     if dtype == torch.bfloat16:  # every rounding step is torch's: bit for bit
-        assert torch.equal(q, ref[:, :H]) and torch.equal(k, ref[:, H:])
+        assert torch.equal(q, ref_q) and torch.equal(k, ref_k)
 
 
 def test_rotary_reads_strided_rows_and_checks_positions(ops):
@@ -120,53 +111,28 @@ def test_rotary_reads_strided_rows_and_checks_positions(ops):
     wide = torch.randn(5, 4 * 64 + 32)
     qkv = wide[:, 16:16 + 4 * 64]  # rows with a stride wider than the qkv width
     positions = torch.tensor([0, 3, 127, 64, 1])
-    q, k = rotary.for_step(positions, torch.float32, ops)(qkv, 2, 1, 64)
-    ref_q, ref_k = rotary.for_step(positions, torch.float32)(qkv, 2, 1, 64)
+    tables = rotary.tables(torch.float32)
+    q, k = ops.rotary(qkv, positions, *tables, 2, 1, 64)
+    ref_q, ref_k = reference.rotary(qkv, positions, *tables, 2, 1, 64)
     assert_matches(q, ref_q)
     assert_matches(k, ref_k)
     with pytest.raises(RuntimeError, match="position"):
-        rotary.for_step(torch.tensor([0, 1, 128, 2, 3]), torch.float32, ops)(qkv, 2, 1, 64)
-
-
-class CausalAttention:
-    """Stands in for ForwardContext: one sequence prefilled from scratch, no KV cache."""
-
-    def attention(self, layer_idx, q, k, v, spec=None):
-        G = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1)
-        out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1),
-                                             v.transpose(0, 1), is_causal=True)
-        return out.transpose(0, 1)  # (T, H, D)
-
-
-def tiny_model(tmp_path, dtype):
-    cfg = dict(architectures=["LlamaForCausalLM"], vocab_size=512, hidden_size=200,
-               intermediate_size=344, num_hidden_layers=3, num_attention_heads=5,
-               num_key_value_heads=1, head_dim=64, max_position_embeddings=256)
-    (tmp_path / "config.json").write_text(json.dumps(cfg))
-    model, _ = load_model(tmp_path, dtype, torch.device("cpu"), 256, "dummy", tmp_path)
-    torch.manual_seed(0)
-    with torch.no_grad():  # dummy norm weights are all 1: make them exercise the multiply
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.uniform_(0.5, 1.5)
-    return model
+        ops.rotary(qkv, torch.tensor([0, 1, 128, 2, 3]), *tables, 2, 1, 64)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_model_with_native_ops_matches_torch_path(tmp_path, dtype):
-    model = tiny_model(tmp_path, dtype)
-    ops = model.native
-    if ops is None:
-        pytest.skip("no C compiler: the loader kept the torch path")
-    assert all(m.native is ops for m in (model.norm, model.layers[0].mlp))
-    ids = torch.randint(0, 512, (40,), generator=torch.Generator().manual_seed(1))
-    positions = torch.arange(40)
-    with torch.inference_mode():
-        native = model(ids, positions, CausalAttention())
-        model.use_native_ops(None)
-        reference = model(ids, positions, CausalAttention())
-    assert model.layers[2].input_norm.native is None
-    # Differences of an ulp now and then, carried through 3 layers.
-    tol = 1e-5 if dtype == torch.float32 else 3e-2
-    torch.testing.assert_close(native.float(), reference.float(), rtol=tol, atol=tol)
+def test_the_references_are_the_models_torch_code(dtype):
+    """What the kernels are held to is what the model computes without them, bit for bit."""
+    g = torch.Generator().manual_seed(3)
+    x, residual = (torch.randn(7, 64, generator=g).to(dtype) for _ in range(2))
+    norm = RMSNorm(64, 1e-5).to(dtype)
+    with torch.no_grad():
+        norm.weight.uniform_(0.5, 1.5, generator=g)
+    for got, ref in zip(norm(x, residual), reference.add_rms_norm(x, residual, norm.weight,
+                                                                  1e-5)):
+        assert torch.equal(got, ref)
+    rotary = RotaryEmbedding(rope_config(64), 128)
+    qkv, positions = torch.randn(7, 4 * 64, generator=g).to(dtype), torch.arange(3, 10)
+    got = rotary.for_step(positions, dtype)(qkv, 2, 1, 64)
+    ref = reference.rotary(qkv, positions, *rotary.tables(dtype), 2, 1, 64)
+    assert all(torch.equal(a, b) for a, b in zip(got, ref))

@@ -1,11 +1,10 @@
-"""The Llama layer's small ops fused into native kernels on CPU (`csrc/cpu_ops.c`, built by
-`baton.engine.native`): residual add + RMSNorm, SiLU(gate) * up, and rotary embedding of q
-and k, in float32 and bfloat16.
+"""The Llama layer's small ops fused into C kernels (`csrc/cpu_ops.c`): residual add +
+RMSNorm, SiLU(gate) * up, and rotary embedding of q and k, in float32 and bfloat16.
 
 Why: each torch op on a (T, h) tensor costs ~10-30 us of dispatch and OpenMP start-up, and a
 layer made ~15 of them; at decode sizes that overhead, not arithmetic, was the cost. The
-torch code in `llama.py` / `rope.py` stays the fallback (no compiler, other dtypes, GPUs) and
-the reference the tests compare against.
+model's torch code stays the fallback (no compiler, other dtypes, GPUs); `reference.py` holds
+the same rounding steps for the tests.
 
 Numerics: the torch code's rounding steps, one by one. Bit for bit: the residual add, and
 rotary (always in bfloat16; in float32 where torch's addcmul is a fused multiply-add, as in
@@ -22,12 +21,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from baton.engine.native import load_library
+from baton_cpu.build import load_library
 
 if TYPE_CHECKING:
     from _ctypes import CFuncPtr  # what ctypes calls _CFuncPtr (typeshed's only public name)
 
-_SOURCE = Path(__file__).parent / "csrc" / "cpu_ops.c"
 _NAMES = {torch.float32: "f32", torch.bfloat16: "bf16"}
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 
@@ -45,7 +43,7 @@ class CpuOps:
 
     def kernels(self, dtype: torch.dtype) -> dict[str, CFuncPtr]:
         """The C functions for `dtype` by op name (norm, silu_mul, rotary), for native
-        callers such as `native_decode`."""
+        callers such as `decode_step`."""
         return {"norm": self._norm[dtype], "silu_mul": self._silu[dtype],
                 "rotary": self._rotary[dtype]}
 
@@ -130,5 +128,5 @@ def _check(rc: int, op: str, x: torch.Tensor) -> None:
 
 def load(cache_dir: Path) -> CpuOps | None:
     """Build (once per source version) and load the kernels; None if they cannot be built."""
-    lib = load_library(_SOURCE, cache_dir)
+    lib = load_library("cpu_ops.c", cache_dir)
     return None if lib is None else CpuOps(lib)

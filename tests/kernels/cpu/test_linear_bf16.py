@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from baton.engine.models.cpu_packing import PackedLinear, can_pack, onednn_bf16_supported
+from baton_cpu.linear import PackedLinear, can_pack, onednn_bf16_supported
+from baton_cpu.reference import linear as reference
 
 pytestmark = pytest.mark.skipif(not can_pack(torch.bfloat16, torch.device("cpu")),
                                 reason="oneDNN is not available in this torch build")
@@ -27,10 +28,6 @@ def vnni(native):
         pytest.skip("this CPU has no AVX512-BF16: the packed GEMM is not built")
     return native
 
-
-def reference(x, w, b):
-    y = x.float() @ w.float().T
-    return y if b is None else y + b.float()
 
 
 def assert_close_to_reference(y, ref):

@@ -1,0 +1,65 @@
+"""CPU: the model's linears packed for our C GEMM / GEMV or oneDNN, its norms, SiLU * up and
+rotary swapped for fused C kernels, and decode steps of plain Llama layers in bfloat16 run as
+one C call — every kernel from `baton_cpu`, built on first use into `<cache_dir>/kernels`.
+Where a kernel cannot be built the model keeps its torch code. glibc malloc is tuned for the
+step's allocations once, when the platform is made (`host_malloc.py`).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from baton.engine.platforms.base import Platform
+from baton.engine.platforms.cpu_layers import load_llama_decode, use_native_ops
+from baton.engine.platforms.host_malloc import release_free_heap, tune_malloc_for_cpu_inference
+from baton_cpu import linear, ops
+
+if TYPE_CHECKING:
+    from baton.engine.models.base import CausalLM
+    from baton.engine.runner.model_runner import ModelRunner
+
+
+class CpuPlatform(Platform):
+    name = "cpu"
+
+    def __init__(self, cache_dir: Path) -> None:
+        self.cache_dir = cache_dir
+        self.ops: ops.CpuOps | None = None  # the fused ops, once `prepare` built them
+        tune_malloc_for_cpu_inference()
+
+    def prepare(self, model: CausalLM) -> None:
+        dtype = model.embed_tokens.weight.dtype
+        if linear.can_pack(dtype, torch.device("cpu")):
+            self._pack_linears(model)
+        if dtype in ops.CpuOps.DTYPES:
+            self.ops = ops.load(self.cache_dir)
+            if self.ops is not None:
+                use_native_ops(model, self.ops)
+
+    def _pack_linears(self, model: CausalLM) -> None:
+        """Every linear packed (`baton_cpu.linear`: in bf16 the native GEMM, else oneDNN's;
+        in fp32 the small-batch GEMV, when it can be built here); a tied head gets its own
+        linear over the embedding."""
+        native, gemv = None, None
+        if model.embed_tokens.weight.dtype == torch.float32:
+            gemv = linear.load_gemv_f32(self.cache_dir)
+            if gemv is None:
+                return  # F.linear it is
+        else:
+            native = linear.load_linear_kernels(self.cache_dir)
+        if model.lm_head is None:
+            weight = model.embed_tokens.weight
+            model.lm_head = nn.Linear(weight.shape[1], weight.shape[0], bias=False,
+                                      dtype=weight.dtype)
+            model.lm_head.weight = weight
+        linear.pack_linears(model, native, gemv)
+
+    def warm_up(self, runner: ModelRunner) -> None:
+        if self.ops is not None and runner.dtype == torch.bfloat16:
+            self.fast_decode = load_llama_decode(runner.model, runner.kv_caches,
+                                                 runner.backend, self.ops, self.cache_dir)
+        release_free_heap()  # the checkpoint's tensors, freed by packing
