@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.gpu_check import PIECES
+from benchmarks.gpu_check_pieces import PIECES
 from tests.unit.deploy.kube import ROOT
 
 pytestmark = pytest.mark.slow

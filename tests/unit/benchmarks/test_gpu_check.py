@@ -19,7 +19,8 @@ from argparse import Namespace
 import pytest
 import torch
 
-from benchmarks.gpu_check import PIECES, Check, headline_numbers
+from benchmarks.gpu_check import Check, headline_numbers
+from benchmarks.gpu_check_pieces import PIECES, PieceRunner
 from benchmarks.gpu_pieces import junit_counts
 from tests.unit.deploy.kube import ROOT
 
@@ -103,7 +104,7 @@ def test_a_piece_that_needs_more_gpus_or_the_model_says_why(tmp_path):
     assert "needs 2 CUDA devices, this machine has 1" in check.cannot_run(by_name["kv_nccl"], 1)
     assert check.cannot_run(by_name["colocated"], 1).startswith("no model")
     assert check.cannot_run(by_name["kernel_tests"], 1) is None
-    check.model_dir = tmp_path
+    check.runner.model_dir = tmp_path
     assert check.cannot_run(by_name["colocated"], 1) is None
     cpu = check_for(tmp_path, 0, cuda_ran=False)
     assert cpu.cannot_run(by_name["bench_kernels"], 0) == "no CUDA device: x"
@@ -182,27 +183,30 @@ def test_a_piece_past_its_limit_is_stopped_with_what_it_started(tmp_path):
     assert out["server"] in out["swept"] and not out["server_alive"]
 
 
-class TimedCheck(Check):
+class SleepingRunner(PieceRunner):
     """Every piece takes `seconds[name]` (sleeping) and passes: the deadline's arithmetic."""
 
-    min_piece_s = 0.3
-
-    def __init__(self, tmp_path, deadline_s: float, seconds: dict[str, float], limits=None):
-        args = Namespace(deadline_s=deadline_s, only=set(), skip=set(), limits=limits or {},
-                         kit=None, run_dir=None)
-        super().__init__(args, tmp_path / "r.json", tmp_path, tmp_path)
-        self.report.update(environment={"device_count": 1}, cuda_ran=True, probe_reason=None)
+    def __init__(self, args, tmp_path, seconds: dict[str, float]):
+        super().__init__(args, tmp_path, tmp_path)
         self.model_dir, self.seconds, self.given = tmp_path, seconds, {}
 
-    def __getattribute__(self, name):
-        if name.startswith("piece_") or name == "scenario":
-            return self.fake
-        return super().__getattribute__(name)
-
-    def fake(self, piece, timeout):
+    def run(self, piece, timeout):
         self.given[piece.name] = timeout
         time.sleep(min(self.seconds.get(piece.name, 0.0), timeout))
         return {"status": "ok" if self.seconds.get(piece.name, 0.0) <= timeout else "timeout"}
+
+
+class TimedCheck(Check):
+    min_piece_s = 0.3
+
+    def __init__(self, tmp_path, deadline_s: float, seconds: dict[str, float], limits=None,
+                 runner=SleepingRunner):
+        args = Namespace(deadline_s=deadline_s, only=set(), skip=set(), limits=limits or {},
+                         kit=None, run_dir=None)
+        super().__init__(args, tmp_path / "r.json", tmp_path, tmp_path,
+                         runner(args, tmp_path, seconds))
+        self.report.update(environment={"device_count": 1}, cuda_ran=True, probe_reason=None)
+        self.given = self.runner.given
 
 
 def test_the_deadline_cuts_each_piece_and_skips_what_it_cannot_start(tmp_path, monkeypatch):
@@ -223,7 +227,7 @@ def test_the_deadline_cuts_each_piece_and_skips_what_it_cannot_start(tmp_path, m
 
 
 def test_only_brings_what_its_pieces_need(tmp_path):
-    from benchmarks.gpu_check import with_dependencies
+    from benchmarks.gpu_check_pieces import with_dependencies
 
     assert with_dependencies({"kv_nixl"}, tmp_path) == {"kv_nixl", "probe", "model",
                                                         "colocated"}
@@ -233,13 +237,13 @@ def test_only_brings_what_its_pieces_need(tmp_path):
 
 
 def test_a_piece_that_raises_loses_only_itself(tmp_path):
-    class Broken(TimedCheck):
-        def fake(self, piece, timeout):
+    class Broken(SleepingRunner):
+        def run(self, piece, timeout):
             if piece.name == "kernel_tests":
                 raise KeyError("a bug in the check")
-            return super().fake(piece, timeout)
+            return super().run(piece, timeout)
 
-    report = Broken(tmp_path, 30.0, {}).run()
+    report = TimedCheck(tmp_path, 30.0, {}, runner=Broken).run()
     assert report["pieces"]["kernel_tests"]["status"] == "error"
     assert "a bug in the check" in report["pieces"]["kernel_tests"]["error"]
     assert report["pieces"]["engine_tests"]["status"] == "ok"
