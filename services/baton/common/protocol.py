@@ -385,6 +385,9 @@ def parse_request(model: type[_Model], body: bytes) -> _Model:
     """Parse and validate a JSON body, turning every failure into a 400 OpenAIError."""
     try:
         return model.model_validate_json(body)
+    except RecursionError:  # JSON text nested deep inside a string: guided_json, arguments
+        raise OpenAIError(400, "the body nests too deeply (JSON text in a string field, a "
+                               "schema or a tool call's arguments)") from None
     except ValidationError as err:
         first = err.errors(include_url=False)[0]
         loc = ".".join(str(p) for p in first["loc"])

@@ -25,6 +25,7 @@ from baton.common.registry import LoadReport
 from baton.common.roles import Role
 
 log = logging.getLogger("baton.router")
+MAX_LOAD_REPORT_BYTES = 64 << 10  # a load report is a few hundred bytes
 
 
 @dataclass
@@ -160,12 +161,11 @@ class StaticDiscovery(Discovery):
             await asyncio.sleep(self.check_interval_s)
 
     async def check(self, session: aiohttp.ClientSession, ep: Upstream) -> None:
-        timeout = aiohttp.ClientTimeout(total=self.check_timeout_s)
+        """Read `ep`'s load report; whatever it answers (an error, a timeout, an answer that
+        is not a load report) marks only `ep` down, and the next round checks it again."""
         try:
-            async with session.get(ep.url + "/load", timeout=timeout) as resp:
-                report = (LoadReport.model_validate(await resp.json())
-                          if resp.status == 200 else None)
-        except (aiohttp.ClientError, TimeoutError, ValueError) as err:  # ValidationError too
+            report = await self._load_report(session, ep)
+        except Exception as err:  # noqa: BLE001 - any bad answer: this worker down, no other
             report = None
             if ep.healthy:
                 log.warning("worker %s failed its health check: %r", ep.url, err)
@@ -176,6 +176,18 @@ class StaticDiscovery(Discovery):
         update(ep, report)
         if not was:
             log.info("worker %s is ready (model %s, role %s)", ep.url, ep.model, ep.role)
+
+
+    async def _load_report(self, session: aiohttp.ClientSession, ep: Upstream
+                           ) -> LoadReport | None:
+        timeout = aiohttp.ClientTimeout(total=self.check_timeout_s)
+        async with session.get(ep.url + "/load", timeout=timeout) as resp:
+            if resp.status != 200:
+                return None
+            body = await resp.content.read(MAX_LOAD_REPORT_BYTES + 1)
+        if len(body) > MAX_LOAD_REPORT_BYTES:
+            raise ValueError(f"a /load answer over {MAX_LOAD_REPORT_BYTES} bytes")
+        return LoadReport.model_validate_json(body)
 
 
 def update(ep: Upstream, report: LoadReport) -> None:

@@ -14,6 +14,7 @@ end here; so do vLLM's /tokenize and /detokenize (`tokenize`, `detokenize`).
 from __future__ import annotations
 
 import asyncio
+import math
 import re
 from dataclasses import dataclass, replace
 
@@ -205,6 +206,8 @@ class Pipeline:
 
 
 _CLIENT_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+TIMING_PARTS = ("router_queue", "prefill")  # what a router's X-Baton-Timing names
+MAX_TIMING_S = 86400.0
 
 
 def response_id(prefix: str, client_id: str | None) -> str:
@@ -218,14 +221,20 @@ def response_id(prefix: str, client_id: str | None) -> str:
 
 def parse_timing(header: str) -> dict[str, float]:
     """`X-Baton-Timing`: "1" / "true" from a client (no router part), or the router's
-    "name=seconds,..." (`router_queue`, `prefill`). A 400 OpenAIError otherwise."""
+    "name=seconds,..." (`router_queue`, `prefill`: finite, in [0, MAX_TIMING_S]). A 400
+    OpenAIError otherwise."""
     if header.strip().lower() in ("1", "true", "yes", ""):
         return {}
     try:
-        return {k.strip(): float(v) for k, v in (p.split("=", 1) for p in header.split(","))}
+        parts = {k.strip(): float(v) for k, v in (p.split("=", 1) for p in header.split(","))}
     except ValueError:
-        raise OpenAIError(400, "X-Baton-Timing is 1/true, or name=seconds pairs separated by "
-                               "commas") from None
+        parts = {"": math.nan}
+    if len(parts) > len(TIMING_PARTS) or not all(
+            k in TIMING_PARTS and 0 <= v <= MAX_TIMING_S for k, v in parts.items()):
+        raise OpenAIError(400, f"X-Baton-Timing is 1/true, or name=seconds pairs separated by "
+                               f"commas (names {', '.join(TIMING_PARTS)}; seconds in "
+                               f"[0, {MAX_TIMING_S:g}])")
+    return parts
 
 
 async def until_disconnect(http: Request, coro):

@@ -103,6 +103,11 @@ class Serving:
         if self.engine.dead_error is not None:
             raise OpenAIError(503, "the engine loop died; this worker is restarting",
                               code="engine_dead")
+        if len(jobs) > self.max_waiting:  # no wait would ever let it in: not a 429
+            raise OpenAIError(400, f"the request makes {len(jobs)} sequences (prompts x n) "
+                                   f"but this worker queues at most {self.max_waiting}; send "
+                                   "fewer prompts or a smaller n",
+                              code="too_many_sequences")
         waiting = self.engine.num_waiting
         if waiting + len(jobs) > self.max_waiting:
             self.metrics.rejected.labels("queue_full").inc()

@@ -88,3 +88,17 @@ def test_an_image_part_says_the_model_takes_text():
         {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}]}]})
     assert err.param == "messages.0.content"
     assert "'image_url' are not supported: this model takes text" in err.message
+
+
+DEEP = "[" * 100_000 + "]" * 100_000
+
+
+@pytest.mark.parametrize("body", [
+    {"model": "m", "prompt": "a", "guided_json": DEEP},
+    {"model": "m", "messages": [USER, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": DEEP}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "ok"}]},
+])
+def test_json_nested_deep_inside_a_string_is_a_400(body):
+    model = CompletionRequest if "prompt" in body else ChatCompletionRequest
+    assert "nests too deeply" in rejected(model, body).message

@@ -119,3 +119,34 @@ def test_a_dead_engine_is_a_503_before_anything_is_queued():
     with pytest.raises(OpenAIError) as err:
         serving.admit(serving.make_jobs("r", [[1]], SamplingParams(), "prompt"))
     assert err.value.status == 503 and engine.submitted == []
+
+
+def test_a_request_larger_than_the_whole_queue_is_a_400_not_a_429():
+    """No wait would ever let 12 sequences into a queue of 8: a retry loop must not start."""
+    serving, engine, metrics = make_serving(max_waiting=8)
+    jobs = serving.make_jobs("r", [[1]] * 6, PARAMS, "prompt")  # 6 prompts x n=2
+    with pytest.raises(OpenAIError) as err:
+        serving.admit(jobs)
+    assert err.value.status == 400 and err.value.code == "too_many_sequences"
+    assert "queues at most 8" in err.value.message and not err.value.headers
+    assert engine.submitted == []
+    assert sample(metrics, "baton:requests_rejected_total", reason="queue_full") == 0
+
+
+@pytest.mark.parametrize("header", ["router_queue=nan", "prefill=1e999", "prefill=-1",
+                                    "router_queue=inf,prefill=0", "x=1", "a=1,b=2,c=3",
+                                    "prefill"])
+def test_timing_headers_that_are_not_finite_seconds_are_a_400(header):
+    from baton.worker.pipeline import parse_timing
+
+    with pytest.raises(OpenAIError) as err:
+        parse_timing(header)
+    assert err.value.status == 400 and "X-Baton-Timing" in err.value.message
+
+
+def test_the_routers_timing_header_parses():
+    from baton.worker.pipeline import parse_timing
+
+    assert parse_timing("router_queue=0.001500,prefill=0.250000") == {
+        "router_queue": 0.0015, "prefill": 0.25}
+    assert parse_timing("1") == {}
