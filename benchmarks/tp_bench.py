@@ -42,9 +42,9 @@ def make_model(path: Path, hidden: int, layers: int) -> None:
 def step_times(model: Path, tp: int, dtype: str, batches=(1, 16), steps: int = 20) -> dict:
     """Mean decode step time (ms) per batch size at tensor-parallel size `tp`."""
     cores = os.cpu_count() or 2
-    core = EngineCore(EngineConfig(model=str(model), load_format="dummy", dtype=dtype,
-                                   tensor_parallel_size=tp, num_threads=max(1, cores // tp),
-                                   num_kv_blocks=512))
+    core = EngineCore(EngineConfig.from_args(
+        model=str(model), load_format="dummy", dtype=dtype, tensor_parallel_size=tp,
+        num_threads=max(1, cores // tp), num_kv_blocks=512))
     out = {}
     try:
         for bs in batches:
