@@ -1,11 +1,14 @@
 """The router finds its workers in a real Redis (valkey-server) and routes by the KV blocks
 they report: router + 1 prefill + 2 decode pods, all registered, no static list. Exact
 prefix routing, the disaggregation decision on exact counts, session affinity, a decode
-pod killed, and Redis restarted empty under traffic."""
+pod killed, and Redis restarted empty under traffic; two routers sharing the Redis continue
+one /v1/responses conversation."""
 
 from __future__ import annotations
 
+import json
 import signal
+import urllib.request
 
 import pytest
 
@@ -155,6 +158,40 @@ def test_session_affinity(reg_cluster):
             complete(router, f"Hi {i}", user=user)  # shorter than one block: no prefix
         moved = sorted(finished(u) - before[u] for u in decode)
         assert moved == [0, 3], f"{user}'s requests were spread: {moved}"
+
+
+def test_two_routers_sharing_redis_continue_one_conversation(reg_cluster, tmp_path):
+    """/v1/responses stored in the registry's Redis: a turn answered by one router (its
+    prompt prefilled remotely) is continued, read and deleted through another."""
+    a = reg_cluster["router"]
+    port = free_port_run(1)
+    b = f"http://127.0.0.1:{port}"
+    other = Proc(["router", "--port", str(port), "--registry", reg_cluster["redis"].url,
+                  "--disagg-min-prefill-tokens", "64"], tmp_path / "router-b.log").start()
+    try:
+        other.wait_ready(b, timeout=30)
+        text = make_text(3, 1) + "\n\nSummarise this in one line."
+        greedy = {"model": MODEL, "temperature": 0, "max_output_tokens": 12}
+        status, _, first = post_json(a + "/v1/responses", {"input": text, **greedy})
+        assert status == 200, first
+        status, _, second = post_json(b + "/v1/responses", {
+            "input": "Shorter, please.", "previous_response_id": first["id"], **greedy})
+        assert status == 200, second
+        said = first["output"][0]["content"][0]["text"]
+        status, _, chat = post_json(a + "/v1/chat/completions", {
+            "model": MODEL, "temperature": 0, "max_tokens": 12, "messages": [
+                {"role": "user", "content": text}, {"role": "assistant", "content": said},
+                {"role": "user", "content": "Shorter, please."}]})
+        assert second["output"][0]["content"][0]["text"] == \
+            chat["choices"][0]["message"]["content"]
+        status, got = http_get(b + f"/v1/responses/{first['id']}")
+        assert status == 200 and json.loads(got)["output"] == first["output"]
+        req = urllib.request.Request(b + f"/v1/responses/{first['id']}", method="DELETE")
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            assert resp.status == 200
+        assert http_get(a + f"/v1/responses/{first['id']}")[0] == 404
+    finally:
+        assert other.stop()
 
 
 def test_a_killed_decode_pod_leaves_routing(reg_cluster):

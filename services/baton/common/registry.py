@@ -8,6 +8,8 @@ deployment sharing a Redis):
     {prefix}:blocks:{id}      a SET of the KV block hashes it holds (hex), same TTL
     {prefix}:blockseq:{id}    the number of the last block event folded into that set
     {prefix}:events           the pub/sub channel every change is announced on
+    {prefix}:response:{id}    a stored Response of /v1/responses (routers write and read
+                              it, with a TTL; `common.response_store`)
 
 Routers subscribe to the channel (one connection each, nothing polled) and read the keys
 only to catch up: at start, after a reconnect, or when a worker's block events skip a
@@ -80,6 +82,10 @@ class Keys:
 
     def blockseq(self, worker_id: str) -> str:
         return f"{self.prefix}:blockseq:{worker_id}"
+
+    def response(self, response_id: str) -> str:
+        """A stored Response (`common.response_store`), JSON with a TTL."""
+        return f"{self.prefix}:response:{response_id}"
 
     def id_of(self, worker_key: str) -> str:
         return worker_key.rsplit(":", 1)[1]

@@ -38,7 +38,7 @@ from aiohttp.typedefs import Handler, Middleware
 from baton.common.auth import upstream_headers
 from baton.common.errors import OpenAIError
 from baton.common.http_limits import aiohttp_protocols
-from baton.common.internal import Api
+from baton.common.internal import Api, OpenAIBody
 from baton.common.metrics import CONTENT_TYPE, RouterMetrics, render
 from baton.common.protocol import (
     ChatCompletionRequest,
@@ -48,6 +48,7 @@ from baton.common.protocol import (
     parse_request,
     parse_tokenize_request,
 )
+from baton.common.responses_api import ResponsesRequest
 from baton.common.tracing import Span, Tracing, setup_tracing
 from baton.common.tuning import ConfigWatcher, Tuning, TuningError
 from baton.router.discovery import Discovery, StaticDiscovery
@@ -56,6 +57,7 @@ from baton.router.prefix import BlockIndex
 from baton.router.redis_discovery import RegistryDiscovery
 from baton.router.relay import Relay
 from baton.router.remote_prefill import RemotePrefill
+from baton.router.responses import CHAT_PATH, ResponsesRoute, make_store
 from baton.router.retry import Forwarder, Inbound
 from baton.router.routing_context import ContextBuilder
 from baton.router.scheduling.context import RoutingContext
@@ -66,6 +68,7 @@ from baton.router.tokens import TokenizerCache
 
 log = logging.getLogger("baton.router")
 MAX_BODY_BYTES = 64 << 20
+ClientBody = ChatCompletionRequest | CompletionRequest | ResponsesRequest
 
 
 def _error(err: OpenAIError) -> web.Response:
@@ -101,6 +104,7 @@ class Router:
         self.watcher = None
         if settings.config_dir is not None:
             self.watcher = ConfigWatcher(settings.config_dir)
+        self.responses_api = ResponsesRoute(make_store(settings))
 
     def apply_tuning(self, new: Tuning, _old: Tuning | None = None) -> list[str]:
         """Routing weights, the disaggregation threshold, retries and deadlines from the
@@ -135,6 +139,7 @@ class Router:
             await self.watcher.stop()
         await self.tokenizers.close()
         await self.releaser.close()
+        await self.responses_api.close()
         await self.discovery.stop()
         await session.close()
 
@@ -191,6 +196,9 @@ class Router:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._relay(request, "/v1/completions", CompletionRequest, "completions")
 
+    async def responses(self, request: web.Request) -> web.StreamResponse:  # as chat
+        return await self._relay(request, "/v1/responses", ResponsesRequest, "chat")
+
     async def tokenize(self, request: web.Request) -> web.StreamResponse:
         return await self._tokenizer_call(request, parse_tokenize_request)
 
@@ -220,8 +228,7 @@ class Router:
         self.metrics.requests.labels(str(response.status), tenant.name).inc()
         return response
 
-    async def _relay(self, request: web.Request, path: str,
-                     model_cls: type[ChatCompletionRequest] | type[CompletionRequest],
+    async def _relay(self, request: web.Request, path: str, model_cls: type[ClientBody],
                      api: Api) -> web.StreamResponse:
         received = time.monotonic()
         tenant = request[TENANT]
@@ -238,15 +245,17 @@ class Router:
         self.metrics.requests.labels(str(response.status), tenant.name).inc()
         return response
 
-    async def _answer(self, request: web.Request, path: str,
-                      model_cls: type[ChatCompletionRequest] | type[CompletionRequest], api: Api,
-                      tenant: Tenant, received: float, span: Span) -> web.StreamResponse:
+    async def _answer(self, request: web.Request, path: str, model_cls: type[ClientBody],
+                      api: Api, tenant: Tenant, received: float, span: Span
+                      ) -> web.StreamResponse:
         """Admit, parse, route and relay one request; raises OpenAIError for an answer the
-        router gives itself."""
+        router gives itself. A Responses request goes as the chat request of its turn."""
         tunables = self.tunables  # this request's snapshot, whatever a reload does meanwhile
         tenant.admit(received)
         body = await request.read()
-        req = parse_request(model_cls, body)
+        turn = await self.responses_api.start(body) if model_cls is ResponsesRequest else None
+        req = turn.chat if turn else parse_request(cast(type[OpenAIBody], model_cls), body)
+        body, path = (turn.chat_body, CHAT_PATH) if turn else (body, path)
         self._check_model(req.model)
         rid = request.headers.get("X-Request-Id") or uuid.uuid4().hex
         span.set("baton.request_id", rid)
@@ -263,7 +272,8 @@ class Router:
         span.set("baton.decision", decision)
         clock = ClientClock(self.metrics, received, req.stream, req.model, decision,
                             tenant.name)
-        inbound = Inbound(request, path, body, rid, req.stream, received, clock)
+        inbound = Inbound(request, path, body, rid, req.stream, received, clock,
+                          turn.format if turn is not None else None)
         try:
             response = await self.forwarder.forward(inbound, ctx, decode, tunables)
         finally:  # a client gone, or no decode pod took it: the prefill pod frees the KV
@@ -276,6 +286,8 @@ class Router:
         if tenant.tokens is not None and response.status == 200:
             tenant.settle(charge.total, charge.used(clock.usage_tokens, clock.chunks),
                           time.monotonic())
+        if turn is not None:
+            response = await self.responses_api.finish(turn, response)
         return response
 
     def _check_model(self, model: str) -> None:
@@ -290,9 +302,11 @@ ROUTER = web.AppKey("router", Router)  # the app's Router, for tests and tools
 
 @web.middleware
 async def _openai_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Unknown paths, wrong methods and oversized bodies answer in the OpenAI error shape."""
+    """Unknown paths, wrong methods, big bodies and handlers' OpenAIErrors: OpenAI-shaped."""
     try:
         return await handler(request)
+    except OpenAIError as err:
+        return _error(err)
     except web.HTTPRequestEntityTooLarge:
         return _error(OpenAIError(413, "the request body is too large"))
     except web.HTTPException as exc:
@@ -340,6 +354,8 @@ def build_app(settings: RouterSettings, tracing: Tracing | None = None) -> web.A
     app.router.add_get("/v1/models", router.models)
     app.router.add_post("/v1/chat/completions", router.chat_completions)
     app.router.add_post("/v1/completions", router.completions)
+    app.router.add_post("/v1/responses", router.responses)
+    router.responses_api.add_routes(app.router)  # GET and DELETE /v1/responses/{id}
     app.router.add_post("/tokenize", router.tokenize)
     app.router.add_post("/detokenize", router.detokenize)
     return app

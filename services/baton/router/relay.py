@@ -25,6 +25,7 @@ import json
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import aiohttp
 from aiohttp import web
@@ -79,12 +80,26 @@ class Send:
     handover: Handover | None = None
 
 
-class ClientSide:
-    """The client's half of one streamed exchange; `clock` times what it is sent."""
+class EventRewriter(Protocol):
+    """Rewrites a relayed stream on its way to the client (`common.responses_format`: chat
+    events as Responses events): fed every chunk, cut anywhere, in order."""
 
-    def __init__(self, request: web.Request, clock: ClientClock | None = None) -> None:
+    def feed(self, chunk: bytes) -> bytes:
+        """What the client gets for `chunk` (possibly nothing yet)."""
+
+    def failed(self, error: OpenAIError) -> bytes:
+        """The events that end a stream that broke with `error`."""
+
+
+class ClientSide:
+    """The client's half of one streamed exchange; `clock` times what it is sent (the
+    upstream's events, before `rewriter` rewrites them, if it does)."""
+
+    def __init__(self, request: web.Request, clock: ClientClock | None = None,
+                 rewriter: EventRewriter | None = None) -> None:
         self.request = request
         self.clock = clock
+        self.rewriter = rewriter
         self.out: web.StreamResponse | None = None
 
     @property
@@ -105,20 +120,28 @@ class ClientSide:
         return self.out
 
     async def write(self, chunk: bytes) -> None:
-        await self.started.write(chunk)
+        out = chunk if self.rewriter is None else self.rewriter.feed(chunk)
+        if out:
+            await self.started.write(out)
         if self.clock is not None:
             self.clock.sent(chunk)
 
     async def finish_with(self, events: bytes) -> web.StreamResponse:
+        return await self._end(events if self.rewriter is None
+                               else self.rewriter.feed(events))
+
+    async def fail_in_band(self, error: OpenAIError) -> web.StreamResponse:
+        """After the 200 went out, an error can only be an event in the stream."""
+        if self.rewriter is not None:
+            return await self._end(self.rewriter.failed(error))
+        return await self._end(b"data: " + json.dumps(error.body()).encode()
+                               + b"\n\n" + b"data: [DONE]\n\n")
+
+    async def _end(self, events: bytes) -> web.StreamResponse:
         out = self.started
         await out.write(events)
         await out.write_eof()
         return out
-
-    async def fail_in_band(self, error: OpenAIError) -> web.StreamResponse:
-        """After the 200 went out, an error can only be an event in the stream."""
-        return await self.finish_with(b"data: " + json.dumps(error.body()).encode()
-                                      + b"\n\n" + b"data: [DONE]\n\n")
 
 
 class Relay:

@@ -26,7 +26,14 @@ from baton.common.errors import OpenAIError
 from baton.common.metrics import RouterMetrics
 from baton.common.roles import Role
 from baton.router.discovery import Discovery, Upstream
-from baton.router.relay import ClientSide, Interrupted, Relay, Retryable, Send
+from baton.router.relay import (
+    ClientSide,
+    EventRewriter,
+    Interrupted,
+    Relay,
+    Retryable,
+    Send,
+)
 from baton.router.resume import DecodeCall, StreamTracker
 from baton.router.scheduling.context import Phase, RoutingContext
 from baton.router.scheduling.pipeline import RoutingPipeline
@@ -48,6 +55,7 @@ class Inbound:
     stream: bool
     received: float | None = None  # monotonic; for the TTFT breakdown (`X-Baton-Timing`)
     clock: ClientClock | None = None  # times what the client is sent (`router.slo`)
+    rewriter: EventRewriter | None = None  # a stream's events as the client gets them
 
 
 class Forwarder:
@@ -62,7 +70,7 @@ class Forwarder:
         nothing was sent to the client yet."""
         s = tunables.proxy
         deadline = asyncio.get_running_loop().time() + s.request_timeout_s
-        client = ClientSide(inbound.http, inbound.clock)
+        client = ClientSide(inbound.http, inbound.clock, inbound.rewriter)
         tracker = StreamTracker(decode) if decode is not None and decode.resumable else None
         preferred = decode.preferred if decode is not None else None
         last: Retryable | None = None

@@ -64,6 +64,10 @@ class RouterSettings:
     disagg: DisaggSettings = field(default_factory=DisaggSettings)
     config_dir: str | None = None  # a mounted tuning ConfigMap (common.tuning), live
     pinned: frozenset[str] = frozenset()  # tuning fields set by flags: the file keeps off
+    # stored /v1/responses: at most this many in the process (no registry), this long in
+    # the registry's Redis (`common.response_store`)
+    response_store_entries: int = 1024
+    response_ttl_s: int = 3600
 
     def __post_init__(self) -> None:
         if not self.workers and not self.registry_url:
@@ -82,6 +86,9 @@ class RouterSettings:
         if self.header_timeout_s <= 0:
             raise ValueError(f"RouterSettings.header_timeout_s={self.header_timeout_s} must "
                              "be > 0")
+        for name in ("response_store_entries", "response_ttl_s"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"RouterSettings.{name}={getattr(self, name)} must be >= 1")
         self.all_tenants  # noqa: B018 - validates the API key against the tenants
 
     @property

@@ -5,7 +5,7 @@ during the load and `/ready` turns 200 when the engine can take requests. A load
 stops the server (and `baton serve` exits non-zero).
 
 Endpoints: the OpenAI surface (`/v1/models`, `/v1/completions`, `/v1/chat/completions`,
-served by `pipeline.py`; and vLLM's `/tokenize` and `/detokenize`), `/health` (liveness: the process and its engine loop are alive),
+served by `pipeline.py`; `/v1/responses`, as chat, by `responses.py`; and vLLM's `/tokenize` and `/detokenize`), `/health` (liveness: the process and its engine loop are alive),
 `/ready` (model loaded, engine loop alive), `/metrics` (Prometheus), `/load` (JSON load
 report for routers), `/internal/tokenizer` (for routers that tokenise), and the prefill and
 decode roles' internal endpoints (`internal.py`).
@@ -39,6 +39,7 @@ from baton.common.protocol import (
 from baton.common.roles import Role
 from baton.worker.internal import install_internal_routes
 from baton.worker.pipeline import Call
+from baton.worker.responses import install_responses_routes
 from baton.worker.state import WorkerSettings, WorkerState
 
 __all__ = ["WorkerSettings", "WorkerState", "build_app"]
@@ -58,6 +59,7 @@ def build_app(settings: WorkerSettings, state: WorkerState | None = None) -> Fas
     _install_auth(app, settings)
     _install_service_routes(app, state)
     _install_openai_routes(app, state)
+    install_responses_routes(app, state)
     if settings.role != Role.BOTH:
         install_internal_routes(app, state)
     return app
