@@ -5,8 +5,10 @@ a field we do not implement is rejected with a 400 that names it, never silently
 Beyond OpenAI's fields we take vLLM's usual extras (`top_k`, `min_p`, `min_tokens`,
 `ignore_eos`, `repetition_penalty`, `stop_token_ids`, `include_stop_str_in_output`,
 `skip_special_tokens`, `priority`, `guided_json` / `guided_regex` / `guided_grammar`,
-`stream_options.continuous_usage_stats`) under the same names, and vLLM's `/tokenize` and
-`/detokenize` bodies. Tools and tool calls are in `common.tools`.
+`stream_options.continuous_usage_stats`) under the same names (vLLM's `/tokenize` and
+`/detokenize` bodies are in `common.tokenize_protocol`). Tools and tool calls are in
+`common.tools`; how every request model parses (null is "not set") in
+`common.request_model`.
 
 An output constraint (`response_format` json_object / json_schema, a `guided_*` field, or
 a forced tool call) becomes `SamplingParams.structured`; a request may have one.
@@ -291,7 +293,7 @@ class ChatMessage(RequestModel):
         return out
 
 
-class _Conversation(RequestModel):
+class Conversation(RequestModel):
     """Messages and tools, what a chat template renders."""
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
@@ -306,7 +308,7 @@ class _Conversation(RequestModel):
         return [t.template_dict() for t in self.tools] if self.tools else None
 
 
-class ChatCompletionRequest(_Conversation, _SamplingFields):
+class ChatCompletionRequest(Conversation, _SamplingFields):
     """POST /v1/chat/completions (text content parts only)."""
 
     max_tokens: Annotated[int, Field(ge=1)] | None = None
@@ -343,39 +345,6 @@ class ChatCompletionRequest(_Conversation, _SamplingFields):
         max_tokens = self.max_completion_tokens or self.max_tokens
         k = (self.top_logprobs or 0) if self.logprobs else None
         return self.sampling_params(max_tokens, k)
-
-
-# -- vLLM's /tokenize and /detokenize ------------------------------------------------------
-class TokenizeCompletionRequest(RequestModel):
-    model: str | None = None
-    prompt: str
-    add_special_tokens: bool = True
-    return_token_strs: bool = False
-
-
-class TokenizeChatRequest(_Conversation):
-    model: str | None = None
-    add_special_tokens: Literal[False] = False  # the template writes the special tokens
-    return_token_strs: bool = False
-
-
-class DetokenizeRequest(RequestModel):
-    model: str | None = None
-    tokens: list[Annotated[int, Field(ge=0, lt=1 << 31)]]
-
-
-TokenizeRequest = TokenizeChatRequest | TokenizeCompletionRequest
-
-
-def parse_tokenize_request(body: bytes) -> TokenizeRequest:
-    """A /tokenize body: messages (chat, through the template) or a prompt."""
-    try:
-        chat = "messages" in json.loads(body)
-    except (ValueError, TypeError):
-        chat = False  # parse_request names the problem
-    if chat:
-        return parse_request(TokenizeChatRequest, body)
-    return parse_request(TokenizeCompletionRequest, body)
 
 
 _Model = TypeVar("_Model", bound=BaseModel)

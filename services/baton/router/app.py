@@ -33,26 +33,24 @@ from typing import cast
 import aiohttp
 import uvloop
 from aiohttp import web
-from aiohttp.typedefs import Handler, Middleware
 
 from baton.common.auth import upstream_headers
 from baton.common.errors import OpenAIError
 from baton.common.http_limits import aiohttp_protocols
 from baton.common.internal import Api, OpenAIBody
 from baton.common.metrics import CONTENT_TYPE, RouterMetrics, render
-from baton.common.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
+from baton.common.protocol import ChatCompletionRequest, CompletionRequest, parse_request
+from baton.common.responses_api import ResponsesRequest
+from baton.common.tokenize_protocol import (
     DetokenizeRequest,
     TokenizeRequest,
-    parse_request,
     parse_tokenize_request,
 )
-from baton.common.responses_api import ResponsesRequest
 from baton.common.tracing import Span, Tracing, setup_tracing
 from baton.common.tuning import ConfigWatcher, Tuning, TuningError
 from baton.router.discovery import Discovery, StaticDiscovery
 from baton.router.handover import Releaser
+from baton.router.middleware import TENANT, authenticate, error_response, openai_errors
 from baton.router.prefix import BlockIndex
 from baton.router.redis_discovery import RegistryDiscovery
 from baton.router.relay import Relay
@@ -69,11 +67,6 @@ from baton.router.tokens import TokenizerCache
 log = logging.getLogger("baton.router")
 MAX_BODY_BYTES = 64 << 20
 ClientBody = ChatCompletionRequest | CompletionRequest | ResponsesRequest
-
-
-def _error(err: OpenAIError) -> web.Response:
-    return web.Response(body=err.json_bytes(), status=err.status, headers=err.headers,
-                        content_type="application/json")
 
 
 class Router:
@@ -224,7 +217,7 @@ class Router:
             response = await self.forwarder.forward(inbound, RoutingContext(model=req.model),
                                                     None, self.tunables)
         except OpenAIError as err:
-            response = _error(err)
+            response = error_response(err)
         self.metrics.requests.labels(str(response.status), tenant.name).inc()
         return response
 
@@ -240,7 +233,7 @@ class Router:
             except OpenAIError as err:
                 if isinstance(err, RateLimited):
                     self.metrics.rate_limited.labels(tenant.name, err.limit).inc()
-                response = _error(err)
+                response = error_response(err)
             span.set("http.response.status_code", response.status)
         self.metrics.requests.labels(str(response.status), tenant.name).inc()
         return response
@@ -265,30 +258,42 @@ class Router:
                 and self.forwarder is not None and self.releaser is not None)
         ctx = await self.contexts.build(api, req, len(body),
                                         request.headers.get("X-Session-Id") or req.user)
-        charge = TokenCharge.of(api, req, ctx.prompt_tokens, len(body))
+        charge = TokenCharge.of(api, req, ctx.prompt_tokens, len(body),
+                                self._context_window(req.model))
         tenant.charge(charge.total, time.monotonic())
-        decode = await self.prefill.plan(api, req, rid, ctx, tunables)
-        decision = decode.decision if decode is not None else "local"
-        span.set("baton.decision", decision)
-        clock = ClientClock(self.metrics, received, req.stream, req.model, decision,
-                            tenant.name)
-        inbound = Inbound(request, path, body, rid, req.stream, received, clock,
-                          turn.format if turn is not None else None)
+        response: web.StreamResponse | None = None
+        clock: ClientClock | None = None
         try:
-            response = await self.forwarder.forward(inbound, ctx, decode, tunables)
-        finally:  # a client gone, or no decode pod took it: the prefill pod frees the KV
-            self.releaser.release_unclaimed(decode.handover if decode is not None else None, rid)
-        answer: bytes | None = None  # a metered non-streamed answer's body, for its usage
-        if tenant.tokens is not None and isinstance(response, web.Response):
-            # cast: the router builds its answers from bytes (relay's resp.read(), JSON)
-            answer = cast(bytes, response.body)
-        clock.finish(response.status, answer)
-        if tenant.tokens is not None and response.status == 200:
-            tenant.settle(charge.total, charge.used(clock.usage_tokens, clock.chunks),
-                          time.monotonic())
+            decode = await self.prefill.plan(api, req, rid, ctx, tunables)
+            decision = decode.decision if decode is not None else "local"
+            span.set("baton.decision", decision)
+            clock = ClientClock(self.metrics, received, req.stream, req.model, decision,
+                                tenant.name)
+            inbound = Inbound(request, path, body, rid, req.stream, received, clock,
+                              turn.format if turn is not None else None)
+            try:
+                response = await self.forwarder.forward(inbound, ctx, decode, tunables)
+            finally:  # a client gone, or no decode pod took it: the prefill pod frees the KV
+                self.releaser.release_unclaimed(
+                    decode.handover if decode is not None else None, rid)
+            answer: bytes | None = None  # a metered non-streamed answer's body, for its usage
+            if tenant.tokens is not None and isinstance(response, web.Response):
+                # cast: the router builds its answers from bytes (relay's resp.read(), JSON)
+                answer = cast(bytes, response.body)
+            clock.finish(response.status, answer)
+        finally:  # what it used; a request refused or failed before an answer used nothing
+            used = (charge.used(clock.usage_tokens, clock.chunks)
+                    if response is not None and clock is not None and response.status == 200
+                    else 0)
+            tenant.settle(charge.total, used, time.monotonic())
         if turn is not None:
             response = await self.responses_api.finish(turn, response)
         return response
+
+    def _context_window(self, model: str) -> int | None:
+        """The largest context window of the workers serving `model` (None: none says)."""
+        return max((e.max_model_len for e in self.discovery.all()
+                    if e.max_model_len is not None and e.serves(model)), default=None)
 
     def _check_model(self, model: str) -> None:
         known = {name for e in self.discovery.all() for name in e.names}
@@ -300,51 +305,10 @@ class Router:
 ROUTER = web.AppKey("router", Router)  # the app's Router, for tests and tools
 
 
-@web.middleware
-async def _openai_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Unknown paths, wrong methods, big bodies and handlers' OpenAIErrors: OpenAI-shaped."""
-    try:
-        return await handler(request)
-    except OpenAIError as err:
-        return _error(err)
-    except web.HTTPRequestEntityTooLarge:
-        return _error(OpenAIError(413, "the request body is too large"))
-    except web.HTTPException as exc:
-        if exc.status < 400:
-            raise
-        return _error(OpenAIError(exc.status, exc.reason))
-
-
-TENANT = web.RequestKey("tenant", Tenant)  # who is calling, set by `_authenticate`
-# with keys configured; probes and scrapers stay open
-PROTECTED = ("/v1/", "/workers", "/tokenize", "/detokenize")
-
-
-def _authenticate(tenants: Tenants) -> Middleware:
-    """With any key configured, the OpenAI paths (/v1/…, /tokenize, /detokenize) and
-    /workers (worker URLs and loads) need `Authorization: Bearer <key>`, as vLLM's
-    --api-key; /health, /ready and /metrics stay open. Without keys every request is
-    tenant `default`."""
-
-    @web.middleware
-    async def check(request: web.Request, handler: Handler) -> web.StreamResponse:
-        tenant = tenants.anonymous
-        if tenant is None and request.path.startswith(PROTECTED):
-            tenant = tenants.identify(request.headers.get("Authorization"))
-            if tenant is None:
-                return _error(OpenAIError(401, "invalid or missing API key (send "
-                                               "Authorization: Bearer <key>)",
-                                          code="invalid_api_key"))
-        if tenant is not None:
-            request[TENANT] = tenant
-        return await handler(request)
-    return check
-
-
 def build_app(settings: RouterSettings, tracing: Tracing | None = None) -> web.Application:
     router = Router(settings, tracing)
     app = web.Application(client_max_size=MAX_BODY_BYTES,
-                          middlewares=[_openai_errors, _authenticate(router.tenants)])
+                          middlewares=[openai_errors, authenticate(router.tenants)])
     app[ROUTER] = router
     app.cleanup_ctx.append(router.lifespan)
     app.router.add_get("/health", router.health)

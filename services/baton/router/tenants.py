@@ -14,7 +14,9 @@ With any key configured, a request to `/v1/…` or `/workers` needs `Authorizati
 429 with `Retry-After`. Tokens: a request is charged its prompt (exact when the router
 tokenized it, else ~4 bytes a token) plus `max_tokens` × choices when it arrives, and the
 charge is corrected to the answer's own `usage` when it reports one (for a stream without a
-usage event and without `max_tokens`, one token per content chunk). Keys are never logged,
+usage event and without `max_tokens`, one token per content chunk). `max_tokens` counts at
+most what the workers' context window leaves the prompt, and a request that is refused or
+fails before an answer (a 4xx, a 5xx) gets its whole charge back. Keys are never logged,
 printed or put in an error message: a key is kept only as its SHA-256 for look-ups, and
 the file's errors name fields, never values.
 """
@@ -198,14 +200,17 @@ def _digest(key: str) -> bytes:
 class TokenCharge:
     """What a request is charged when it arrives: its prompt (the routing context's count,
     else ~4 bytes a token of the body) and `max_tokens` for each choice of each prompt
-    (0 when it sets none)."""
+    (0 when it sets none), at most what the context window leaves each of them: a request
+    asking for a million tokens is charged what it could use, not what it asked."""
 
     prompt: int
     completion: int
 
     @classmethod
     def of(cls, api: str, req: OpenAIBody, prompt_tokens: int | None,
-           body_bytes: int) -> TokenCharge:
+           body_bytes: int, context: int | None = None) -> TokenCharge:
+        """`context`: the largest context window (`max_model_len`) of the workers serving
+        the model, when they report one."""
         if api == "chat":
             assert isinstance(req, ChatCompletionRequest)  # the body of its api
             prompts, limit = 1, req.max_completion_tokens or req.max_tokens
@@ -213,7 +218,10 @@ class TokenCharge:
             assert isinstance(req, CompletionRequest)  # the body of its api
             prompts, limit = len(req.prompts()), req.max_tokens
         prompt = prompt_tokens if prompt_tokens is not None else body_bytes // 4
-        return cls(prompt, (limit or 0) * req.n * prompts)
+        per_sequence = limit or 0
+        if context is not None:
+            per_sequence = min(per_sequence, max(0, context - prompt // prompts))
+        return cls(prompt, per_sequence * req.n * prompts)
 
     @property
     def total(self) -> int:

@@ -32,11 +32,13 @@ from baton.common.metrics import CONTENT_TYPE, render
 from baton.common.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
-    DetokenizeRequest,
     parse_request,
-    parse_tokenize_request,
 )
 from baton.common.roles import Role
+from baton.common.tokenize_protocol import (
+    DetokenizeRequest,
+    parse_tokenize_request,
+)
 from baton.worker.internal import install_internal_routes
 from baton.worker.pipeline import Call
 from baton.worker.responses import install_responses_routes

@@ -27,11 +27,13 @@ from baton.common.internal import Api, OpenAIBody
 from baton.common.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+)
+from baton.common.sampling_params import SamplingParams
+from baton.common.tokenize_protocol import (
     DetokenizeRequest,
     TokenizeChatRequest,
     TokenizeRequest,
 )
-from baton.common.sampling_params import SamplingParams
 from baton.common.tracing import Span, Tracing
 from baton.engine.kv_connector import PullKV
 from baton.engine.tokenizer import apply_chat_template, require_tokenizer

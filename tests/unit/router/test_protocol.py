@@ -12,10 +12,12 @@ from baton.common.errors import OpenAIError
 from baton.common.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    parse_request,
+)
+from baton.common.tokenize_protocol import (
     DetokenizeRequest,
     TokenizeChatRequest,
     TokenizeCompletionRequest,
-    parse_request,
     parse_tokenize_request,
 )
 

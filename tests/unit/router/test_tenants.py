@@ -5,6 +5,7 @@ on the request metrics, /workers behind the key, probes open."""
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 
 import aiohttp
@@ -15,7 +16,16 @@ from baton.cli import _router_settings, build_parser
 from baton.router.rate_limit import TokenBucket
 from baton.router.settings import RouterSettings
 from baton.router.tenants import TenantSpec, load_tenants
-from tests.unit.router.fakes import FakePod, chat, metric, post, start, stop
+from tests.unit.router.fakes import (
+    FakePod,
+    chat,
+    content,
+    metric,
+    post,
+    start,
+    stop,
+    stream,
+)
 
 SECRET = "sk-team-a-0123456789"
 
@@ -151,5 +161,40 @@ def test_with_keys_workers_needs_one_and_probes_stay_open():
                                    headers={"Authorization": "Bearer sk-default"}) as resp:
                 assert resp.status == 200
                 assert (await resp.json())["workers"][0]["url"] == pods[0].url
+        await stop(router, pods)
+    asyncio.run(main())
+
+
+class ContextPod(FakePod):
+    """A worker with a 128-token context window: it refuses a request whose `max_tokens`
+    does not fit (400, as a real worker), and streams an answer without a usage event."""
+
+    async def _load(self, request: web.Request) -> web.Response:
+        return web.json_response({"ready": True, "role": "both", "model": "m",
+                                  "max_model_len": 128})
+
+
+async def refuse_or_stream(pod: FakePod, request: web.Request, body: bytes):
+    req = json.loads(body)
+    if req.get("max_tokens", 0) > 1000 and not req.get("stream"):
+        return web.json_response({"error": {"message": "max_tokens exceed the context",
+                                            "type": "invalid_request_error"}}, status=400)
+    return await stream(request, content("hi"), content("", "length"), b"data: [DONE]\n\n")
+
+
+def test_a_huge_max_tokens_never_locks_its_tenant_out():
+    """Charged at most what the context leaves (a stream without usage keeps its charge),
+    and a refused request gets its charge back: the tenant's next requests go through."""
+    tenants = (TenantSpec(name="team-b", keys=("sk-b",), tokens_per_minute=300),)
+
+    async def main():
+        router, pods = await start(ContextPod("both", refuse_or_stream), tenants=tenants)
+        key = {"Authorization": "Bearer sk-b"}
+        for _ in range(3):  # refused by the worker: nothing used, nothing kept
+            assert (await post(router, chat(max_tokens=1_000_000), **key))[0] == 400
+        assert (await post(router, chat(max_tokens=10), **key))[0] == 200
+        # a stream asking a million: charged the 128-token window less the prompt, not 1e6
+        assert (await post(router, chat(max_tokens=1_000_000, stream=True), **key))[0] == 200
+        assert (await post(router, chat(max_tokens=10), **key))[0] == 200
         await stop(router, pods)
     asyncio.run(main())
