@@ -51,7 +51,7 @@ def test_logprobs_and_max_tokens(llm):
 
 
 def test_bad_input_is_rejected_before_anything_runs(llm):
-    with pytest.raises(InvalidRequestError, match="context window"):
+    with pytest.raises(InvalidRequestError, match="maximum context length"):
         llm.generate(["ok", [5] * 1024], use_tqdm=False)
     with pytest.raises(InvalidRequestError, match="outside"):
         llm.generate([[1, 2, 10**6]], use_tqdm=False)
