@@ -109,21 +109,41 @@ def blocks(worker_id: str, seq: int, added: list[str], removed: list[str],
                        "added": added, "removed": removed, "reset": reset})
 
 
+# An event is a few KB (a heartbeat; a block event of a few hundred hashes); bigger is junk.
+MAX_EVENT_BYTES = 1 << 20
+
+
 def parse_event(data: bytes | str) -> dict[str, Any] | None:
     """A decoded event (JSON; a heartbeat's `record` a WorkerRecord), or None for a message
-    of another version or shape."""
+    of another version or shape, or over `MAX_EVENT_BYTES`: whatever is published on the
+    channel, None or a well-formed event, never an exception."""
+    if len(data) > MAX_EVENT_BYTES:
+        return None
     try:
         msg = json.loads(data)
-    except ValueError:
+    except (ValueError, RecursionError):
         return None
     if not isinstance(msg, dict) or msg.get("v") != WIRE_VERSION:
         return None
-    if msg.get("kind") == "heartbeat":
+    kind = msg.get("kind")
+    if kind == "heartbeat":
         try:
             msg["record"] = WorkerRecord.model_validate(msg.get("record"))
         except ValueError:
             return None
-    return msg
+        return msg
+    if not isinstance(msg.get("id"), str):
+        return None
+    if kind == "leave" or (kind == "blocks" and _block_event(msg)):
+        return msg
+    return None
+
+
+def _block_event(msg: dict[str, Any]) -> bool:
+    """Whether `msg` has a block event's fields with their types."""
+    return (type(msg.get("seq")) is int and isinstance(msg.get("reset", False), bool)
+            and all(isinstance(msg.get(k), list)
+                    and all(isinstance(h, str) for h in msg[k]) for k in ("added", "removed")))
 
 
 def hash_hex(block_hash: int) -> str:

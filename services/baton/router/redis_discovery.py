@@ -7,7 +7,13 @@ events keep a mirror of each worker's hash set. The keys are read only to catch 
 (re)subscribing, and for a worker whose block events skip a number. If Redis goes away the
 router keeps routing from its last view (no endpoint expires while it cannot hear
 heartbeats; the circuit breakers still take failing workers out) and reconnects with
-backoff.
+backoff. A Redis that comes back empty (restarted without a volume) does not empty the view:
+a worker whose key is missing after a reconnect keeps routing for one TTL from then, the
+time its next heartbeats take to register it again; only one that stays silent is dropped.
+
+Whatever else is published on the channel (another version, garbage, a message over
+`registry.MAX_EVENT_BYTES`, block events of a worker nobody registered) is skipped and
+counted, logged at most once a second: never a reason to drop the subscription.
 """
 
 from __future__ import annotations
@@ -43,6 +49,8 @@ class RegistryDiscovery(Discovery):
         self.endpoints: dict[str, Upstream] = {}
         self.blocks = BlockIndex()
         self.connected = False
+        self.skipped = 0  # messages on the channel that were not events of ours
+        self._skip_logged, self._skip_count = float("-inf"), 0
         self._first_round = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._redis: Redis | None = None
@@ -97,8 +105,11 @@ class RegistryDiscovery(Discovery):
             now = time.monotonic()
             if msg is not None:
                 quiet_since = now
-                event = reg.parse_event(msg["data"])
-                if event is not None:
+                data = msg.get("data")
+                event = reg.parse_event(data) if isinstance(data, bytes | str) else None
+                if event is None:
+                    self._skipped(now, data)
+                else:
                     await self._on_event(event)
             elif now - quiet_since > 2.0:  # nothing heard: is the connection alive?
                 await pubsub.ping()
@@ -111,8 +122,23 @@ class RegistryDiscovery(Discovery):
             self._heartbeat(event["record"])
         elif kind == "leave":
             self._remove(event["id"], "left")
-        elif kind == "blocks" and not self.blocks.apply(event):
+        elif kind == "blocks" and self._registered(event["id"]) \
+                and not self.blocks.apply(event):
             await self._catch_up_blocks(event["id"])
+
+    def _registered(self, worker_id: str) -> bool:
+        """Whether `worker_id` is a worker of the view (block events of others: skipped)."""
+        return any(ep.worker_id == worker_id for ep in self.endpoints.values())
+
+    def _skipped(self, now: float, data: object) -> None:
+        """A message that is no event of ours: counted, logged at most once a second."""
+        self.skipped += 1
+        if now - self._skip_logged >= 1.0:
+            size = len(data) if isinstance(data, bytes | str) else 0
+            log.warning("registry %s: skipped %d messages on %s that are not registry events "
+                        "(the last one %d bytes)", self.url, self.skipped - self._skip_count,
+                        self.keys.channel, size)
+            self._skip_logged, self._skip_count = now, self.skipped
 
     def _heartbeat(self, record: reg.WorkerRecord) -> None:
         ep = self.endpoints.get(record.url)
@@ -142,7 +168,8 @@ class RegistryDiscovery(Discovery):
 
     # -- catching up from the keys ---------------------------------------------------------
     async def _catch_up(self) -> None:
-        """Read every record and block set; workers whose keys are gone are dropped."""
+        """Read every record and block set. A worker whose key is gone keeps one TTL from
+        now to register again (its heartbeats re-create it), then `_expire` drops it."""
         keys = [k async for k in self._client.scan_iter(self.keys.worker_pattern, count=500)]
         records = await self._client.mget(keys) if keys else []
         seen = set()
@@ -156,9 +183,12 @@ class RegistryDiscovery(Discovery):
             seen.add(record.id)
             self._heartbeat(record)
             await self._catch_up_blocks(record.id)
+        now = time.monotonic()
         for ep in list(self.endpoints.values()):
-            if ep.worker_id not in seen:
-                self._remove(_worker_id(ep), "is no longer registered")
+            if ep.worker_id not in seen:  # a Redis restarted empty: let it register again
+                log.info("worker %s is not in the registry; keeping it for its TTL (%gs) "
+                         "while it registers again", ep.url, ep.ttl_s)
+                ep.last_seen = now
 
     async def _catch_up_blocks(self, worker_id: str) -> None:
         async with self._client.pipeline(transaction=True) as p:
