@@ -18,8 +18,10 @@ up a lease, the puller checks the holder before it takes a byte into its cache. 
 secret (a local cluster) nothing is proved; a holder with a secret refuses a puller without
 one, and a puller with one refuses a holder without.
 
-The holder gives a connection `timeout_s` for all of that; a peer that is silent, slow or
-speaks anything else is disconnected, and logged at most once a second (a flood of junk
+The holder gives a connection `HELLO_TIMEOUT_S` (at most `timeout_s`) for its first bytes,
+the magic and the hello, and `timeout_s` for all of it: a silent connection holds a
+handshake slot for a second, not the whole deadline. A peer that is silent, slow or speaks
+anything else is disconnected, and logged at most once a second (a flood of junk
 costs one line a second, with the count of the rest). The messages are typed in
 `messages.py`.
 """
@@ -58,6 +60,7 @@ from baton.kv_transfer.wire import MAGIC, FrameError, recv_magic, recv_msg, send
 log = logging.getLogger(__name__)
 
 HANDSHAKE_TIMEOUT_S = 5.0
+HELLO_TIMEOUT_S = 1.0  # a puller sends its hello as soon as it connects
 _NONCE = re.compile(NONCE_PATTERN)
 _ERRORS = {"layout": LayoutMismatchError, "lease": LeaseExpiredError, "auth": KVAuthError}
 
@@ -110,10 +113,12 @@ def accept(conn: socket.socket, ip: str, terms: HolderTerms
     """Run the handshake on a fresh connection. Returns the peer's identity ("<id>@<ip>",
     which leases are bound to) and its request, validated. Raises Refused (after telling a
     peer that speaks our protocol why), TimeoutError past the deadline, OSError."""
-    deadline = time.monotonic() + terms.timeout_s
+    start = time.monotonic()
+    deadline = start + terms.timeout_s
+    hello_by = start + min(HELLO_TIMEOUT_S, terms.timeout_s)
     try:
-        recv_magic(conn, deadline)
-        hello = recv_msg(conn, terms.max_frame, deadline)
+        recv_magic(conn, hello_by)
+        hello = recv_msg(conn, terms.max_frame, hello_by)
         puller, their_nonce = _check_hello(conn, ip, hello, terms)
         my_nonce = secrets.token_hex(16) if terms.secret else None
         send_msg(conn, {"ok": True, "nonce": my_nonce} if my_nonce else {"ok": True})

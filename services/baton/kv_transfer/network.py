@@ -42,16 +42,18 @@ class ControlOptions:
     handshake_timeout_s: float = handshake.HANDSHAKE_TIMEOUT_S
     max_frame_bytes: int = MAX_FRAME_BYTES
     max_handshakes: int = 64
+    max_handshakes_per_peer: int = 16  # from one address (a pod: its ranks' pulls)
     heads: tuple[int, int, int] = (0, 0, 1)
 
     def __post_init__(self) -> None:
         if self.secret is not None and not self.secret:
             raise ValueError("the KV secret must be None (no authentication) or non-empty")
         if self.handshake_timeout_s <= 0 or self.max_frame_bytes < 4096 \
-                or self.max_handshakes < 1:
+                or self.max_handshakes < 1 or self.max_handshakes_per_peer < 1:
             raise ValueError(f"handshake_timeout_s={self.handshake_timeout_s} must be > 0, "
                              f"max_frame_bytes={self.max_frame_bytes} >= 4096, "
-                             f"max_handshakes={self.max_handshakes} >= 1")
+                             f"max_handshakes={self.max_handshakes} >= 1, "
+                             f"max_handshakes_per_peer={self.max_handshakes_per_peer} >= 1")
         object.__setattr__(self, "heads", tuple(self.heads))
 
 
@@ -84,7 +86,8 @@ class NetworkTransport(KVTransport):
         terms = HolderTerms(engine_id, str(layout), layout.fingerprint, num_blocks,
                             opts.secret, opts.handshake_timeout_s, opts.max_frame_bytes)
         self._server = HolderServer(opts.host, opts.port, terms, layout, plane, self.leases,
-                                    self.refused, opts.max_handshakes)
+                                    self.refused, opts.max_handshakes,
+                                    opts.max_handshakes_per_peer)
         self.endpoint = KVEndpointInfo(self.name, engine_id, self._server.address, layout)
         self.puller = Puller(self.name, PullerTerms(engine_id, layout.fingerprint,
                                                     opts.secret, opts.max_frame_bytes),

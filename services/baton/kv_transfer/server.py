@@ -1,7 +1,10 @@
 """The holder's side of the control plane: the KV port's server.
 
-An accept thread; at most `max_handshakes` connections in their handshake at once (more
-are closed at once, and counted as refused); a thread per connection. Each connection
+An accept thread; at most `max_handshakes` connections in their handshake at once, and at
+most `max_per_peer` of them from one address (more are closed at once, and counted as
+refused), so that one host's silent connections cannot take the slots of every puller; a
+connection must send its hello within `handshake.HELLO_TIMEOUT_S` (the whole handshake,
+proof included, within the terms' `timeout_s`); a thread per connection. Each connection
 carries one request, after the handshake of `handshake.py`: `info` (answered with the data
 plane's hello) or `pull` (a lease id and the holder's block ids). For a pull the server
 takes the lease's blocks for the authenticated puller, the data plane sends its header and
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import socket
 import threading
+from collections import Counter
 
 from baton.common.internal import KVLayoutInfo
 from baton.kv_transfer import handshake
@@ -37,10 +41,12 @@ class HolderServer:
 
     def __init__(self, host: str, port: int, terms: HolderTerms, layout: KVLayoutInfo,
                  plane: DataPlane, leases: LeaseTable, refused: handshake.RefusalLog,
-                 max_handshakes: int) -> None:
+                 max_handshakes: int, max_per_peer: int) -> None:
         self.terms, self.layout, self.plane = terms, layout, plane
         self.leases, self.refused = leases, refused
-        self._handshakes = threading.BoundedSemaphore(max_handshakes)
+        self.max_handshakes, self.max_per_peer = max_handshakes, max_per_peer
+        self._in_handshake: Counter[str] = Counter()  # by peer address
+        self._slots = threading.Lock()
         self._closed = threading.Event()
         self._sock = socket.create_server((host, port), backlog=128)
         bound_host, bound_port = self._sock.getsockname()[:2]
@@ -53,11 +59,28 @@ class HolderServer:
                 conn, addr = self._sock.accept()
             except OSError:
                 return
-            if not self._handshakes.acquire(blocking=False):
+            full = self._take_slot(addr[0])
+            if full:
                 conn.close()
-                self.refused(f"{addr[0]}: too many connections in their handshake")
+                self.refused(f"{addr[0]}: too many connections in their handshake ({full})")
                 continue
             threading.Thread(target=self._serve, args=(conn, addr[0]), daemon=True).start()
+
+    def _take_slot(self, ip: str) -> str | None:
+        """Take a handshake slot for `ip`; None, or which bound is reached."""
+        with self._slots:
+            if self._in_handshake.total() >= self.max_handshakes:
+                return f"{self.max_handshakes} in all"
+            if self._in_handshake[ip] >= self.max_per_peer:
+                return f"{self.max_per_peer} from this address"
+            self._in_handshake[ip] += 1
+            return None
+
+    def _release_slot(self, ip: str) -> None:
+        with self._slots:
+            self._in_handshake[ip] -= 1
+            if not self._in_handshake[ip]:
+                del self._in_handshake[ip]
 
     def _serve(self, conn: socket.socket, ip: str) -> None:
         with conn:
@@ -65,7 +88,7 @@ class HolderServer:
             try:
                 session = self._accept_session(conn, ip)
             finally:
-                self._handshakes.release()
+                self._release_slot(ip)
             if session is None:
                 return
             peer, req = session

@@ -246,3 +246,32 @@ def test_a_puller_does_not_trust_a_holders_frame_sizes(pair):
         assert rss_bytes() - before < 8 * MiB
     finally:
         fake.close()
+
+
+def from_other_host(ep) -> socket.socket:
+    """A connection from 127.0.0.2: another peer address than the puller's 127.0.0.1."""
+    host, port = ep.address.rsplit(":", 1)
+    sock = socket.socket()
+    sock.bind(("127.0.0.2", 0))
+    sock.settimeout(5)
+    sock.connect((host, int(port)))
+    return sock
+
+
+def test_silent_connections_from_one_host_leave_the_handshake_slots_to_pullers(pair):
+    # 70 silent connections from one address, past the 64 slots, with a long handshake
+    # deadline: they hold at most their address's share, and each only until its hello is
+    # due; a puller from another address pulls meanwhile, at once.
+    holder, puller, ep, src_kv, dst_kv = pair(handshake_timeout_s=30.0)
+    silent = [from_other_host(ep) for _ in range(70)]
+    try:
+        time.sleep(0.2)  # all accepted: those past the per-address bound already closed
+        assert pull_ok(holder, puller, ep, src_kv, dst_kv, "beside", [1, 2]) < 1.0
+        t0 = time.monotonic()
+        for sock in silent:
+            assert closed_within(sock, 5.0) is not None
+        assert time.monotonic() - t0 < 2.0, "silent connections held their slots too long"
+    finally:
+        for sock in silent:
+            sock.close()
+    assert holder.refused.total == 70
