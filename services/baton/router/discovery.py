@@ -124,6 +124,14 @@ class Discovery(ABC):
         ep.consecutive_failures = 0
         ep.open_until = 0.0
 
+    def record_misbehaviour(self, ep: Upstream, problem: str) -> None:
+        """`ep` answered what no Baton worker answers (`router.answers`): a server that is
+        not one, or broken; its circuit opens at once, for the cool-down."""
+        ep.consecutive_failures = max(ep.consecutive_failures + 1, self.breaker.threshold)
+        ep.open_until = time.monotonic() + self.breaker.cooldown_s
+        log.warning("circuit open for %s: it is not answering as a Baton worker (%s)",
+                    ep.url, problem)
+
     def record_failure(self, ep: Upstream) -> None:
         ep.consecutive_failures += 1
         if ep.consecutive_failures >= self.breaker.threshold:

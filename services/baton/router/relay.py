@@ -9,6 +9,9 @@ relayed the stream is committed: a resumable decode stream that breaks raises
 ends with an in-band error event and `[DONE]`. A failure the request itself caused is
 final and relayed as is, never retried: a 4xx other than 408 / 429, or a 5xx marked
 `X-Baton-No-Retry: 1` (a worker whose engine failed on this request's own settings).
+An answer that is not a Baton worker's (`router.answers`: an error that is not OpenAI's
+JSON, a 200 without choices, a stream that is not SSE) is the peer's fault, never the
+request's: its circuit opens at once and the request moves on (`Retryable`).
 
 Deadlines: `connect_timeout_s` to open a connection, `first_byte_timeout_s` for the response
 headers and first chunk, `idle_timeout_s` between chunks, and the request's own deadline
@@ -33,6 +36,7 @@ from aiohttp import web
 from baton.common.errors import NO_RETRY_HEADER, OpenAIError
 from baton.common.metrics import RouterMetrics
 from baton.common.tracing import Tracing
+from baton.router.answers import error_problem, stream_problem, whole_problem
 from baton.router.discovery import Discovery, Upstream
 from baton.router.handover import Handover
 from baton.router.resume import StreamTracker
@@ -196,18 +200,24 @@ class Relay:
                 self.metrics.upstream_latency.labels(ep.url).observe(loop.time() - t0)
                 if resp.status >= 400 and not refused_by_request(resp):
                     raise await self._refused(ep, resp)
-                if send.handover is not None and resp.status == 200:
-                    send.handover.claim()  # the decode pod has the lease now
                 if not stream or resp.status != 200:
                     timer.reschedule(deadline)
                     content = await resp.read()
+                    self._check(ep, error_problem(content) if resp.status >= 400
+                                else whole_problem(send.path, content))
+                    if send.handover is not None and resp.status == 200:
+                        send.handover.claim()  # the decode pod has the lease now
                     self.discovery.record_success(ep)
                     return web.Response(body=content, status=resp.status,
                                         content_type=resp.content_type), None
+                self._check(ep, stream_problem(resp.content_type, None))
+                if send.handover is not None:
+                    send.handover.claim()  # the decode pod has the lease now
                 await client.start()
                 first = await resp.content.readany()
                 if not first:
                     raise Retryable("stream ended before its first byte")
+                self._check(ep, stream_problem(resp.content_type, first))
         except (aiohttp.ClientError, OSError, TimeoutError) as err:
             self.discovery.record_failure(ep)
             phase = "before response headers" if resp is None else "before the first byte"
@@ -217,6 +227,13 @@ class Relay:
                 resp.release()
         self.discovery.record_success(ep)
         return resp, first
+
+    def _check(self, ep: Upstream, problem: str | None) -> None:
+        """Raises Retryable, with `ep`'s circuit opened, when its answer is not a Baton
+        worker's (`problem`)."""
+        if problem is not None:
+            self.discovery.record_misbehaviour(ep, problem)
+            raise Retryable("not a Baton answer")
 
     async def _refused(self, ep: Upstream, resp: aiohttp.ClientResponse) -> Retryable:
         """A 5xx, 408 or 429: retry elsewhere, keeping the answer in case nobody else

@@ -17,7 +17,10 @@ a 5xx, a 408 or a 429). Every decision is counted in
 
 A refusal the request itself caused is not a failure of the pod: a 4xx (other than 408 /
 429), or a 5xx marked `X-Baton-No-Retry: 1`, goes back to the client as the pod's own
-error (a local prefill would refuse it the same way). A client that leaves while the
+error (a local prefill would refuse it the same way), when it is OpenAI's error JSON. An
+answer no Baton worker gives (`router.answers`: such a refusal in another shape, a 200
+that is not a PrefillResponse) opens the pod's circuit at once and falls back
+(`prefill_failed`). A client that leaves while the
 prefill runs cancels the call (the prefill pod aborts the request); one that leaves after
 it, before a decode pod took the lease over, has the lease released (`router.handover`).
 """
@@ -38,6 +41,7 @@ from baton.common.internal import Api, OpenAIBody, PrefillRequest, PrefillRespon
 from baton.common.metrics import RouterMetrics
 from baton.common.roles import Role
 from baton.common.tracing import Span, Tracing
+from baton.router.answers import error_problem
 from baton.router.discovery import Discovery, Upstream
 from baton.router.handover import Handover
 from baton.router.relay import refused_by_request
@@ -103,14 +107,22 @@ class RemotePrefill:
         pod.inflight += 1
         try:
             status, final, raw = await self._post(pod, message.to_json(), headers, tunables)
-            answer = PrefillResponse.model_validate_json(raw) if status == 200 else None
-        except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as err:
+        except (aiohttp.ClientError, OSError, TimeoutError) as err:
             reason = "prefill_failed" if pod.healthy else "prefill_pod_down"
             self._failed(pod, reason, request_id, repr(err), span)
             return None
         finally:
             pod.inflight -= 1
         span.set("http.response.status_code", status)
+        try:
+            answer = PrefillResponse.model_validate_json(raw) if status == 200 else None
+            problem = error_problem(raw) if final else None
+        except ValueError as err:
+            problem = f"a 200 that is not a PrefillResponse ({type(err).__name__})"
+        if problem is not None:
+            self.discovery.record_misbehaviour(pod, problem)
+            self._failed(pod, "prefill_failed", request_id, problem, span, breaker=False)
+            return None
         if final:
             self.metrics.upstream_errors.labels(pod.url, f"status {status}").inc()
             raise _pod_error(status, raw)

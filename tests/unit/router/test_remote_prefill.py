@@ -14,7 +14,17 @@ from aiohttp import web
 from baton.common.internal import GenerateRequest, PrefillRequest
 from baton.router.app import ROUTER
 from baton.router.scheduling.disagg import DisaggSettings
-from tests.unit.router.fakes import FakePod, chat, metric, post, prefill_answer, start, stop
+from tests.unit.router.fakes import (
+    FakePod,
+    chat,
+    metric,
+    post,
+    prefill_answer,
+    start,
+    stop,
+    stream,
+    tokens,
+)
 
 ANSWER = prefill_answer([1, 2, 3, 4])
 
@@ -42,6 +52,8 @@ async def prefill_pod(pod: FakePod, request: web.Request, body: bytes):
 async def decode_pod(pod: FakePod, request: web.Request, body: bytes):
     if pod.mode == "hang":
         await until_gone_or(pod, request)
+    if json.loads(body)["request"].get("stream"):
+        return await stream(request, tokens([7], chars=1, finished=True), b"data: [DONE]\n\n")
     return web.json_response({"id": "chatcmpl-1", "choices": []})
 
 
@@ -101,8 +113,9 @@ def test_every_prefill_failure_falls_back_to_a_local_prefill():
     async def main():
         prefill, decode, settings = cluster()
         router, pods = await start(prefill, decode, **settings)
-        for mode, reason in [("error", "prefill_error"), ("garbage", "prefill_failed"),
-                             ("slow", "prefill_failed")]:
+        # A malformed answer opens the pod's circuit at once: it comes last.
+        for mode, reason in [("error", "prefill_error"), ("slow", "prefill_failed"),
+                             ("garbage", "prefill_failed")]:
             prefill.mode = mode
             t0 = time.monotonic()
             status, _, _ = await post(router, chat(stream=True))

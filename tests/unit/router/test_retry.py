@@ -33,12 +33,12 @@ def test_a_failed_attempt_moves_to_another_worker():
         calls.append(pod)
         if len(calls) == 1:
             return web.json_response({"error": "down"}, status=500)
-        return web.json_response({"answer": pod.url})
+        return web.json_response({"choices": [], "answer": pod.url})
 
     async def main():
         router, pods = await start(FakePod("both", first_fails), FakePod("both", first_fails))
         status, _, body = await post(router, chat())
-        assert status == 200 and json.loads(body) == {"answer": calls[1].url}
+        assert status == 200 and json.loads(body)["answer"] == calls[1].url
         assert calls[0] is not calls[1]  # never the same worker twice
         assert json.loads(calls[0].bodies[0]) == chat()  # the client's body, as it came
         assert metric(router, "baton:router_retries_total") == 1

@@ -179,6 +179,8 @@ async def refuse_or_stream(pod: FakePod, request: web.Request, body: bytes):
     if req.get("max_tokens", 0) > 1000 and not req.get("stream"):
         return web.json_response({"error": {"message": "max_tokens exceed the context",
                                             "type": "invalid_request_error"}}, status=400)
+    if not req.get("stream"):
+        return web.json_response({"id": "c", "choices": []})
     return await stream(request, content("hi"), content("", "length"), b"data: [DONE]\n\n")
 
 
