@@ -192,10 +192,15 @@ class ParallelConfig:
     # Ranks the model is split over, one process each (`runner/tp.py`): this process is
     # rank 0 and spawns the others; one GPU per rank on CUDA.
     tensor_parallel_size: int = 1
+    # A step the ranks do not finish within this fails the engine (a rank stopped, a
+    # collective hung): the worker exits and is restarted instead of serving nothing.
+    step_timeout_s: float = 120.0
 
     def __post_init__(self) -> None:
         _check(1 <= self.tensor_parallel_size <= 64, "tensor_parallel_size",
                self.tensor_parallel_size, "must be in [1, 64]")
+        _check(self.step_timeout_s > 0, "tp_step_timeout_s", self.step_timeout_s,
+               "must be > 0")
 
 
 @dataclass(frozen=True)
@@ -259,6 +264,7 @@ ARGS: dict[str, tuple[str, ...]] = {
     "max_num_seqs": ("scheduler", "max_num_seqs"),
     "scheduling_policy": ("scheduler", "policy"),
     "tensor_parallel_size": ("parallel", "tensor_parallel_size"),
+    "tp_step_timeout_s": ("parallel", "step_timeout_s"),
     "kv_transport": ("kv_transfer", "transport"),
     "kv_host": ("kv_transfer", "host"),
     "kv_port": ("kv_transfer", "port"),

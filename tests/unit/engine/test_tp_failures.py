@@ -104,3 +104,30 @@ def test_followers_exit_when_rank0_is_killed(tiny):
         if rank0.poll() is None:
             rank0.kill()
             rank0.wait(10)
+
+
+def test_a_stopped_follower_fails_the_engine_within_the_step_timeout(tiny):
+    # SIGSTOP: alive, so no watcher sees it exit; rank 0 waits in a collective. The step
+    # timeout fails the engine (a worker's /health then answers 503 and it exits non-zero).
+    engine = AsyncEngine(tp_config(tiny, tp_step_timeout_s=2.0))
+    engine.start()
+    follower = engine.core.runner.tp_leader.procs[0]
+    try:
+        engine.call_soon(lambda: engine.core.add_request(
+            "r", prompts_for(7, (30,))[0], SamplingParams(max_tokens=100_000,
+                                                            ignore_eos=True)))
+        time.sleep(1.0)  # generating
+        follower.send_signal(signal.SIGSTOP)
+        t0 = time.monotonic()
+        while engine.dead_error is None and time.monotonic() - t0 < 20:
+            time.sleep(0.05)
+        assert engine.dead_error is not None, "the engine still looks alive"
+        assert time.monotonic() - t0 < 8
+        assert "no progress" in str(engine.dead_error) or isinstance(
+            engine.dead_error, EngineStepError), engine.dead_error
+        assert not engine.is_alive
+    finally:
+        engine.shutdown()
+        if follower.poll() is None:
+            follower.send_signal(signal.SIGKILL)
+    assert gone(follower.pid)

@@ -215,8 +215,13 @@ class ModelRunner:
         metadata went over in one non-blocking copy."""
         batch = build_batch(out.rows, block_ids_of, self.block_size, self.device,
                             self.staging)
-        if self.tp_leader is not None:  # the followers run the same forward and logits calls
-            self.tp_leader.send_step(batch, logits_calls(batch, PROMPT_LOGPROB_ROWS))
+        if self.tp_leader is None:
+            return self._execute(batch)
+        # the followers run the same forward and logits calls, within the step timeout
+        with self.tp_leader.stepping(batch, logits_calls(batch, PROMPT_LOGPROB_ROWS)):
+            return self._execute(batch)
+
+    def _execute(self, batch: FlatBatch) -> StepResult:
         reqs = [s.request for s in batch.sampling_entries]
         hidden = self._forward(batch)  # (T, h)
         # Host work while a GPU runs the forward (launched, not finished): grammar masks.

@@ -11,7 +11,11 @@ logits) pair up rank by rank. Only rank 0 samples.
 Failure ends the pod, never hangs it: a follower that exits is seen by a watcher thread
 within `WATCH_INTERVAL_S` (the next step raises `TPWorkerDied`, and `on_failure` callbacks
 wake an idle engine loop so that it dies too); a collective with a dead peer fails at once
-(gloo: connection closed) or after `COLLECTIVE_TIMEOUT_S`. Followers exit when their stdin
+(gloo: connection closed) or after `COLLECTIVE_TIMEOUT_S`. A follower that is alive but makes
+no progress (SIGSTOP, a hung collective) is seen by the same watcher: a step not finished
+within `ParallelConfig.step_timeout_s` fails the engine like a death (`TPWorkerDied`, the
+`on_failure` callbacks), and the followers are killed, which ends rank 0's pending
+collective at once. Followers exit when their stdin
 closes (rank 0 gone) or their parent changes (`tp_worker.py`).
 """
 
@@ -118,8 +122,11 @@ class TPLeader:
     """Rank 0's handle on its followers. Called from the engine thread (`send_step`,
     `close`) and the watcher thread (which only records a death and calls `on_failure`)."""
 
-    def __init__(self, procs: list[subprocess.Popen], group: TPGroup, store) -> None:
+    def __init__(self, procs: list[subprocess.Popen], group: TPGroup, store,
+                 step_timeout_s: float = 120.0) -> None:
         self.procs = procs  # rank r is procs[r - 1]
+        self.step_timeout_s = step_timeout_s
+        self._step_since: float | None = None  # when the step in progress began
         self.group = group
         self._store = store  # rank 0 hosts it; followers' groups need it alive
         self.failure: TPWorkerDied | None = None
@@ -154,7 +161,7 @@ class TPLeader:
             raise
         log.info("tensor parallel: %d ranks (followers pids %s)", size,
                  [p.pid for p in procs])
-        return cls(procs, TPGroup(0, size, pg), store)
+        return cls(procs, TPGroup(0, size, pg), store, config.parallel.step_timeout_s)
 
     def on_failure(self, callback: Callable[[TPWorkerDied], None]) -> None:
         """Call `callback(error)` (from the watcher thread) when a follower dies; at once if
@@ -188,6 +195,17 @@ class TPLeader:
                 proc.stdin.flush()
             except (BrokenPipeError, OSError) as err:
                 raise self._died(rank, proc, f"its pipe broke ({err})") from err
+
+    @contextmanager
+    def stepping(self, batch: FlatBatch, logits_calls: list[np.ndarray]):
+        """Hand the step to the followers (`send_step`) and time rank 0's part of it, which
+        the watcher bounds by `step_timeout_s`."""
+        self.send_step(batch, logits_calls)
+        self._step_since = time.monotonic()
+        try:
+            yield
+        finally:
+            self._step_since = None
 
     def send_control(self, body: KVControl, ranks: list[int] | None = None) -> None:
         """A KV control message (`tp_wire.Control`) to `ranks` (default: every follower)."""
@@ -254,14 +272,33 @@ class TPLeader:
         while not self._closing:
             for rank, proc in enumerate(self.procs, start=1):
                 if proc.poll() is not None and not self._closing:
-                    error = self._died(rank, proc, f"it exited with code {proc.returncode}")
-                    log.error("%s", error)
-                    with self._lock:
-                        callbacks = list(self._callbacks)
-                    for callback in callbacks:
-                        callback(error)
+                    self._fail(self._died(rank, proc,
+                                          f"it exited with code {proc.returncode}"))
                     return
+            since = self._step_since
+            if since is not None and time.monotonic() - since > self.step_timeout_s \
+                    and not self._closing:
+                self._fail(self._stuck())
+                _kill(self.procs)  # rank 0's collective with them fails now, not in minutes
+                return
             time.sleep(WATCH_INTERVAL_S)
+
+    def _fail(self, error: TPWorkerDied) -> None:
+        log.error("%s", error)
+        with self._lock:
+            callbacks = list(self._callbacks)
+        for callback in callbacks:
+            callback(error)
+
+    def _stuck(self) -> TPWorkerDied:
+        stopped = [rank for rank, proc in enumerate(self.procs, start=1) if _stopped(proc)]
+        who = f"ranks {stopped} are stopped" if stopped else "a collective hung"
+        with self._lock:
+            if self.failure is None:
+                self.failure = TPWorkerDied(
+                    f"a tensor-parallel step made no progress for {self.step_timeout_s:g} s "
+                    f"({who}); this engine cannot step any more and must be restarted")
+            return self.failure
 
     def _died(self, rank: int, proc: subprocess.Popen, why: str) -> TPWorkerDied:
         with self._lock:
@@ -305,6 +342,15 @@ def _read_line(proc: subprocess.Popen, deadline: float, rank: int) -> bytes:
                                        "its stdout without exiting") from None
             buf += chunk
     return buf
+
+
+def _stopped(proc: subprocess.Popen) -> bool:
+    """Whether `proc` is stopped (SIGSTOP, a debugger): its /proc state is T or t."""
+    try:
+        with open(f"/proc/{proc.pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
 
 
 def _kill(procs: list[subprocess.Popen]) -> None:
