@@ -32,6 +32,8 @@ LOG_LEVELS = ("debug", "info", "warning", "error")
 # worker.tool_parsers.PARSER_CHOICES, spelled out: importing the parsers costs every
 # command ~0.3 s (a test keeps the two equal)
 TOOL_CALL_PARSERS = ("auto", "hermes", "llama3_json", "mistral", "none")
+# worker.reasoning.REASONING_PARSER_CHOICES, spelled out for the same reason
+REASONING_PARSERS = ("none", "auto", "qwen3", "deepseek_r1")
 _GIB = 1 << 30
 
 
@@ -94,6 +96,12 @@ def add_worker_flags(p: argparse.ArgumentParser) -> None:
                    help="how tool_choice auto answers are read: auto picks the format from "
                         "the chat template (hermes when it does not tell); none refuses "
                         "them (default: WorkerSettings.tool_call_parser)")
+    g.add_argument("--reasoning-parser", default=None, choices=REASONING_PARSERS,
+                   help="split a reasoning model's <think> thinking from its answer "
+                        "(reasoning_content in chat, reasoning items in responses; "
+                        "structured outputs start after it): qwen3, deepseek_r1, auto from "
+                        "the chat template; none leaves the thinking in the content "
+                        "(default: WorkerSettings.reasoning_parser)")
     _kv_transfer_flags(g)
 
 

@@ -253,6 +253,7 @@ class ChatMessage(RequestModel):
     name: str | None = None
     tool_calls: list[ToolCallParam] | None = None  # assistant
     tool_call_id: Annotated[str, Field(min_length=1)] | None = None  # tool: the call answered
+    reasoning_content: str | None = None  # assistant: its thinking, for templates that show it
 
     @field_validator("content", mode="before")
     @classmethod
@@ -266,8 +267,9 @@ class ChatMessage(RequestModel):
 
     @model_validator(mode="after")
     def _fields_of_role(self) -> Self:
-        if self.tool_calls is not None and self.role != "assistant":
-            raise ValueError("only assistant messages have tool_calls")
+        for name in ("tool_calls", "reasoning_content"):
+            if getattr(self, name) is not None and self.role != "assistant":
+                raise ValueError(f"only assistant messages have {name}")
         if (self.role == "tool") != (self.tool_call_id is not None):
             raise ValueError("tool messages, and only they, have a tool_call_id (the call "
                              "they answer)")
@@ -290,7 +292,16 @@ class ChatMessage(RequestModel):
             out["tool_calls"] = [c.template_dict() for c in self.tool_calls]
         if self.tool_call_id is not None:
             out["tool_call_id"] = self.tool_call_id
+        if self.reasoning_content is not None:
+            out["reasoning_content"] = self.reasoning_content
         return out
+
+
+# Names a chat template is called with by Baton or transformers: not a client's to set.
+_TEMPLATE_RESERVED = frozenset(
+    "messages conversation tools documents add_generation_prompt continue_final_message "
+    "chat_template tokenize return_dict padding truncation max_length return_tensors "
+    "return_assistant_tokens_mask tokenizer_kwargs".split())
 
 
 class Conversation(RequestModel):
@@ -299,6 +310,18 @@ class Conversation(RequestModel):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     tools: Annotated[list[Tool], Field(min_length=1, max_length=MAX_TOOLS)] | None = None
     add_generation_prompt: bool = True
+    # vLLM's: extra variables for the chat template (`{"enable_thinking": false}`)
+    chat_template_kwargs: dict[str, object] | None = None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _template_variables(cls, kwargs: dict[str, object] | None) -> dict[str, object] | None:
+        for key in kwargs or ():
+            if not key.isidentifier() or key in _TEMPLATE_RESERVED:
+                raise ValueError(f"chat_template_kwargs cannot set {key!r}: keys are "
+                                 "template variables other than "
+                                 f"{', '.join(sorted(_TEMPLATE_RESERVED))}")
+        return kwargs
 
     def template_messages(self) -> list[dict[str, object]]:
         return [m.as_template_dict() for m in self.messages]

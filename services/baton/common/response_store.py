@@ -25,8 +25,16 @@ from pydantic import BaseModel, ConfigDict
 
 from baton.common import registry as reg
 from baton.common.errors import OpenAIError
-from baton.common.responses_api import FunctionCallItem, InputItem, Item, MessageItem, TextPart
-from baton.common.responses_output import OutputMessage, ResponseObject
+from baton.common.responses_api import (
+    FunctionCallItem,
+    InputItem,
+    Item,
+    MessageItem,
+    ReasoningItem,
+    ReasoningPart,
+    TextPart,
+)
+from baton.common.responses_output import OutputMessage, ReasoningOutput, ResponseObject
 
 if TYPE_CHECKING:
     from redis.asyncio import Redis
@@ -42,10 +50,15 @@ class StoredResponse(BaseModel):
     input: list[InputItem]
 
     def conversation(self) -> list[Item]:
-        """Its input items, then its output as input items (messages and calls)."""
+        """Its input items, then its output as input items (reasoning, messages, calls)."""
         out: list[Item] = list(self.input)
         for item in self.response.output:
-            if isinstance(item, OutputMessage):
+            if isinstance(item, ReasoningOutput):
+                out.append(ReasoningItem(type="reasoning", id=item.id, status=item.status,
+                                         content=[ReasoningPart(type="reasoning_text",
+                                                                text=p.text)
+                                                  for p in item.content]))
+            elif isinstance(item, OutputMessage):
                 out.append(MessageItem(role="assistant", id=item.id, status=item.status,
                                        content=[TextPart(type="output_text", text=p.text)
                                                 for p in item.content]))

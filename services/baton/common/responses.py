@@ -87,6 +87,7 @@ class ChatDelta(BaseModel):
     model_config = _OUT
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None  # a reasoning model's thinking (vLLM's name)
     tool_calls: list[ToolCall] | None = None
 
 
@@ -94,6 +95,7 @@ class ChatMessage(BaseModel):
     model_config = _OUT
     role: Literal["assistant"] = "assistant"
     content: str | None
+    reasoning_content: str | None = None  # set only by a worker with a reasoning parser
     tool_calls: list[ToolCall] | None = None
 
 

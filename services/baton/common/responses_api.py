@@ -9,8 +9,10 @@ calls, structured outputs, P/D, retries and stream resumption are the chat path'
 chat answer is turned back into a Response by `common.responses_format`.
 
 Input items are messages (a string, or `input_text` / `output_text` parts), `function_call`
-and `function_call_output` items; an output message or call replayed from a response (its
-`id`, `status`, empty `annotations`) parses. Other item types, content parts and tools are
+and `function_call_output` items, and `reasoning` items (a reasoning model's thinking,
+given back to the template as the next assistant turn's `reasoning_content`); an output
+message, call or reasoning replayed from a response (its `id`, `status`, empty
+`annotations`) parses. Other item types, content parts and tools are
 a 400 naming them; so is a field Baton does not implement, once set (`RequestModel`).
 Beyond OpenAI's fields Baton takes `seed` and `stop`, as vLLM does.
 """
@@ -30,7 +32,7 @@ from baton.common.sampling_params import SEED_MAX, SEED_MIN
 from baton.common.tools import check_json_schema
 
 _ItemStatus = Literal["in_progress", "completed", "incomplete"]
-ITEM_TYPES = ("message", "function_call", "function_call_output")
+ITEM_TYPES = ("message", "function_call", "function_call_output", "reasoning")
 _TEXT_PARTS = ("input_text", "output_text")
 
 
@@ -105,16 +107,36 @@ class FunctionCallOutputItem(RequestModel):
         return _text_parts_only(output)
 
 
+class ReasoningPart(RequestModel):
+    type: Literal["reasoning_text", "summary_text"]
+    text: str
+
+
+class ReasoningItem(RequestModel):
+    """A reasoning model's thinking, replayed: its `content` (else its `summary`) text."""
+
+    type: Literal["reasoning"]
+    summary: list[ReasoningPart] = []
+    content: list[ReasoningPart] | None = None
+    id: str | None = None
+    status: _ItemStatus | None = None
+
+    @property
+    def text(self) -> str:
+        return "".join(p.text for p in self.content or self.summary)
+
+
 def _item_type(item: object) -> str | None:
     if isinstance(item, dict):
         return str(item.get("type", "message"))  # an "easy" message has no type
     return getattr(item, "type", None)
 
 
-Item = MessageItem | FunctionCallItem | FunctionCallOutputItem
+Item = MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem
 InputItem = Annotated[
     Annotated[MessageItem, Tag("message")] | Annotated[FunctionCallItem, Tag("function_call")]
-    | Annotated[FunctionCallOutputItem, Tag("function_call_output")],
+    | Annotated[FunctionCallOutputItem, Tag("function_call_output")]
+    | Annotated[ReasoningItem, Tag("reasoning")],
     Discriminator(_item_type)]
 
 
@@ -254,16 +276,24 @@ class ResponsesRequest(RequestModel):
 
 def chat_messages(items: Sequence[Item]) -> list[dict[str, object]]:
     """Input items as chat messages: calls join the assistant message they follow (or make
-    one), each call's output is a `tool` message."""
+    one), each call's output is a `tool` message; a reasoning item starts an assistant
+    message (its `reasoning_content`) that the next assistant text or calls complete."""
     messages: list[dict[str, object]] = []
     for item in items:
-        if isinstance(item, MessageItem):
+        last = messages[-1] if messages else None
+        if isinstance(item, ReasoningItem):
+            messages.append({"role": "assistant", "content": "",
+                             "reasoning_content": item.text})
+        elif isinstance(item, MessageItem) and item.role == "assistant" and last is not None \
+                and last.get("reasoning_content") is not None and last["content"] == "" \
+                and "tool_calls" not in last:
+            last["content"] = _text(item.content)
+        elif isinstance(item, MessageItem):
             messages.append({"role": item.role, "content": _text(item.content)})
         elif isinstance(item, FunctionCallOutputItem):
             messages.append({"role": "tool", "tool_call_id": item.call_id,
                              "content": _text(item.output)})
         else:
-            last = messages[-1] if messages else None
             if last is None or last["role"] != "assistant":
                 last = {"role": "assistant", "content": None}
                 messages.append(last)

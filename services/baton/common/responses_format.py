@@ -3,12 +3,15 @@
 A Responses request is served as the chat completion `ResponsesRequest.chat_body` makes
 (`common.responses_api`); its answer comes back here:
 
-- whole: `ResponsesFormat.whole(chat body)` -> the `Response`: the message's text as a
-  `message` item with one `output_text` part, each tool call as a `function_call` item
-  (`call_id`: the chat call's id), usage renamed, `status` from the finish reason
+- whole: `ResponsesFormat.whole(chat body)` -> the `Response`: a reasoning model's
+  thinking (`reasoning_content`) as a `reasoning` item with one `reasoning_text` part, the
+  message's text as a `message` item with one `output_text` part, each tool call as a
+  `function_call` item (`call_id`: the chat call's id), usage renamed, `status` from the finish reason
   (`length` -> `incomplete`, reason `max_output_tokens`).
 - streamed: `ResponsesFormat.feed(chat SSE bytes)` -> Responses SSE events, in the order
-  OpenAI sends them: `response.created`, `response.in_progress`; per message
+  OpenAI sends them: `response.created`, `response.in_progress`; per reasoning item
+  `output_item.added`, `content_part.added`, `reasoning_text.delta`…, `reasoning_text.done`,
+  `content_part.done`, `output_item.done`; per message
   `output_item.added`, `content_part.added`, `output_text.delta`…, `output_text.done`,
   `content_part.done`, `output_item.done`; per call `output_item.added`,
   `function_call_arguments.delta`…, `.done`, `output_item.done`; then
@@ -45,6 +48,10 @@ from baton.common.responses_output import (
     LifecycleEvent,
     OutputMessage,
     OutputText,
+    ReasoningDeltaEvent,
+    ReasoningDoneEvent,
+    ReasoningOutput,
+    ReasoningText,
     ResponseError,
     ResponseEvent,
     ResponseObject,
@@ -67,6 +74,7 @@ class ResponsesFormat:
         self._opened = False
         self._buf = b""
         self._message: OutputMessage | None = None  # the message item being streamed
+        self._reasoning: ReasoningOutput | None = None  # the reasoning item being streamed
         self._calls: dict[int, FunctionCallOutput] = {}  # open calls by the chat's index
         self._finish: str | None = None
         self._usage: Usage | None = None  # a stream's, from its usage chunk
@@ -79,6 +87,9 @@ class ResponsesFormat:
         r.model = chat.model
         self._finish = choice.finish_reason
         item_status = self._item_status
+        if choice.message.reasoning_content:
+            r.output.append(ReasoningOutput(id=new_id("rs"), status=item_status, content=[
+                ReasoningText(text=choice.message.reasoning_content)]))
         if choice.message.content:
             r.output.append(OutputMessage(id=new_id("msg"), status=item_status,
                                           content=[OutputText(text=choice.message.content)]))
@@ -137,13 +148,15 @@ class ResponsesFormat:
 
     def _delta(self, delta: ChatDelta) -> bytes:
         out = b""
+        if delta.reasoning_content:
+            out += self._thinking(delta.reasoning_content)
         if delta.content:
             out += self._text(delta.content)
         for call in delta.tool_calls or ():
             index = call.index or 0
             if call.id is not None:
-                out += self._close_message() + self._open_call(index, call.id,
-                                                               call.function.name or "")
+                out += (self._close_reasoning() + self._close_message()
+                        + self._open_call(index, call.id, call.function.name or ""))
             if call.function.arguments and index in self._calls:
                 item = self._calls[index]
                 item.arguments += call.function.arguments
@@ -153,18 +166,32 @@ class ResponsesFormat:
         return out
 
     def _text(self, text: str) -> bytes:
-        out = b""
+        out = self._close_reasoning()
         if self._message is None:
             self._message = OutputMessage(id=new_id("msg"), status="in_progress", content=[])
-            out += self._added(self._message)
-            out += self._emit(ContentPartEvent, type="response.content_part.added",
-                              item_id=self._message.id, output_index=self._index(self._message),
-                              part=OutputText(text=""))
-            self._message.content.append(OutputText(text=""))
-        part = self._message.content[0]
-        part.text += text
+            out += self._open_part(self._message, OutputText(text=""))
+        self._message.content[0].text += text
         return out + self._emit(TextDeltaEvent, item_id=self._message.id,
                                 output_index=self._index(self._message), delta=text)
+
+    def _thinking(self, text: str) -> bytes:
+        out = b""
+        if self._reasoning is None:
+            self._reasoning = ReasoningOutput(id=new_id("rs"), status="in_progress",
+                                              content=[])
+            out += self._open_part(self._reasoning, ReasoningText(text=""))
+        self._reasoning.content[0].text += text
+        return out + self._emit(ReasoningDeltaEvent, item_id=self._reasoning.id,
+                                output_index=self._index(self._reasoning), delta=text)
+
+    def _open_part(self, item: OutputMessage | ReasoningOutput,
+                   part: OutputText | ReasoningText) -> bytes:
+        """An item of one text part starts: it is added, then its empty part."""
+        out = self._added(item) + self._emit(
+            ContentPartEvent, type="response.content_part.added", item_id=item.id,
+            output_index=self._index(item), part=part)
+        item.content.append(part.model_copy())  # type: ignore[arg-type]  # its own kind
+        return out
 
     def _open_call(self, index: int, call_id: str, name: str) -> bytes:
         item = FunctionCallOutput(id=new_id("fc"), status="in_progress", call_id=call_id,
@@ -172,25 +199,33 @@ class ResponsesFormat:
         self._calls[index] = item
         return self._added(item)
 
-    def _added(self, item: OutputMessage | FunctionCallOutput) -> bytes:
+    def _added(self, item: OutputMessage | FunctionCallOutput | ReasoningOutput) -> bytes:
         self.response.output.append(item)
         return self._emit(ItemEvent, type="response.output_item.added",
                           output_index=self._index(item), item=item)
 
     def _close_message(self) -> bytes:
         message, self._message = self._message, None
-        if message is None:
-            return b""
-        message.status = self._item_status
-        at, part = self._index(message), message.content[0]
-        return (self._emit(TextDoneEvent, item_id=message.id, output_index=at, text=part.text)
+        return self._close_part(message, TextDoneEvent) if message is not None else b""
+
+    def _close_reasoning(self) -> bytes:
+        reasoning, self._reasoning = self._reasoning, None
+        return self._close_part(reasoning, ReasoningDoneEvent) if reasoning is not None \
+            else b""
+
+    def _close_part(self, item: OutputMessage | ReasoningOutput,
+                    done: type[TextDoneEvent] | type[ReasoningDoneEvent]) -> bytes:
+        """The end of an item of one text part: its text, its part, the item."""
+        item.status = self._item_status
+        at, part = self._index(item), item.content[0]
+        return (self._emit(done, item_id=item.id, output_index=at, text=part.text)
                 + self._emit(ContentPartEvent, type="response.content_part.done",
-                             item_id=message.id, output_index=at, part=part)
+                             item_id=item.id, output_index=at, part=part)
                 + self._emit(ItemEvent, type="response.output_item.done", output_index=at,
-                             item=message))
+                             item=item))
 
     def _close_items(self) -> bytes:
-        out = self._close_message()
+        out = self._close_reasoning() + self._close_message()
         for item in self._calls.values():
             item.status = self._item_status
             at = self._index(item)
@@ -238,7 +273,7 @@ class ResponsesFormat:
             r.usage = ResponseUsage.of(usage.prompt_tokens, usage.completion_tokens,
                                        details.cached_tokens if details is not None else 0)
 
-    def _index(self, item: OutputMessage | FunctionCallOutput) -> int:
+    def _index(self, item: OutputMessage | FunctionCallOutput | ReasoningOutput) -> int:
         return next(i for i, it in enumerate(self.response.output) if it is item)
 
     def _emit(self, kind: type[ResponseEvent], **fields: object) -> bytes:

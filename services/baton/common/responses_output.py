@@ -56,7 +56,26 @@ class FunctionCallOutput(BaseModel):
     arguments: str
 
 
-OutputItem = Annotated[OutputMessage | FunctionCallOutput, Field(discriminator="type")]
+class ReasoningText(BaseModel):
+    model_config = _OUT
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str
+
+
+class ReasoningOutput(BaseModel):
+    """A `reasoning` item: a reasoning model's thinking, whole, as one `reasoning_text`
+    part (no `summary`: Baton does not summarise it), as vLLM serves it."""
+
+    model_config = _OUT
+    id: str
+    type: Literal["reasoning"] = "reasoning"
+    status: ItemStatus
+    summary: tuple[()] = ()
+    content: list[ReasoningText]
+
+
+OutputItem = Annotated[OutputMessage | FunctionCallOutput | ReasoningOutput,
+                       Field(discriminator="type")]
 
 
 class InputTokensDetails(BaseModel):
@@ -183,7 +202,7 @@ class ContentPartEvent(ResponseEvent):
     item_id: str
     output_index: int
     content_index: int = 0
-    part: OutputText
+    part: Annotated[OutputText | ReasoningText, Field(discriminator="type")]
 
 
 class TextDeltaEvent(ResponseEvent):
@@ -202,6 +221,22 @@ class TextDoneEvent(ResponseEvent):
     content_index: int = 0
     text: str
     logprobs: tuple[()] = ()
+
+
+class ReasoningDeltaEvent(ResponseEvent):
+    type: Literal["response.reasoning_text.delta"] = "response.reasoning_text.delta"
+    item_id: str
+    output_index: int
+    content_index: int = 0
+    delta: str
+
+
+class ReasoningDoneEvent(ResponseEvent):
+    type: Literal["response.reasoning_text.done"] = "response.reasoning_text.done"
+    item_id: str
+    output_index: int
+    content_index: int = 0
+    text: str
 
 
 class ArgumentsDeltaEvent(ResponseEvent):

@@ -21,16 +21,22 @@ class StructuredOutput:
     (`engine.structured`): `json_schema` (`spec` is the schema's JSON text), `json_object`
     (any JSON object; `spec` empty), `regex` (`spec` the pattern) or `grammar` (`spec` an
     EBNF / Lark grammar). The engine compiles it when the request is made; a spec it cannot
-    compile is the request's error (a 400), never the engine's."""
+    compile is the request's error (a 400), never the engine's.
+
+    `after_token`: the constraint starts after this token id is generated (a reasoning
+    model's end of thinking, `</think>`): the tokens up to and including it are free."""
 
     kind: Literal["json_schema", "json_object", "regex", "grammar"]
     spec: str = ""
+    after_token: int | None = None
 
     def __post_init__(self) -> None:
         _check(self.kind in STRUCTURED_KINDS, "structured.kind", self.kind,
                f"must be one of {STRUCTURED_KINDS}")
         _check(self.kind == "json_object" or bool(self.spec), "structured.spec", self.spec,
                f"must not be empty for {self.kind}")
+        _check(self.after_token is None or self.after_token >= 0, "structured.after_token",
+               self.after_token, "must be a token id (>= 0) or None")
 
 
 @dataclass

@@ -74,6 +74,9 @@ class Request:
     kv_transfer_params: KVTransferParams | None = None
     # Structured output (sampling_params.structured): where the output is in its grammar.
     grammar: GrammarMatcher | None = None
+    # The token id the grammar waits for before it starts (`structured.after_token`: the
+    # end of a reasoning model's thinking); None once it has come, or when none is awaited.
+    grammar_after: int | None = None
     # sampling_params.prompt_logprobs: the sampler's TokenLogprobs of each prompt token
     # computed so far (the first token has none: None), across prefill chunks; handed to
     # the request's first output, then None.
@@ -82,6 +85,20 @@ class Request:
     def __post_init__(self) -> None:
         if self.sampling_params.prompt_logprobs is not None:
             self.prompt_logprobs = [None]
+        if self.sampling_params.structured is not None:
+            self.grammar_after = self.sampling_params.structured.after_token
+
+    @property
+    def active_grammar(self) -> GrammarMatcher | None:
+        """The grammar that constrains the next token: None while it waits for its start
+        token (the model still thinks) or when the request has none."""
+        return self.grammar if self.grammar_after is None else None
+
+    def see_grammar_start(self, token_id: int) -> None:
+        """A token was generated while the grammar waits: its start token opens it (the
+        grammar constrains the tokens after it)."""
+        if token_id == self.grammar_after:
+            self.grammar_after = None
 
     def add_prompt_logprobs(self, lps: list | None) -> None:
         """The next prompt tokens' logprobs, from the step that computed their positions."""

@@ -30,7 +30,12 @@ import torch
 from baton.engine.logprobs import TokenLogprobs, logprob_table, read_logprobs
 from baton.engine.request import Request
 from baton.engine.staging import HostStaging
-from baton.engine.structured.masks import GrammarMasks, accept_sampled, apply_grammar_masks
+from baton.engine.structured.masks import (
+    GrammarMasks,
+    accept_sampled,
+    apply_grammar_masks,
+    see_grammar_starts,
+)
 
 
 @dataclass
@@ -115,6 +120,7 @@ class Sampler:
         tokens, logprobs = fetch(self.sample_on_device(logits, reqs, failed, masks))
         if masks is not None:
             accept_sampled(reqs, masks, tokens, failed)
+        see_grammar_starts(reqs, tokens)
         return tokens, logprobs
 
     def sample_on_device(self, logits: torch.Tensor, reqs: list[Request],

@@ -72,7 +72,8 @@ class RouterTokenizer:
             try:
                 text = self._template.render(
                     messages=req.template_messages(), tools=req.template_tools(),
-                    add_generation_prompt=req.add_generation_prompt, **self._special)
+                    add_generation_prompt=req.add_generation_prompt,
+                    **{**self._special, **(req.chat_template_kwargs or {})})
             except Exception:  # noqa: BLE001 - the worker answers the error itself
                 return None
             return self._tok.encode(text, add_special_tokens=False).ids

@@ -53,6 +53,7 @@ from baton.common.responses import (
 from baton.engine.outputs import EngineOutput
 from baton.engine.sampler import TokenLogprobs
 from baton.worker.logprobs import TokenTexts, joined
+from baton.worker.reasoning import ReasoningFormat, ThinkingSplitter, chat_deltas, chat_message
 from baton.worker.serving import FirstToken, Job, Update, engine_error
 from baton.worker.tool_calls import ChoiceTools, ToolFormat
 
@@ -78,6 +79,7 @@ class Choice:
     echo: str = ""  # completions with `echo`: the prompt's text, before the output
     text_offset: int = 0  # characters before this choice's output (echo, a resumed stream)
     tools: ChoiceTools | None = None  # chat with tool calls to read
+    thinking: ThinkingSplitter | None = None  # chat of a reasoning model that thinks
     echo_pending: bool = False  # the echo goes out with the first update (prompt logprobs)
     prompt_logprobs: list[TokenLogprobs | None] | None = None
     text: str = ""
@@ -110,15 +112,18 @@ class Choice:
 
 
 class OpenAIFormat:
-    """One worker's OpenAI formatting: its model name, its tokenizer's token texts and its
-    tool-call format (`tool_parser`: `--tool-call-parser`)."""
+    """One worker's OpenAI formatting: its model name, its tokenizer's token texts, its
+    tool-call format (`tool_parser`: `--tool-call-parser`) and reasoning format
+    (`reasoning_parser`: `--reasoning-parser`)."""
 
-    def __init__(self, tokenizer, model_name: str, tool_parser: str = "auto") -> None:
+    def __init__(self, tokenizer, model_name: str, tool_parser: str = "auto",
+                 reasoning_parser: str = "none") -> None:
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.texts = TokenTexts(tokenizer)
         # No tokenizer (--skip-tokenizer-init): no template, and chat is refused anyway.
         self.tools = ToolFormat(tool_parser, getattr(tokenizer, "chat_template", None))
+        self.reasoning = ReasoningFormat(reasoning_parser, tokenizer)
 
     def answer(self, api: Api, request: OpenAIBody, response_id: str,
                prompts: list[list[int]], num_choices: int, internal: Internal) -> Answer:
@@ -137,23 +142,25 @@ class OpenAIFormat:
         choices = []
         for i in range(num_choices):
             echo = self._echo(api, request, prompts, i // per_prompt)
-            tools = self._choice_tools(request, prompts, resume) if api == "chat" else None
-            choices.append(Choice(i, echo, len(echo) + offset, tools,
+            choices.append(Choice(i, echo, len(echo) + offset,
                                   echo_pending=prompt_lps and resume is None))
+            if api == "chat":
+                self._read_chat(choices[-1], request, prompts, resume)
         return Answer(self, api, request, header, prompts, choices, internal)
 
-    def _choice_tools(self, request: OpenAIBody, prompts: list[list[int]],
-                      resume: ResumeState | None) -> ChoiceTools | None:
-        """A choice's tool-call reader; a resumed stream's first reads (silently) the text
-        the interrupted pod sent, so its calls go on where they were."""
+    def _read_chat(self, choice: Choice, request: OpenAIBody, prompts: list[list[int]],
+                   resume: ResumeState | None) -> None:
+        """A chat choice's readers of its tool calls and thinking; a resumed stream's first
+        read (silently) the text the interrupted pod sent, so they go on where they were."""
         assert isinstance(request, ChatCompletionRequest)  # only called for api "chat"
-        tools = self.tools.choice_tools(request)
-        if tools is not None and resume is not None and resume.completion_tokens:
+        choice.tools = tools = self.tools.choice_tools(request)
+        choice.thinking = thinking = self.reasoning.splitter(request)
+        if (tools or thinking) and resume is not None and resume.completion_tokens:
             skip = request.skip_special_tokens and not self.tools.keeps_special_tokens(
                 request)
             sent = prompts[0][-resume.completion_tokens:]
-            tools.deltas(self.tokenizer.decode(sent, skip_special_tokens=skip), False)
-        return tools
+            chat_deltas(self.tokenizer.decode(sent, skip_special_tokens=skip), False, tools,
+                        thinking)
 
     def _echo(self, api: Api, request: OpenAIBody, prompts: list[list[int]], p: int) -> str:
         if api != "completions":
@@ -262,12 +269,10 @@ class Answer:
     def _chat_deltas(self, c: Choice, finished: bool) -> list[ChatChunkChoice]:
         """A chat choice's stream choices for its latest update: its content, or its
         calls' parts, one delta each; logprobs and the finish reason on the last."""
+        deltas = chat_deltas(c.new_text, finished, c.tools, c.thinking)
+        reason, empty = c.finish_reason, {"content": ""}
         if c.tools is not None:
-            deltas = c.tools.deltas(c.new_text, finished)
             reason, empty = c.tools.finish_reason(c.finish_reason), {}
-        else:
-            deltas = [{"content": c.new_text}] if c.new_text else []
-            reason, empty = c.finish_reason, {"content": ""}
         if not (deltas or finished or (self.want_logprobs and c.new_logprobs)):
             return []
         choices: list[dict] = [{"index": c.index, "delta": d, "logprobs": None,
@@ -323,10 +328,9 @@ class Answer:
         return joined(self.texts.prompt_logprobs(prompt, c.prompt_logprobs), out)
 
     def _whole_message(self, c: Choice) -> ChatChoice:
-        message: dict = {"role": "assistant", "content": c.text}
+        message = {"role": "assistant", **chat_message(c.text, c.tools, c.thinking)}
         reason = c.finish_reason
         if c.tools is not None:
-            message = {"role": "assistant", **c.tools.message(c.text)}
             reason = c.tools.finish_reason(reason)
         return ChatChoice.model_validate({
             "index": c.index, "message": message,

@@ -101,7 +101,8 @@ class Pipeline:
         try:
             return apply_chat_template(tokenizer, request.template_messages(),
                                        request.add_generation_prompt,
-                                       tools=request.template_tools())
+                                       tools=request.template_tools(),
+                                       **(request.chat_template_kwargs or {}))
         except Exception as err:  # noqa: BLE001 - template errors are the caller's input
             raise OpenAIError(400, f"the chat template rejected the messages: {err}",
                               param="messages") from None
@@ -146,6 +147,7 @@ class Pipeline:
             self.format.tools.check(req)
             if self.format.tools.keeps_special_tokens(req):
                 params = replace(params, skip_special_tokens=False)
+            params = self.format.reasoning.sampling_params(req, params)
         return params
 
     def tokenize(self, req: TokenizeRequest) -> dict:

@@ -17,6 +17,7 @@ from baton.engine.config import EngineConfig
 from baton.engine.models.hub import SCHEME, HubRef, is_repo_id
 from baton.worker.openai_api import OpenAIFormat
 from baton.worker.pipeline import Pipeline
+from baton.worker.reasoning import REASONING_PARSER_CHOICES
 from baton.worker.serving import Serving
 from baton.worker.tool_parsers import PARSER_CHOICES
 
@@ -51,6 +52,9 @@ class WorkerSettings:
     # How `tool_choice: auto` answers are read (`worker.tool_parsers`); auto: from the
     # chat template; none: such requests are refused.
     tool_call_parser: str = "auto"
+    # How a reasoning model's thinking is split from its answer (`worker.reasoning`);
+    # none: not split (the thinking is content).
+    reasoning_parser: str = "none"
 
     def __post_init__(self) -> None:
         if self.registry_url is not None and not self.advertise_url:
@@ -70,6 +74,9 @@ class WorkerSettings:
         if self.tool_call_parser not in PARSER_CHOICES:
             raise ValueError(f"WorkerSettings.tool_call_parser={self.tool_call_parser!r} "
                              f"must be one of {PARSER_CHOICES}")
+        if self.reasoning_parser not in REASONING_PARSER_CHOICES:
+            raise ValueError(f"WorkerSettings.reasoning_parser={self.reasoning_parser!r} "
+                             f"must be one of {REASONING_PARSER_CHOICES}")
 
     @property
     def model_name(self) -> str:
@@ -131,7 +138,8 @@ class WorkerState:
         self.engine = engine
         settings = self.settings
         serving = Serving(engine, self.metrics, settings.max_waiting)
-        fmt = OpenAIFormat(engine.tokenizer, settings.model_name, settings.tool_call_parser)
+        fmt = OpenAIFormat(engine.tokenizer, settings.model_name, settings.tool_call_parser,
+                           settings.reasoning_parser)
         self.pipeline = Pipeline(serving, fmt, self.tracing, priority_scheduling=(
             settings.engine.scheduler.policy == "priority"), model_names=settings.model_names)
 

@@ -128,7 +128,7 @@ def test_nulls_and_empty_lists_the_sdk_sends_are_not_set():
 @pytest.mark.parametrize(("body", "param", "words"), [
     ({"background": True}, "background", "does not implement"),
     ({"truncation": "auto"}, "truncation", "disabled"),
-    ({"input": [{"type": "reasoning", "summary": []}]}, "input", "'reasoning'"),
+    ({"input": [{"type": "computer_call", "id": "x"}]}, "input", "'computer_call'"),
     ({"input": [{"type": "item_reference", "id": "x"}]}, "input", "'item_reference'"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "u"}]}]},
      "input", "takes text"),

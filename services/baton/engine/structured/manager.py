@@ -109,6 +109,9 @@ def rebuild(req: Request) -> str | None:
     if matcher is None:
         return None
     for i, token in enumerate(generated_so_far(req)):
+        if req.grammar_after is not None:  # still thinking: the grammar has not started
+            req.see_grammar_start(token)
+            continue
         if not matcher.accept(token):
             return (f"structured output: earlier output token {i} (id {token}) is not "
                     f"allowed by the grammar: {matcher.error or 'rejected'}")
@@ -117,4 +120,5 @@ def rebuild(req: Request) -> str | None:
 
 def grammar_complete(req: Request) -> bool:
     """The request's structured output is complete: it stops here ("stop")."""
-    return req.grammar is not None and req.grammar.is_terminated
+    grammar = req.active_grammar
+    return grammar is not None and grammar.is_terminated

@@ -29,13 +29,15 @@ class GrammarMasks:
 
 
 def fill_grammar_masks(reqs: list[Request]) -> GrammarMasks | None:
-    """The masks of the constrained requests among `reqs` (None when there are none)."""
+    """The masks of the constrained requests among `reqs` (None when there are none); a
+    grammar still waiting for its start token (`Request.grammar_after`) constrains nothing."""
     rows: list[int] = []
     matchers: list[GrammarMatcher] = []
     for i, r in enumerate(reqs):
-        if r.grammar is not None:
+        grammar = r.active_grammar
+        if grammar is not None:
             rows.append(i)
-            matchers.append(r.grammar)
+            matchers.append(grammar)
     if not rows:
         return None
     backend = matchers[0].backend  # an engine's matchers all come from its one backend
@@ -77,6 +79,15 @@ def keep_bits(packed: torch.Tensor, vocab: int) -> torch.Tensor:
         return keep[:, :vocab]
     pad = torch.zeros(rows, vocab - words * 32, dtype=torch.int32, device=packed.device)
     return torch.cat([keep, pad], dim=1)
+
+
+def see_grammar_starts(reqs: list[Request], tokens: list[int]) -> None:
+    """Each request whose grammar waits for its start token (a reasoning model's end of
+    thinking) sees its sampled token; the grammar constrains the tokens after that one.
+    Called after `accept_sampled`, so a grammar opened here takes no token this step."""
+    for req, token in zip(reqs, tokens):
+        if req.grammar_after is not None:
+            req.see_grammar_start(token)
 
 
 def accept_sampled(reqs: list[Request], masks: GrammarMasks, tokens: list[int],
