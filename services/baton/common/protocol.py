@@ -30,6 +30,7 @@ from baton.common.sampling_params import (
     SamplingParams,
     StructuredOutput,
 )
+from baton.common.structured_limits import MAX_GRAMMAR_CHARS, MAX_REGEX_CHARS
 from baton.common.tools import (
     ParamError,
     Tool,
@@ -116,8 +117,9 @@ class _SamplingFields(RequestModel):
     priority: Annotated[int, Field(ge=-(1 << 31), lt=1 << 31)] = 0  # lower runs first
     response_format: ResponseFormat | None = None
     guided_json: dict[str, object] | str | None = None
-    guided_regex: Annotated[str, Field(min_length=1)] | None = None
-    guided_grammar: Annotated[str, Field(min_length=1)] | None = None
+    guided_regex: Annotated[str, Field(min_length=1, max_length=MAX_REGEX_CHARS)] | None = None
+    guided_grammar: Annotated[str, Field(min_length=1,
+                                         max_length=MAX_GRAMMAR_CHARS)] | None = None
 
     @model_validator(mode="after")
     def _check_stream_options(self) -> Self:

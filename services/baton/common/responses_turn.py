@@ -14,7 +14,8 @@ import json
 from dataclasses import dataclass, field
 
 from baton.common.errors import OpenAIError
-from baton.common.protocol import ChatCompletionRequest, parse_request
+from baton.common.parsing import parse_request_off_loop
+from baton.common.protocol import ChatCompletionRequest
 from baton.common.response_store import ResponseStore, StoredResponse
 from baton.common.responses_api import Item, ResponsesRequest
 from baton.common.responses_format import ResponsesFormat
@@ -35,14 +36,14 @@ class Turn:
     async def start(cls, body: bytes, store: ResponseStore) -> Turn:
         """Raises OpenAIError: 400 for a bad body (or a conversation the chat request
         refuses), 404 for an unknown `previous_response_id`, 503 for a store away."""
-        request = parse_request(ResponsesRequest, body)
+        request = await parse_request_off_loop(ResponsesRequest, body)
         history: list[Item] = []
         if request.previous_response_id is not None:
             history = (await stored(store, request.previous_response_id,
                                     "previous_response_id")).conversation()
         chat_body = json.dumps(request.chat_body(history)).encode()
-        return cls(request, history, parse_request(ChatCompletionRequest, chat_body),
-                   chat_body)
+        chat = await parse_request_off_loop(ChatCompletionRequest, chat_body)
+        return cls(request, history, chat, chat_body)
 
     async def keep(self, store: ResponseStore) -> None:
         """Store the response, when it is done, did not fail, and `store` is true."""

@@ -23,6 +23,7 @@ import jsonschema
 from pydantic import Field, field_validator
 
 from baton.common.request_model import RequestModel
+from baton.common.structured_limits import SchemaTooLarge, check_schema_size
 
 ARGUMENT_KEYS = ("arguments", "parameters")  # what models call a call's arguments
 _EMPTY_OBJECT: dict[str, object] = {"type": "object", "properties": {}}
@@ -39,9 +40,14 @@ class ParamError(ValueError):
 
 def check_json_schema(schema: object, param: str) -> None:
     """Raises ParamError naming `param` unless `schema` is a valid JSON Schema (checked
-    against the metaschema of the draft it declares, 2020-12 by default)."""
+    against the metaschema of the draft it declares, 2020-12 by default) within
+    `common.structured_limits`' bounds, which are checked first."""
     if not isinstance(schema, dict):
         raise ParamError(param, "must be a JSON Schema object")
+    try:
+        check_schema_size(schema)
+    except SchemaTooLarge as err:
+        raise ParamError(param, f"the schema is too large: {err}") from None
     try:
         jsonschema.validators.validator_for(schema).check_schema(schema)
     except jsonschema.SchemaError as err:

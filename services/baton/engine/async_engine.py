@@ -22,19 +22,25 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from baton.common.sampling_params import SamplingParams
+from baton.common.sampling_params import SamplingParams, StructuredOutput
 from baton.common.stats import EngineStats
 from baton.engine.config import EngineConfig, LiveSettings
 from baton.engine.core import EngineCore
+from baton.engine.errors import InvalidRequestError
 from baton.engine.kv_connector.handoff import KVHandoff
 from baton.engine.outputs import CompletionOutput, EngineOutput, RequestOutput
 from baton.engine.request import Request
+from baton.engine.structured.base import CompiledGrammar, GrammarCompileError
 
 log = logging.getLogger(__name__)
 
 ENGINE_THREAD_NAME = "baton-engine"
+# Threads compiling requests' grammars: two slow specs at once still leave the event loop
+# and the engine thread theirs (llguidance drops the GIL while it compiles)
+GRAMMAR_THREADS = 2
 _PR_SET_NAME = 15
 
 
@@ -63,6 +69,8 @@ class AsyncEngine:
         # thread, so neither needs a lock.
         self._num_sent = 0
         self._num_applied = 0
+        self._grammar_pool = ThreadPoolExecutor(GRAMMAR_THREADS,
+                                                thread_name_prefix="baton-grammar")
 
     @property
     def tokenizer(self):
@@ -120,6 +128,7 @@ class AsyncEngine:
 
     def shutdown(self) -> None:
         self._stopping = True
+        self._grammar_pool.shutdown(wait=False, cancel_futures=True)
         self._commands.put(("stop", None))
         if self._thread is not None:
             self._thread.join(timeout=30)
@@ -127,11 +136,30 @@ class AsyncEngine:
     # -- the event-loop side ---------------------------------------------------------------
     def make_request(self, request_id: str, prompt_token_ids: list[int],
                      params: SamplingParams, priority: int = 0, *,
-                     kv: KVHandoff | None = None, presampled: int = 0) -> Request:
+                     kv: KVHandoff | None = None, presampled: int = 0,
+                     grammar: CompiledGrammar | None = None) -> Request:
         """Validate and build a request (raises InvalidRequestError); `submit` queues it.
-        `kv` / `presampled`: see `EngineCore.make_request`."""
+        `kv` / `presampled` / `grammar`: see `EngineCore.make_request`."""
         return self.core.make_request(request_id, prompt_token_ids, params, priority, kv=kv,
-                                      presampled=presampled)
+                                      presampled=presampled, grammar=grammar)
+
+    async def compile_grammar(self, structured: StructuredOutput | None
+                              ) -> CompiledGrammar | None:
+        """`structured` compiled on one of GRAMMAR_THREADS threads (neither the event loop
+        nor the engine thread, and no lock another request needs), for `make_request`.
+        Raises InvalidRequestError for a spec that does not compile, or not within the
+        limit (`StructuredOutputs.compile_timeout_s`, counted from now)."""
+        if structured is None:
+            return None
+        outputs = self.core.structured
+        work = asyncio.get_running_loop().run_in_executor(
+            self._grammar_pool, outputs.compile, structured)
+        try:
+            return await asyncio.wait_for(work, outputs.compile_timeout_s)
+        except TimeoutError:  # the thread finishes on its own; its result is dropped
+            raise InvalidRequestError(outputs.timeout_message(structured.kind)) from None
+        except GrammarCompileError as err:
+            raise InvalidRequestError(str(err)) from None
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     priority: int = 0, *, kv: KVHandoff | None = None) -> asyncio.Queue:

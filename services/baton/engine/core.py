@@ -28,7 +28,7 @@ from baton.engine.runner import ModelRunner
 from baton.engine.sampler import TokenLogprobs
 from baton.engine.scheduler import SchedulerLimits, make_scheduler
 from baton.engine.stops import text_end, token_ends
-from baton.engine.structured.base import GrammarCompileError
+from baton.engine.structured.base import CompiledGrammar, GrammarCompileError
 from baton.engine.structured.manager import StructuredOutputs, rebuild
 
 log = logging.getLogger(__name__)
@@ -98,14 +98,16 @@ class EngineCore:
     def make_request(self, request_id: str, prompt_token_ids: list[int],
                      params: SamplingParams, priority: int = 0, detokenize: bool = True,
                      arrival_time: float | None = None, *, kv: KVHandoff | None = None,
-                     presampled: int = 0) -> Request:
+                     presampled: int = 0, grammar: CompiledGrammar | None = None) -> Request:
         """Validate and build a request without touching engine state (thread-safe).
 
         `kv`: `HoldKV` (prefill role) or `PullKV` (decode role), see `engine.kv_connector`;
         a pulled request's first output is the token the prefill sampled. `presampled`:
         draws a seeded sampler already made for this request elsewhere (tokens a resumed
         stream had sent), which ours skips to continue its sequence, and a structured
-        output's grammar is advanced over (in `add`; a spec that does not compile raises)."""
+        output's grammar is advanced over (in `add`; a spec that does not compile raises).
+        `grammar`: `params.structured` compiled already (`structured.compile`, off this
+        thread: the worker's `AsyncEngine.compile_grammar`); else it is compiled here."""
         n = len(prompt_token_ids)
         self._check_prompt(prompt_token_ids)
         self._check_params(params)
@@ -116,7 +118,8 @@ class EngineCore:
         if arrival_time is not None:
             req.arrival_time = arrival_time
         try:
-            req.grammar = self.structured.matcher_for(params.structured)
+            req.grammar = (grammar.matcher() if grammar is not None
+                           else self.structured.matcher_for(params.structured))
         except GrammarCompileError as err:
             raise InvalidRequestError(str(err), param="response_format") from None
         if presampled < 0:

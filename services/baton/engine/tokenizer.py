@@ -50,12 +50,24 @@ def apply_chat_template(tokenizer, messages: list[dict], add_generation_prompt: 
     """The conversation's token ids. `messages` as OpenAI's, with each call's `arguments`
     a dict and the `name` / `tool_calls` / `tool_call_id` fields a template reads;
     `tools` OpenAI-shaped function tools (None: the template renders none)."""
+    text = render_conversation(tokenizer, messages, add_generation_prompt, tools, **kwargs)
+    return encode_rendered(tokenizer, text)
+
+
+def render_conversation(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
+                         tools: list[dict] | None = None, **kwargs) -> str:
+    """The conversation as the prompt's text (what `apply_chat_template` tokenises)."""
     if not tokenizer.chat_template:
         raise ValueError("this model's tokenizer has no chat template; use completions")
-    ids = tokenizer.apply_chat_template(messages, tools=tools,
-                                        add_generation_prompt=add_generation_prompt,
-                                        tokenize=True, return_dict=False, **kwargs)
-    return list(ids)
+    return tokenizer.apply_chat_template(messages, tools=tools,
+                                         add_generation_prompt=add_generation_prompt,
+                                         tokenize=False, **kwargs)
+
+
+def encode_rendered(tokenizer, text: str) -> list[int]:
+    """A rendered chat prompt's ids: the template wrote its special tokens itself, so none
+    is added (as transformers' `apply_chat_template(tokenize=True)`)."""
+    return list(tokenizer.encode(text, add_special_tokens=False))
 
 
 class IncrementalDetokenizer:

@@ -39,6 +39,7 @@ from baton.common.errors import OpenAIError
 from baton.common.http_limits import aiohttp_protocols
 from baton.common.internal import Api, OpenAIBody
 from baton.common.metrics import CONTENT_TYPE, RouterMetrics, render
+from baton.common.parsing import parse_off_loop, parse_request_off_loop
 from baton.common.protocol import ChatCompletionRequest, CompletionRequest, parse_request
 from baton.common.responses_api import ResponsesRequest
 from baton.common.tokenize_protocol import (
@@ -208,7 +209,7 @@ class Router:
         try:
             tenant.admit(time.monotonic())
             body = await request.read()
-            req = parse(body)
+            req = await parse_off_loop(parse, body)
             if req.model is not None:
                 self._check_model(req.model)
             rid = request.headers.get("X-Request-Id") or uuid.uuid4().hex
@@ -247,7 +248,8 @@ class Router:
         tenant.admit(received)
         body = await request.read()
         turn = await self.responses_api.start(body) if model_cls is ResponsesRequest else None
-        req = turn.chat if turn else parse_request(cast(type[OpenAIBody], model_cls), body)
+        req = turn.chat if turn else await parse_request_off_loop(
+            cast(type[OpenAIBody], model_cls), body)
         body, path = (turn.chat_body, CHAT_PATH) if turn else (body, path)
         self._check_model(req.model)
         rid = request.headers.get("X-Request-Id") or uuid.uuid4().hex

@@ -29,6 +29,7 @@ from starlette.responses import JSONResponse, Response
 from baton.common.auth import TOKEN_HEADER, bearer, token_matches
 from baton.common.errors import OpenAIError, install_error_handlers
 from baton.common.metrics import CONTENT_TYPE, render
+from baton.common.parsing import parse_off_loop, parse_request_off_loop
 from baton.common.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -180,17 +181,17 @@ def _install_openai_routes(app: FastAPI, state: WorkerState) -> None:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        req = parse_request(ChatCompletionRequest, await request.body())
+        req = await parse_request_off_loop(ChatCompletionRequest, await request.body())
         return await state.require_pipeline().serve(request, Call("chat", req))
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        req = parse_request(CompletionRequest, await request.body())
+        req = await parse_request_off_loop(CompletionRequest, await request.body())
         return await state.require_pipeline().serve(request, Call("completions", req))
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
-        req = parse_tokenize_request(await request.body())
+        req = await parse_off_loop(parse_tokenize_request, await request.body())
         return state.require_pipeline().tokenize(req)
 
     @app.post("/detokenize")

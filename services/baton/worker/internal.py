@@ -34,6 +34,7 @@ from baton.common.internal import (
     PrefillResponse,
     ReleaseRequest,
 )
+from baton.common.parsing import parse_request_off_loop
 from baton.common.protocol import parse_request
 from baton.common.roles import Role
 from baton.common.sampling_params import SamplingParams
@@ -41,7 +42,7 @@ from baton.common.tracing import NO_SPAN, Span
 from baton.engine.kv_connector import HoldKV, PullKV
 from baton.worker import traces
 from baton.worker.openai_api import Internal
-from baton.worker.pipeline import Call, Pipeline
+from baton.worker.pipeline import Call, Pipeline, constraint_field
 from baton.worker.serving import engine_error, new_id
 from baton.worker.state import WorkerState
 
@@ -52,7 +53,7 @@ def install_internal_routes(app: FastAPI, state: WorkerState) -> None:
     if role == Role.PREFILL:
         @app.post("/internal/prefill")
         async def internal_prefill(request: Request):
-            msg = parse_request(PrefillRequest, await request.body())
+            msg = await parse_request_off_loop(PrefillRequest, await request.body())
             pipeline = state.require_pipeline()
             span = traces.start_request(pipeline.tracing, "worker.prefill", request.headers)
             answer = await prefill(pipeline, msg, new_id("prefill"), span)
@@ -69,7 +70,7 @@ def install_internal_routes(app: FastAPI, state: WorkerState) -> None:
     if role == Role.DECODE:
         @app.post("/internal/generate")
         async def internal_generate(request: Request):
-            msg = parse_request(GenerateRequest, await request.body())
+            msg = await parse_request_off_loop(GenerateRequest, await request.body())
             return await state.require_pipeline().serve(request, generate_call(msg))
 
 
@@ -88,7 +89,7 @@ async def prefill(pipeline: Pipeline, msg: PrefillRequest, request_id: str,
     full, 5xx when the engine fails or ends without KV to hand over."""
     jobs: list = []
     try:
-        jobs = _prefill_jobs(pipeline, msg, request_id)
+        jobs = await _prefill_jobs(pipeline, msg, request_id)
         answer = await _run_prefill(pipeline.serving, jobs, request_id)
     except BaseException as err:
         traces.end_request(pipeline.tracing, span, jobs, err)
@@ -97,15 +98,16 @@ async def prefill(pipeline: Pipeline, msg: PrefillRequest, request_id: str,
     return answer
 
 
-def _prefill_jobs(pipeline: Pipeline, msg: PrefillRequest, request_id: str) -> list:
+async def _prefill_jobs(pipeline: Pipeline, msg: PrefillRequest, request_id: str) -> list:
     req = msg.request
     pipeline.check_model(req.model)
-    prompts = pipeline.prompts(msg.api, req)
+    prompts = await pipeline.tokenize_prompts(msg.api, req)
     if len(prompts) != 1:
         raise OpenAIError(400, "remote prefill takes one prompt per request")
     params = prefill_params(pipeline.sampling_params(msg.api, req))
+    grammar = await pipeline.serving.compile_grammar(params.structured, constraint_field(req))
     return pipeline.serving.make_jobs(request_id, prompts, params, "prompt", kv=HoldKV(),
-                                      priority=req.priority)
+                                      priority=req.priority, grammar=grammar)
 
 
 async def _run_prefill(serving, jobs: list, request_id: str) -> PrefillResponse:

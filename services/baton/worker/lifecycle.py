@@ -125,11 +125,14 @@ async def drain(state: WorkerState, inflight: Inflight, timeout_s: float) -> Non
 
 def serve(app, state: WorkerState, host: str, port: int, log_level: str,
           drain_timeout_s: float, header_timeout_s: float = HEADER_TIMEOUT_S) -> None:
-    """Run the worker's app until it is stopped (drained, interrupted, engine dead). A
-    connection whose request head takes longer than `header_timeout_s` is closed."""
+    """Run the worker's app until it is stopped (drained, interrupted, engine dead); Ctrl-C
+    returns quietly (exit 0), as SIGTERM does. A connection whose request head takes longer than `header_timeout_s` is closed."""
     inflight = Inflight(app)
     config = uvicorn.Config(inflight, host=host, port=port, log_level=log_level,
                             access_log=False, loop="uvloop",
                             http=httptools_protocol(header_timeout_s),
                             timeout_graceful_shutdown=5, log_config=None)
-    WorkerServer(config, state, inflight, drain_timeout_s).run()
+    try:
+        WorkerServer(config, state, inflight, drain_timeout_s).run()
+    except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it stopped on: a clean stop
+        log.info("worker on port %d stopped (interrupted)", port)

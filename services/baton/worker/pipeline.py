@@ -24,6 +24,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from baton.common.errors import OpenAIError
 from baton.common.internal import Api, OpenAIBody
+from baton.common.prompt_bound import max_prompt_chars
 from baton.common.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -36,7 +37,7 @@ from baton.common.tokenize_protocol import (
 )
 from baton.common.tracing import Span, Tracing
 from baton.engine.kv_connector import PullKV
-from baton.engine.tokenizer import apply_chat_template, require_tokenizer
+from baton.engine.tokenizer import encode_rendered, render_conversation, require_tokenizer
 from baton.worker import openai_api, traces
 from baton.worker.openai_api import PUBLIC, Internal, OpenAIFormat
 from baton.worker.serving import Job, Serving, engine_error, new_id
@@ -70,6 +71,11 @@ class Pipeline:
         self.model_names = model_names or (fmt.model_name,)
         self.tokenizer = fmt.tokenizer
         self.priority_scheduling = priority_scheduling
+        # a prompt longer than this cannot fit: refused before it is tokenised (None: no
+        # sound bound for this tokenizer, or none)
+        self.max_prompt_chars = (
+            max_prompt_chars(self.tokenizer.backend_tokenizer.to_str(), serving.max_model_len)
+            if hasattr(self.tokenizer, "backend_tokenizer") else None)
 
     def check_model(self, name: str) -> None:
         """A 404 OpenAIError unless `name` is one of the names this worker serves."""
@@ -91,21 +97,43 @@ class Pipeline:
         if api == "chat":
             return [self._chat_prompt(request)]
         assert isinstance(request, CompletionRequest)  # the body of api "completions"
-        return [self.require_tokenizer("a text prompt").encode(p) if isinstance(p, str)
-                else list(p) for p in request.prompts()]
+        return [self._encode(p) if isinstance(p, str) else list(p) for p in request.prompts()]
+
+    def _encode(self, prompt: str) -> list[int]:
+        tokenizer = self.require_tokenizer("a text prompt")
+        self.check_prompt_chars(len(prompt), "prompt")
+        return tokenizer.encode(prompt)
+
+    def check_prompt_chars(self, chars: int, param: str) -> None:
+        """A 400 (context_length_exceeded) for a prompt text too long to fit in any
+        tokenisation (`common.prompt_bound`), before it is tokenised."""
+        bound = self.max_prompt_chars
+        if bound is not None and chars > bound:
+            raise OpenAIError(400, f"this model's maximum context length is "
+                                   f"{self.serving.max_model_len} tokens, and a prompt of "
+                                   f"{chars} characters has more with this tokenizer (at "
+                                   f"most {bound} characters fit)", param=param,
+                              code="context_length_exceeded")
+
+    async def tokenize_prompts(self, api: Api, request: OpenAIBody) -> list[list[int]]:
+        """`prompts` on a thread: a long prompt's tokenisation does not hold the event loop
+        (the fast tokenizer drops the GIL while it encodes)."""
+        return await asyncio.to_thread(self.prompts, api, request)
 
     def _chat_prompt(self, request) -> list[int]:
         """A conversation's (chat or /tokenize) ids through the chat template, its tools
         included."""
         tokenizer = self.require_tokenizer("chat (the model's chat template)", "messages")
         try:
-            return apply_chat_template(tokenizer, request.template_messages(),
-                                       request.add_generation_prompt,
+            text = render_conversation(tokenizer, request.template_messages(),
+                                        request.add_generation_prompt,
                                        tools=request.template_tools(),
                                        **(request.chat_template_kwargs or {}))
         except Exception as err:  # noqa: BLE001 - template errors are the caller's input
             raise OpenAIError(400, f"the chat template rejected the messages: {err}",
                               param="messages") from None
+        self.check_prompt_chars(len(text), "messages")
+        return encode_rendered(tokenizer, text)
 
     async def serve(self, http: Request, call: Call) -> Response:
         """Answer `call`, streamed or whole. Raises OpenAIError (4xx before anything was
@@ -117,7 +145,9 @@ class Pipeline:
         if timing is not None:
             internal = replace(internal, timing=parse_timing(timing))
         params = self.sampling_params(call.api, req)
-        prompts = call.prompts if call.prompts is not None else self.prompts(call.api, req)
+        prompts = (call.prompts if call.prompts is not None
+                   else await self.tokenize_prompts(call.api, req))
+        grammar = await self.serving.compile_grammar(params.structured, constraint_field(req))
         prefix = "chatcmpl" if call.api == "chat" else "cmpl"
         rid = response_id(prefix, http.headers.get("x-request-id"))
         resume = internal.resume
@@ -125,7 +155,7 @@ class Pipeline:
             new_id(prefix), prompts, params,
             "messages" if call.api == "chat" else "prompt", kv=call.kv,
             presampled=resume.completion_tokens if resume is not None else 0,
-            priority=req.priority)  # an fcfs worker takes 0 only (sampling_params checks)
+            priority=req.priority, grammar=grammar)  # an fcfs worker takes 0 only (sampling_params checks)
         if internal.return_token_ids and len(jobs) != 1:
             raise OpenAIError(400, "return_token_ids needs one prompt and n = 1",
                               param="return_token_ids")
@@ -212,6 +242,11 @@ class Pipeline:
 _CLIENT_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 TIMING_PARTS = ("router_queue", "prefill")  # what a router's X-Baton-Timing names
 MAX_TIMING_S = 86400.0
+
+
+def constraint_field(req: OpenAIBody) -> str:
+    """The request field its output constraint comes from, for a 400 about it."""
+    return next(iter(req.constraints()), "response_format")
 
 
 def response_id(prefix: str, client_id: str | None) -> str:

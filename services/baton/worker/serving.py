@@ -22,13 +22,14 @@ from dataclasses import dataclass
 from baton.common.errors import NO_RETRY_HEADER, OpenAIError
 from baton.common.internal import KVTransferParams
 from baton.common.metrics import WorkerMetrics
-from baton.common.sampling_params import SamplingParams, child_params
+from baton.common.sampling_params import SamplingParams, StructuredOutput, child_params
 from baton.engine.async_engine import AsyncEngine, EngineDeadError
 from baton.engine.context_window import check_context
 from baton.engine.errors import InvalidRequestError
 from baton.engine.kv_connector import KVHandoff
 from baton.engine.outputs import EngineOutput
 from baton.engine.request import Request
+from baton.engine.structured.base import CompiledGrammar
 
 
 @dataclass(frozen=True)
@@ -72,19 +73,32 @@ class Serving:
     # -- before the engine -----------------------------------------------------------------
     def make_jobs(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
                   param: str, *, kv: KVHandoff | None = None, presampled: int = 0,
-                  priority: int = 0) -> list[Job]:
+                  priority: int = 0, grammar: CompiledGrammar | None = None) -> list[Job]:
         """Validate every prompt against the context window and build one job per prompt
-        and sample (`kv` / `presampled` / `priority`: see `AsyncEngine.make_request`).
+        and sample (`kv` / `presampled` / `priority` / `grammar`: see
+        `AsyncEngine.make_request`; `grammar` from `compile_grammar`).
         Raises a 400 OpenAIError naming `param` for a bad prompt; nothing is queued yet."""
         try:
             for ids in prompts:  # every prompt before any job is made
                 check_context(len(ids), params.max_tokens, self.max_model_len)
-            return self._make_jobs(request_id, prompts, params, priority, kv, presampled)
+            return self._make_jobs(request_id, prompts, params, priority, kv, presampled,
+                                   grammar)
         except InvalidRequestError as err:
             raise OpenAIError(400, str(err), param=err.param or param, code=err.code) from None
 
+    async def compile_grammar(self, structured: StructuredOutput | None, param: str
+                              ) -> CompiledGrammar | None:
+        """The request's output constraint compiled off the event loop and off the engine
+        thread; a 400 OpenAIError naming `param` (the field that asked for it) when it does
+        not compile, or not in time."""
+        try:
+            return await self.engine.compile_grammar(structured)
+        except InvalidRequestError as err:
+            raise OpenAIError(400, str(err), param=param) from None
+
     def _make_jobs(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
-                   priority: int, kv: KVHandoff | None, presampled: int) -> list[Job]:
+                   priority: int, kv: KVHandoff | None, presampled: int,
+                   grammar: CompiledGrammar | None) -> list[Job]:
         children = child_params(params)
         jobs = []
         for p, ids in enumerate(prompts):
@@ -92,7 +106,7 @@ class Serving:
                 index = p * len(children) + i
                 rid = f"{request_id}-{index}"
                 req = self.engine.make_request(rid, ids, child, priority, kv=kv,
-                                               presampled=presampled)
+                                               presampled=presampled, grammar=grammar)
                 jobs.append(Job(index, rid, ids, req))
         return jobs
 

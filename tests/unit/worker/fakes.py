@@ -47,10 +47,11 @@ class FakeTokenizer:
         return [f"<{i}>" for i in ids]
 
     def apply_chat_template(self, messages, add_generation_prompt=True, tools=None,
-                            **_) -> list[int]:
+                            tokenize=True, **_) -> list[int] | str:
         self.rendered.append({"messages": messages, "tools": tools})
         names = "".join(t["function"]["name"] for t in tools or ())
-        return [1] + [ord(c) for m in messages for c in m["content"] + names]
+        text = chr(1) + "".join(m["content"] + names for m in messages)
+        return self.encode(text, add_special_tokens=False) if tokenize else text
 
 
 @dataclass
@@ -97,12 +98,15 @@ class FakeEngine:
     aborted: list[str] = field(default_factory=list)
 
     def make_request(self, request_id, prompt_token_ids, params, priority=0, *, kv=None,
-                     presampled=0) -> FakeRequest:
+                     presampled=0, grammar=None) -> FakeRequest:
         if not prompt_token_ids:
             raise InvalidRequestError("the prompt is empty")
         req = FakeRequest(request_id, list(prompt_token_ids), params, kv, presampled, priority)
         self.made.append(req)
         return req
+
+    async def compile_grammar(self, structured):
+        return None  # no grammar engine: constraints are not enforced here
 
     def submit(self, req: FakeRequest) -> asyncio.Queue:
         self.submitted.append(req.request_id)

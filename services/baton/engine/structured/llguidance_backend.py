@@ -28,15 +28,23 @@ weighs nothing.
 JSON is generated in `json.dumps`' default layout (", " and ": ", no other whitespace): a
 small model given free whitespace may emit newlines forever. A schema's own `x-guidance`
 options override this.
+
+Bounded at compile, never mid-generation (issue 38): the parser's limits are set explicitly
+(`LIMITS`), and `compile` computes the grammar's first mask on its template, so the lexer a
+regex builds lazily is built then, on the compiling thread, and a grammar the engine refuses
+at its first token (too many lexer states, too much fuel, a row too wide) is a compile error,
+the request's 400. Every matcher is a copy of that template and starts with its lexer built.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import random
 from collections.abc import Sequence
 from typing import cast
 
+import numpy as np
 import torch
 
 from baton.engine.structured.base import (
@@ -48,6 +56,21 @@ from baton.engine.structured.base import (
 
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 ANY_JSON_OBJECT = '{"type": "object"}'
+# llguidance's parser limits, made explicit: what one request's grammar may cost a step.
+# Fuel is llguidance's unit of work (~14k per ms when masking). A row wider than its default
+# (2,000) is allowed, since step_max_items bounds a step's parser work anyway: a choice of
+# 9,000 literals or 2,000 optional properties (~4 items each, common.structured_limits)
+# would otherwise compile and then fail at its first token.
+LIMITS = {
+    "max_items_in_row": 10_000,  # Earley items in one row: a choice's width (~0.5 ms)
+    "initial_lexer_fuel": 1_000_000,  # building the regexes' ASTs, at compile (~20 ms)
+    "step_lexer_fuel": 200_000,  # one mask's lexer work (~15 ms)
+    "step_max_items": 50_000,  # one mask's parser items (~2.5 ms)
+    "max_lexer_states": 250_000,  # lexer DFA states, 1-2 kB each
+    "max_grammar_size": 500_000,  # symbols in the grammar's productions
+}
+# Compile-time probe: this many random walks of this many tokens (a mask each, ~1-15 ms)
+PROBE_WALKS, PROBE_STEPS = 4, 8
 
 
 def _import_llguidance():
@@ -101,17 +124,36 @@ class LLGuidanceBackend(GrammarBackend):
         # The tokenizer's own EOS: what a grammar allows where it may end (~0.6 s, once).
         self._tokenizer = from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=eos_token_id)
         self._executor = llg.LLExecutor(num_threads or min(os.cpu_count() or 1, 8))
+        self._limits = llg.LLParserLimits(**LIMITS, verbose_errors=False)
 
     def compile(self, kind: str, spec: str) -> LLGuidanceGrammar:
+        """The template matcher, its first mask computed (llguidance drops the GIL for
+        both): whatever the engine refuses at the first token is refused here."""
         grammar = self._grammar_text(kind, spec)
-        matcher_cls = self._llg.LLMatcher
-        is_error, messages = matcher_cls.validate_grammar_with_warnings(grammar, self._tokenizer)
-        if is_error:
-            raise GrammarCompileError(messages[0] if messages else "invalid grammar")
-        template = matcher_cls(self._tokenizer, grammar, log_level=0)
-        if template.is_error():
-            raise GrammarCompileError(template.get_error())
+        template = self._llg.LLMatcher(self._tokenizer, grammar, log_level=0,
+                                       limits=self._limits)
+        if not template.is_error():
+            template.compute_bitmask()  # builds the lexer now, not on the engine thread
+        error = template.get_error() if template.is_error() else self._probe(template)
+        if error:
+            raise GrammarCompileError(_first_line(error))
         return LLGuidanceGrammar(self, template)
+
+    def _probe(self, template) -> str:
+        """Walk a few short random paths through copies of the template (a mask, an
+        allowed token, ...): a limit the grammar hits within its first tokens is found here,
+        at compile, rather than by a request mid-generation. Returns the error, or ""."""
+        rng = random.Random(0)
+        for _ in range(PROBE_WALKS):
+            matcher = template.deep_copy()
+            for _ in range(PROBE_STEPS):
+                allowed = _allowed_ids(matcher.compute_bitmask(), self.vocab_size)
+                if matcher.is_error() or not allowed or matcher.is_stopped():
+                    break
+                matcher.consume_token(rng.choice(allowed))
+            if matcher.is_error():
+                return matcher.get_error()
+        return ""
 
     def _grammar_text(self, kind: str, spec: str) -> str:
         """The spec as llguidance's grammar text; raises GrammarCompileError."""
@@ -143,6 +185,17 @@ class LLGuidanceBackend(GrammarBackend):
         self._executor.unsafe_compute_mask_ptr(
             [(cast(LLGuidanceMatcher, m).inner, i) for i, m in enumerate(matchers)],
             bitmask.data_ptr(), words * 4, rows)
+
+
+def _allowed_ids(mask: bytes, vocab_size: int) -> list[int]:
+    """The token ids a bitmask row (bit t % 32 of word t // 32, little-endian) allows."""
+    bits = np.unpackbits(np.frombuffer(mask, dtype=np.uint8), bitorder="little")
+    return [int(t) for t in np.flatnonzero(bits[:vocab_size])]
+
+
+def _first_line(error: str) -> str:
+    """llguidance's message without the parser state it may append."""
+    return error.split("\n<state>", 1)[0].strip() or "invalid grammar"
 
 
 def _check_schema_text(spec: str) -> None:

@@ -5,6 +5,7 @@ rebuilds a matcher over the tokens a request was generating before it came here.
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 
@@ -19,23 +20,31 @@ from baton.engine.structured.base import (
 
 # Distinct specs kept compiled; a service sees a few schemas over and over.
 DEFAULT_CACHE_SIZE = 256
+# A spec whose compilation takes longer is refused (and not cached): what one request may
+# cost a compiling thread. The input bounds (common.structured_limits) keep real ones far
+# below it.
+COMPILE_TIMEOUT_S = 10.0
 
 
 class StructuredOutputs:
     """Built once per engine; the backend (the tokenizer's vocabulary turned into the
     grammar engine's form, ~0.6 s) is made on first use, or by `warm_up`.
 
-    `matcher_for` and `warm_up` may be called from any thread (the caller of
-    `make_request`); matchers are then used on the engine thread only."""
+    `compile`, `matcher_for` and `warm_up` may be called from any thread (the caller of
+    `make_request`, or the worker's compiling threads); matchers are then used on the
+    engine thread only. A compilation holds no lock: the lock guards the cache and the
+    backend's construction only, so one slow spec never waits another."""
 
     def __init__(self, make_backend: Callable[[], GrammarBackend] | None,
-                 cache_size: int = DEFAULT_CACHE_SIZE) -> None:
+                 cache_size: int = DEFAULT_CACHE_SIZE,
+                 compile_timeout_s: float = COMPILE_TIMEOUT_S) -> None:
         """`make_backend` None: no grammar engine (an engine without a tokenizer), every
         structured request is refused."""
         self._make_backend = make_backend
         self._backend: GrammarBackend | None = None
         self._cache: OrderedDict[tuple[str, str], CompiledGrammar] = OrderedDict()
         self._cache_size = cache_size
+        self.compile_timeout_s = compile_timeout_s
         self._lock = threading.Lock()
 
     @classmethod
@@ -73,21 +82,39 @@ class StructuredOutputs:
         most once per distinct (kind, spec) while it stays cached."""
         if structured is None:
             return None
+        return self.compile(structured).matcher()
+
+    def compile(self, structured: StructuredOutput) -> CompiledGrammar:
+        """The compiled constraint, from the cache or compiled now on the calling thread
+        (outside the lock). Raises GrammarCompileError naming the kind and the problem,
+        also when compiling took longer than `compile_timeout_s`."""
         key = (structured.kind, structured.spec)
         with self._lock:
+            backend = self._backend_locked()
             compiled = self._cache.get(key)
-            if compiled is None:
-                try:
-                    compiled = self._backend_locked().compile(*key)
-                except GrammarCompileError as err:
-                    raise GrammarCompileError(f"the structured output ({structured.kind}) "
-                                              f"cannot be compiled: {err}") from None
-                self._cache[key] = compiled
-                if len(self._cache) > self._cache_size:
-                    self._cache.popitem(last=False)
-            else:
+            if compiled is not None:
                 self._cache.move_to_end(key)
-            return compiled.matcher()
+                return compiled
+        t0 = time.monotonic()
+        try:
+            compiled = backend.compile(*key)
+        except GrammarCompileError as err:
+            raise GrammarCompileError(f"the structured output ({structured.kind}) cannot be "
+                                      f"compiled: {err}") from None
+        took = time.monotonic() - t0
+        if took > self.compile_timeout_s:
+            raise GrammarCompileError(self.timeout_message(structured.kind, took))
+        with self._lock:
+            self._cache[key] = compiled
+            if len(self._cache) > self._cache_size:
+                self._cache.popitem(last=False)
+        return compiled
+
+    def timeout_message(self, kind: str, took: float | None = None) -> str:
+        spent = f"took {took:.1f} s" if took is not None else "did not finish"
+        return (f"the structured output ({kind}) is too costly to compile: compiling it "
+                f"{spent}, and the limit is {self.compile_timeout_s:g} s; send a smaller "
+                "schema or grammar")
 
     @property
     def num_cached(self) -> int:
