@@ -52,6 +52,11 @@ def bearer(header: str | None) -> str | None:
     return token.strip() or None if scheme.lower() == "bearer" else None
 
 
+# The caller's tenant on a router -> worker call (a worker believes it only from a caller
+# that proved the internal token; from anyone else it is dropped).
+TENANT_HEADER = "X-Baton-Tenant"
+
+
 def upstream_headers(token: str | None) -> dict[str, str]:
     """Headers a router adds to its calls to workers."""
     return {TOKEN_HEADER: token} if token else {}

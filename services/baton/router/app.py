@@ -28,6 +28,7 @@ import signal
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 from typing import cast
 
 import aiohttp
@@ -258,8 +259,9 @@ class Router:
         # lifespan made these before serving
         assert (self.contexts is not None and self.prefill is not None
                 and self.forwarder is not None and self.releaser is not None)
-        ctx = await self.contexts.build(api, req, len(body),
-                                        request.headers.get("X-Session-Id") or req.user)
+        ctx = replace(await self.contexts.build(
+            api, req, len(body), request.headers.get("X-Session-Id") or req.user),
+            tenant=tenant.name)
         charge = TokenCharge.of(api, req, ctx.prompt_tokens, len(body),
                                 self._context_window(req.model))
         tenant.charge(charge.total, time.monotonic())

@@ -36,6 +36,7 @@ from dataclasses import replace
 
 import aiohttp
 
+from baton.common.auth import TENANT_HEADER
 from baton.common.errors import OpenAIError
 from baton.common.internal import Api, OpenAIBody, PrefillRequest, PrefillResponse
 from baton.common.metrics import RouterMetrics
@@ -104,6 +105,8 @@ class RemotePrefill:
         pod's own answer, when the request caused the refusal."""
         headers = self.tracing.inject({"Content-Type": "application/json",
                                        "X-Request-Id": request_id + "-prefill"})
+        if ctx.tenant is not None:
+            headers[TENANT_HEADER] = ctx.tenant
         pod.inflight += 1
         try:
             status, final, raw = await self._post(pod, message.to_json(), headers, tunables)

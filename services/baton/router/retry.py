@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
+from baton.common.auth import TENANT_HEADER
 from baton.common.errors import OpenAIError
 from baton.common.metrics import RouterMetrics
 from baton.common.roles import Role
@@ -82,7 +83,7 @@ class Forwarder:
                 break
             await self._before(ep, ctx, attempt, deadline, s)
             attempt += 1
-            send = _send(ep, inbound, decode, tracker)
+            send = _send(ep, inbound, decode, tracker, ctx.tenant)
             try:
                 return await self.relay.attempt(client, ep, send, inbound.stream, deadline, s)
             except Retryable as err:
@@ -138,10 +139,12 @@ def _choose(preferred: Upstream | None, ctx: RoutingContext, pipeline: RoutingPi
 
 
 def _send(ep: Upstream, inbound: Inbound, decode: DecodeCall | None,
-          tracker: StreamTracker | None) -> Send:
+          tracker: StreamTracker | None, tenant: str | None = None) -> Send:
     """What `ep` gets: a decode pod the planned (or resumed) GenerateRequest, any other
     upstream the client's own request."""
     headers = {"Content-Type": "application/json", "X-Request-Id": inbound.request_id}
+    if tenant is not None:
+        headers[TENANT_HEADER] = tenant
     if inbound.received is not None and "X-Baton-Timing" in inbound.http.headers:
         prefill = decode.prefill_s if decode is not None else 0.0
         queued = max(time.monotonic() - inbound.received - prefill, 0.0)

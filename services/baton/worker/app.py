@@ -26,7 +26,7 @@ from fastapi import FastAPI, Request
 from starlette.datastructures import Headers
 from starlette.responses import JSONResponse, Response
 
-from baton.common.auth import TOKEN_HEADER, bearer, token_matches
+from baton.common.auth import TENANT_HEADER, TOKEN_HEADER, bearer, token_matches
 from baton.common.errors import OpenAIError, install_error_handlers
 from baton.common.metrics import CONTENT_TYPE, render
 from baton.common.parsing import parse_off_loop, parse_request_off_loop
@@ -83,15 +83,20 @@ class _Auth:
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] == "http":
-            err = self._refuse(scope["path"], Headers(scope=scope))
+            headers = Headers(scope=scope)
+            internal = self.token is not None and token_matches(headers.get(TOKEN_HEADER),
+                                                                self.token)
+            err = self._refuse(scope["path"], headers, internal)
             if err is not None:
                 return await JSONResponse(err.body(), err.status, err.headers)(
                     scope, receive, send)
+            if not internal and TENANT_HEADER in headers:  # only a router names a tenant
+                tenant = TENANT_HEADER.lower().encode()
+                scope = {**scope, "headers": [(k, v) for k, v in scope["headers"]
+                                              if k.lower() != tenant]}
         await self.app(scope, receive, send)
 
-    def _refuse(self, path: str, headers: Headers) -> OpenAIError | None:
-        internal = self.token is not None and token_matches(headers.get(TOKEN_HEADER),
-                                                            self.token)
+    def _refuse(self, path: str, headers: Headers, internal: bool) -> OpenAIError | None:
         if path.startswith("/internal/") and self.token is not None and not internal:
             return OpenAIError(401, f"internal endpoints need the deployment's internal "
                                     f"token ({TOKEN_HEADER})", code="invalid_internal_token")

@@ -41,8 +41,9 @@ from baton.common.sampling_params import SamplingParams
 from baton.common.tracing import NO_SPAN, Span
 from baton.engine.kv_connector import HoldKV, PullKV
 from baton.worker import traces
+from baton.worker.fair_share import DEFAULT_TENANT
 from baton.worker.openai_api import Internal
-from baton.worker.pipeline import Call, Pipeline, constraint_field
+from baton.worker.pipeline import Call, Pipeline, constraint_field, tenant_of
 from baton.worker.serving import engine_error, new_id
 from baton.worker.state import WorkerState
 
@@ -56,7 +57,7 @@ def install_internal_routes(app: FastAPI, state: WorkerState) -> None:
             msg = await parse_request_off_loop(PrefillRequest, await request.body())
             pipeline = state.require_pipeline()
             span = traces.start_request(pipeline.tracing, "worker.prefill", request.headers)
-            answer = await prefill(pipeline, msg, new_id("prefill"), span)
+            answer = await prefill(pipeline, msg, new_id("prefill"), span, tenant_of(request))
             return Response(answer.model_dump_json(), media_type="application/json")
 
         @app.post("/internal/release")
@@ -83,14 +84,14 @@ def prefill_params(params: SamplingParams) -> SamplingParams:
 
 
 async def prefill(pipeline: Pipeline, msg: PrefillRequest, request_id: str,
-                  span: Span = NO_SPAN) -> PrefillResponse:
+                  span: Span = NO_SPAN, tenant: str = DEFAULT_TENANT) -> PrefillResponse:
     """Compute the prompt's KV and hold it; `span` (the request's) ends with it. Raises
     OpenAIError: 400 for a bad request or more than one prompt, 429 when the queue is
     full, 5xx when the engine fails or ends without KV to hand over."""
     jobs: list = []
     try:
         jobs = await _prefill_jobs(pipeline, msg, request_id)
-        answer = await _run_prefill(pipeline.serving, jobs, request_id)
+        answer = await _run_prefill(pipeline.serving, jobs, request_id, tenant)
     except BaseException as err:
         traces.end_request(pipeline.tracing, span, jobs, err)
         raise
@@ -110,8 +111,8 @@ async def _prefill_jobs(pipeline: Pipeline, msg: PrefillRequest, request_id: str
                                       priority=req.priority, grammar=grammar)
 
 
-async def _run_prefill(serving, jobs: list, request_id: str) -> PrefillResponse:
-    serving.admit(jobs)
+async def _run_prefill(serving, jobs: list, request_id: str, tenant: str) -> PrefillResponse:
+    serving.admit(jobs, tenant)
     t0 = time.monotonic()
     first: list = []  # the first token's logprobs, when asked for
     try:

@@ -22,6 +22,7 @@ from fastapi import Request
 from starlette.background import BackgroundTask
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
+from baton.common.auth import TENANT_HEADER
 from baton.common.errors import OpenAIError
 from baton.common.internal import Api, OpenAIBody
 from baton.common.prompt_bound import max_prompt_chars
@@ -39,6 +40,7 @@ from baton.common.tracing import Span, Tracing
 from baton.engine.kv_connector import PullKV
 from baton.engine.tokenizer import encode_rendered, render_conversation, require_tokenizer
 from baton.worker import openai_api, traces
+from baton.worker.fair_share import DEFAULT_TENANT
 from baton.worker.openai_api import PUBLIC, Internal, OpenAIFormat
 from baton.worker.serving import Job, Serving, engine_error, new_id
 
@@ -212,7 +214,7 @@ class Pipeline:
         request's span ends."""
         serving = self.serving
         try:
-            serving.admit(jobs)
+            serving.admit(jobs, tenant_of(http))
         except OpenAIError as err:
             traces.end_request(self.tracing, span, jobs, err)
             raise
@@ -274,6 +276,13 @@ def parse_timing(header: str) -> dict[str, float]:
                                f"commas (names {', '.join(TIMING_PARTS)}; seconds in "
                                f"[0, {MAX_TIMING_S:g}])")
     return parts
+
+
+def tenant_of(http: Request) -> str:
+    """The router's name for the caller's tenant (`X-Baton-Tenant`; the auth middleware
+    drops it from any caller that is not a router), else `default`."""
+    name = http.headers.get(TENANT_HEADER, "")
+    return name if 0 < len(name) <= 64 else DEFAULT_TENANT
 
 
 async def until_disconnect(http: Request, coro):

@@ -30,6 +30,7 @@ from baton.engine.kv_connector import KVHandoff
 from baton.engine.outputs import EngineOutput
 from baton.engine.request import Request
 from baton.engine.structured.base import CompiledGrammar
+from baton.worker.fair_share import DEFAULT_TENANT, FairShare
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,7 @@ class Serving:
         self.metrics = metrics
         self.max_waiting = max_waiting
         self.max_model_len = engine.max_model_len
+        self.fair_share = FairShare(max_waiting)
 
     # -- before the engine -----------------------------------------------------------------
     def make_jobs(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
@@ -110,10 +112,11 @@ class Serving:
                 jobs.append(Job(index, rid, ids, req))
         return jobs
 
-    def admit(self, jobs: list[Job]) -> None:
+    def admit(self, jobs: list[Job], tenant: str = DEFAULT_TENANT) -> None:
         """Queue all jobs in the engine, or none of them: 503 when the engine died, 429 when
-        the waiting queue is full. No await between the check and the adds, so concurrent
-        handlers cannot overfill it."""
+        the waiting queue is full — unless `tenant` is within its fair share of it while
+        another tenant fills it (`fair_share.py`). No await between the check and the adds,
+        so concurrent handlers cannot overfill it."""
         if self.engine.dead_error is not None:
             raise OpenAIError(503, "the engine loop died; this worker is restarting",
                               code="engine_dead")
@@ -123,7 +126,8 @@ class Serving:
                                    "fewer prompts or a smaller n",
                               code="too_many_sequences")
         waiting = self.engine.num_waiting
-        if waiting + len(jobs) > self.max_waiting:
+        if (waiting + len(jobs) > self.max_waiting
+                and not self.fair_share.within_share(tenant, len(jobs))):
             self.metrics.rejected.labels("queue_full").inc()
             raise OpenAIError(429, f"the waiting queue is full ({waiting} of "
                                    f"{self.max_waiting}); retry later", code="queue_full",
@@ -135,6 +139,7 @@ class Serving:
         except Exception:
             self.abort(jobs)
             raise
+        self.fair_share.add(tenant, jobs)
 
     def abort(self, jobs: list[Job]) -> None:
         """Abort whatever of these jobs is still running (a no-op for finished ones)."""

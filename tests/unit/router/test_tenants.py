@@ -200,3 +200,18 @@ def test_a_huge_max_tokens_never_locks_its_tenant_out():
         assert (await post(router, chat(max_tokens=10), **key))[0] == 200
         await stop(router, pods)
     asyncio.run(main())
+
+
+def test_workers_are_told_the_callers_tenant():
+    """Each call to a worker names the caller's tenant (`X-Baton-Tenant`): the worker's
+    fair share of its waiting queue is per tenant."""
+    tenants = (TenantSpec(name="team-a", keys=(SECRET,)),)
+
+    async def main():
+        router, pods = await start(FakePod("both", answer), tenants=tenants,
+                                   api_key="sk-default")
+        assert (await post(router, chat(), Authorization=f"Bearer {SECRET}"))[0] == 200
+        assert (await post(router, chat(), Authorization="Bearer sk-default"))[0] == 200
+        assert [h["X-Baton-Tenant"] for h in pods[0].headers] == ["team-a", "default"]
+        await stop(router, pods)
+    asyncio.run(main())

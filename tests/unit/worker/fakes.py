@@ -62,6 +62,11 @@ class FakeRequest:
     kv: object = None
     presampled: int = 0
     priority: int = 0
+    finished: bool = False  # what the engine's status says (a test sets it)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finished
 
 
 def out(rid: str, tokens: list[int], text: str | None = None, finish: str | None = None,

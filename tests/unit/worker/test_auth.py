@@ -62,3 +62,21 @@ def test_the_token_comes_from_the_environment_or_a_file(tmp_path):
     with pytest.raises(ValueError, match="cannot read"):
         internal_token({"BATON_INTERNAL_TOKEN_FILE": str(tmp_path / "missing")})
     assert TOKEN not in repr(WorkerSettings(internal_token=TOKEN, api_keys=(KEY,)))
+
+
+def test_a_tenant_is_believed_only_from_a_router(monkeypatch):
+    """`X-Baton-Tenant` names the caller's tenant for the worker's fair share; from a caller
+    without the internal token it is dropped (tenant `default`)."""
+    from baton.worker.serving import Serving
+
+    seen: list[str] = []
+    admit = Serving.admit
+    monkeypatch.setattr(Serving, "admit",
+                        lambda self, jobs, tenant="default": (seen.append(tenant),
+                                                              admit(self, jobs, tenant))[1])
+    app = make_app(internal_token=TOKEN)
+    given = {"X-Baton-Tenant": "team-a"}
+    assert call(app, "POST", "/v1/chat/completions", CHAT, **given)[0] == 200
+    assert call(app, "POST", "/v1/chat/completions", CHAT,
+                **given, **{TOKEN_HEADER: TOKEN})[0] == 200
+    assert seen == ["default", "team-a"]

@@ -150,3 +150,30 @@ def test_the_routers_timing_header_parses():
     assert parse_timing("router_queue=0.001500,prefill=0.250000") == {
         "router_queue": 0.0015, "prefill": 0.25}
     assert parse_timing("1") == {}
+
+
+def test_a_tenant_within_its_share_is_admitted_while_another_fills_the_queue():
+    """Tenant a fills the queue of 4; b still gets its share (4 // 2 = 2), a gets a 429, and
+    a lone tenant sees the plain queue limit."""
+    serving, engine, metrics = make_serving(max_waiting=4)
+    one = SamplingParams(max_tokens=4)
+
+    def jobs(rid: str, n: int = 1):
+        return serving.make_jobs(rid, [[1]] * n, one, "prompt")
+
+    flood = jobs("a0", 4)
+    serving.admit(flood, "a")
+    engine.num_waiting = 4  # the queue is full of a's
+    for tenant in ("a", "a"):  # alone, a sees the queue limit
+        with pytest.raises(OpenAIError) as err:
+            serving.admit(jobs("a1"), tenant)
+        assert err.value.status == 429
+    serving.admit(jobs("b0"), "b")
+    serving.admit(jobs("b1"), "b")
+    for tenant in ("b", "a"):  # b at its share of 2; a far over it
+        with pytest.raises(OpenAIError) as err:
+            serving.admit(jobs("x"), tenant)
+        assert err.value.status == 429
+    for job in flood:  # a's requests finish: they no longer count
+        job.request.finished = True
+    assert serving.fair_share.in_flight() == {"b": 2}

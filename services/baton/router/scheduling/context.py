@@ -37,6 +37,7 @@ class RoutingContext:
     # a token); None when the request cannot be split (n > 1, several prompts).
     prompt_tokens: int | None = None
     session: str | None = None  # X-Session-Id header, else the request's `user` field
+    tenant: str | None = None  # the caller's tenant, named to workers (their fair share)
 
     def cached_tokens(self, upstream: Upstream) -> int:
         """Tokens of the prompt `upstream` (probably) holds in its prefix cache."""
