@@ -181,6 +181,10 @@ def _parallel_flags(g) -> None:
                    default=engine_default("tensor_parallel_size"),
                    help="split the model over this many ranks, one process (and GPU) each; "
                         "--num-threads is then per rank")
+    g.add_argument("--tp-step-timeout", type=float,
+                   default=engine_default("tp_step_timeout_s"),
+                   help="seconds one tensor-parallel step may take before the engine is "
+                        "failed (a stopped or hung rank); the worker then exits non-zero")
 
 
 def _kv_transfer_flags(g) -> None:
@@ -206,7 +210,8 @@ _ENGINE_FIELDS = {dest: dest for dest in (
     "num_kv_blocks", "gpu_memory_utilization", "kv_cache_dtype", "scheduling_policy",
     "num_threads", "device", "attention_backend", "enforce_eager", "tensor_parallel_size",
     "kv_host", "kv_port", "kv_failure_policy")} | {
-    "kv_lease_ttl": "kv_lease_ttl_s", "kv_transfer_timeout": "kv_transfer_timeout_s"}
+    "kv_lease_ttl": "kv_lease_ttl_s", "kv_transfer_timeout": "kv_transfer_timeout_s",
+    "tp_step_timeout": "tp_step_timeout_s"}
 
 
 def engine_config(args: argparse.Namespace) -> EngineConfig:
