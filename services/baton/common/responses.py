@@ -55,6 +55,7 @@ class ChatTokenLogprob(TopLogprob):
 class ChatLogprobs(BaseModel):
     model_config = _OUT
     content: list[ChatTokenLogprob]
+    refusal: list[ChatTokenLogprob] | None = None
 
 
 class CompletionLogprobs(BaseModel):

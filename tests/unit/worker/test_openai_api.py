@@ -147,3 +147,28 @@ def test_header_is_the_stream_chunks_header():
     answer = pipeline.format.answer("chat", req, "x", [PROMPT], 1, openai_api.PUBLIC)
     assert answer.header == StreamHeader(id="x", object="chat.completion.chunk",
                                          created=answer.header.created, model=MODEL)
+
+
+def test_chat_logprobs_streamed_and_whole_keep_openais_shape():
+    """Chat logprobs: `content` entries with token, logprob, bytes, top_logprobs, and
+    OpenAI's `refusal: null` beside them, in a stream and in a whole body."""
+    script = lambda r: [[out(r.request_id, [10], logprobs=True)],  # noqa: E731
+                        [out(r.request_id, [11], logprobs=True, finish="stop")]]
+    req = chat_request(stream=True, logprobs=True, top_logprobs=0)
+    chunks, _ = stream("chat", req, script)
+    first = [e for chunk in chunks for kind, e in chunk if kind == "data" and e != "[DONE]"][1]
+    assert first["choices"][0]["logprobs"] == {"content": [
+        {"token": "<10>", "logprob": -0.5, "bytes": list(b"<10>"), "top_logprobs": []}],
+        "refusal": None}
+    pipeline, _, _ = make_pipeline(FakeEngine(script))
+    whole = chat_request(logprobs=True, top_logprobs=0)
+
+    async def main():
+        jobs = pipeline.serving.make_jobs("r", [PROMPT], whole.to_sampling_params(), "prompt")
+        answer = pipeline.format.answer("chat", whole, "r", [PROMPT], len(jobs), Internal())
+        pipeline.serving.admit(jobs)
+        return await openai_api.body(answer, pipeline.serving.run(jobs))
+
+    body = asyncio.run(main())
+    lps = body["choices"][0]["logprobs"]
+    assert [e["token"] for e in lps["content"]] == ["<10>", "<11>"] and lps["refusal"] is None
