@@ -197,7 +197,7 @@ def _install_openai_routes(app: FastAPI, state: WorkerState) -> None:
     @app.post("/tokenize")
     async def tokenize(request: Request):
         req = await parse_off_loop(parse_tokenize_request, await request.body())
-        return state.require_pipeline().tokenize(req)
+        return await asyncio.to_thread(state.require_pipeline().tokenize, req)
 
     @app.post("/detokenize")
     async def detokenize(request: Request):

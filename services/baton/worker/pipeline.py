@@ -183,13 +183,15 @@ class Pipeline:
         return params
 
     def tokenize(self, req: TokenizeRequest) -> dict:
-        """vLLM's /tokenize: a prompt's or a conversation's token ids."""
+        """vLLM's /tokenize: a prompt's or a conversation's token ids (a 400 for a text
+        longer than any prompt that fits; call it off the event loop)."""
         if req.model is not None:
             self.check_model(req.model)
         self.require_tokenizer("/tokenize")
         if isinstance(req, TokenizeChatRequest):
             ids = self._chat_prompt(req)
         else:
+            self.check_prompt_chars(len(req.prompt), "prompt")
             ids = list(self.tokenizer.encode(req.prompt,
                                              add_special_tokens=req.add_special_tokens))
         strs = self.tokenizer.convert_ids_to_tokens(ids) if req.return_token_strs else None

@@ -171,3 +171,15 @@ def test_continuous_usage_is_on_every_chunk():
     _, events = post(app, "/v1/chat/completions", CHAT | {
         "stream": True, "stream_options": {"include_usage": True}})
     assert [("usage" in e) for e in events] == [False] * (len(events) - 1) + [True]
+
+
+def test_tokenize_refuses_a_text_longer_than_any_prompt_that_fits():
+    """/tokenize takes the prompt bound the completions path takes (`common.prompt_bound`):
+    a text no tokenisation could fit is a 400 before it is tokenised."""
+    state = WorkerState(WorkerSettings(role=Role.BOTH))
+    state.pipeline, state.engine, _ = make_pipeline(FakeEngine(count_to(3)))
+    state.pipeline.max_prompt_chars = 64 * 4  # a tokenizer whose longest token is 4 chars
+    app = build_app(state.settings, state)
+    code, body = post(app, "/tokenize", {"prompt": "x" * (64 * 4 + 1)})
+    assert code == 400 and body["error"]["code"] == "context_length_exceeded"
+    assert post(app, "/tokenize", {"prompt": "x" * (64 * 4)})[0] == 200
