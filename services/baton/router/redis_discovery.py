@@ -103,7 +103,9 @@ class RegistryDiscovery(Discovery):
         while True:
             msg = await pubsub.get_message(timeout=0.5)
             now = time.monotonic()
-            if msg is not None:
+            if msg is not None and msg.get("type") != "message":
+                quiet_since = now  # our subscription's confirmations, pings' pongs
+            elif msg is not None:
                 quiet_since = now
                 data = msg.get("data")
                 event = reg.parse_event(data) if isinstance(data, bytes | str) else None

@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from baton.engine.kv_cache.block_pool import BlockPool
 
 log = logging.getLogger("baton.worker")
+STOP_TIMEOUT_S = 5.0  # leaving the registry never holds up a drain longer than this
 
 
 class Registration:
@@ -62,13 +63,22 @@ class Registration:
         self._redis = reg.redis_client(self.url)
         self._task = asyncio.create_task(self._run())
 
-    async def stop(self) -> None:
-        """Leave the registry (once; a drain calls it before the shutdown does)."""
+    async def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> None:
+        """Leave the registry (once; a drain calls it before the shutdown does), within
+        `timeout_s`: past it the worker goes on stopping and the record's TTL ends it."""
         if self._task is None:
             return
         task, self._task = self._task, None
         task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
+        try:
+            async with asyncio.timeout(timeout_s):
+                await asyncio.gather(task, return_exceptions=True)
+                await self._leave()
+        except TimeoutError:
+            log.warning("registry: leaving took over %.0fs; the TTL will end the record",
+                        timeout_s)
+
+    async def _leave(self) -> None:
         try:  # best effort: routers also drop us when the TTL runs out
             async with self._client.pipeline(transaction=True) as p:
                 p.delete(self.keys.worker(self.id), self.keys.blocks(self.id),
