@@ -67,6 +67,9 @@ class WorkerServer(uvicorn.Server):
         super().__init__(config)
         self.state, self.inflight, self.drain_timeout_s = state, inflight, drain_timeout_s
         self._watch: asyncio.Task | None = None
+        # held here: the loop keeps only a weak reference to a task, and a drain task that
+        # is collected mid-await never sets should_exit (the worker then ignores SIGTERM)
+        self._drain: asyncio.Task | None = None
 
     async def startup(self, sockets=None) -> None:
         await super().startup(sockets)
@@ -78,7 +81,10 @@ class WorkerServer(uvicorn.Server):
             return
         self.state.draining = True  # at once: /ready turns 503 before the drain task runs
         loop = asyncio.get_running_loop()  # this handler runs on the loop's (main) thread
-        loop.call_soon_threadsafe(lambda: asyncio.ensure_future(self._drain_then_exit()))
+        loop.call_soon_threadsafe(self._start_drain)
+
+    def _start_drain(self) -> None:
+        self._drain = asyncio.ensure_future(self._drain_then_exit())
 
     async def _drain_then_exit(self) -> None:
         try:
