@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import socket
 import threading
-from collections import Counter
+from collections import deque
 
 from baton.common.internal import KVLayoutInfo
 from baton.kv_transfer import handshake
@@ -45,7 +45,8 @@ class HolderServer:
         self.terms, self.layout, self.plane = terms, layout, plane
         self.leases, self.refused = leases, refused
         self.max_handshakes, self.max_per_peer = max_handshakes, max_per_peer
-        self._in_handshake: Counter[str] = Counter()  # by peer address
+        # connections in their handshake, oldest first, by peer address
+        self._in_handshake: dict[str, deque[socket.socket]] = {}
         self._slots = threading.Lock()
         self._closed = threading.Event()
         self._sock = socket.create_server((host, port), backlog=128)
@@ -59,28 +60,39 @@ class HolderServer:
                 conn, addr = self._sock.accept()
             except OSError:
                 return
-            full = self._take_slot(addr[0])
+            full = self._take_slot(addr[0], conn)
             if full:
                 conn.close()
                 self.refused(f"{addr[0]}: too many connections in their handshake ({full})")
                 continue
             threading.Thread(target=self._serve, args=(conn, addr[0]), daemon=True).start()
 
-    def _take_slot(self, ip: str) -> str | None:
-        """Take a handshake slot for `ip`; None, or which bound is reached."""
+    def _take_slot(self, ip: str, conn: socket.socket) -> str | None:
+        """Take a handshake slot for `conn` from `ip`; None, or which bound is reached. When
+        every slot is taken, an address holding at least two more than `ip` gives up its
+        oldest (that connection is shut): a flood from many addresses cannot keep a puller
+        from another one out."""
         with self._slots:
-            if self._in_handshake.total() >= self.max_handshakes:
-                return f"{self.max_handshakes} in all"
-            if self._in_handshake[ip] >= self.max_per_peer:
+            held = self._in_handshake.get(ip, deque())
+            if len(held) >= self.max_per_peer:
                 return f"{self.max_per_peer} from this address"
-            self._in_handshake[ip] += 1
+            if sum(map(len, self._in_handshake.values())) >= self.max_handshakes:
+                top = max(self._in_handshake, key=lambda a: len(self._in_handshake[a]))
+                if len(self._in_handshake[top]) < len(held) + 2:
+                    return f"{self.max_handshakes} in all"
+                _shut(self._in_handshake[top].popleft())
+                self.refused(f"{top}: a handshake slot given to {ip} (the address holds "
+                             f"the most)")
+            self._in_handshake.setdefault(ip, held).append(conn)
             return None
 
-    def _release_slot(self, ip: str) -> None:
+    def _release_slot(self, ip: str, conn: socket.socket) -> None:
         with self._slots:
-            self._in_handshake[ip] -= 1
-            if not self._in_handshake[ip]:
-                del self._in_handshake[ip]
+            held = self._in_handshake.get(ip)
+            if held is not None and conn in held:
+                held.remove(conn)
+                if not held:
+                    del self._in_handshake[ip]
 
     def _serve(self, conn: socket.socket, ip: str) -> None:
         with conn:
@@ -88,7 +100,7 @@ class HolderServer:
             try:
                 session = self._accept_session(conn, ip)
             finally:
-                self._release_slot(ip)
+                self._release_slot(ip, conn)
             if session is None:
                 return
             peer, req = session
@@ -164,3 +176,11 @@ class HolderServer:
         except OSError:
             pass
         self._sock.close()
+
+
+def _shut(conn: socket.socket) -> None:
+    """End `conn` from another thread: its serving thread's read fails and it closes."""
+    try:
+        conn.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass  # already gone

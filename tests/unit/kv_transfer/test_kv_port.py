@@ -275,3 +275,27 @@ def test_silent_connections_from_one_host_leave_the_handshake_slots_to_pullers(p
         for sock in silent:
             sock.close()
     assert holder.refused.total == 70
+
+
+def from_host(ep, host: str) -> socket.socket:
+    address, port = ep.address.rsplit(":", 1)
+    sock = socket.socket()
+    sock.bind((host, 0))
+    sock.settimeout(5)
+    sock.connect((address, int(port)))
+    return sock
+
+
+def test_a_flood_from_many_addresses_cannot_keep_a_puller_out(pair):
+    # 8 addresses x 4 silent connections fill all 32 slots (4 per address is within the
+    # per-address bound) with a long hello deadline: a puller from yet another address
+    # still pulls at once — the address holding the most gives up its oldest slot.
+    holder, puller, ep, src_kv, dst_kv = pair(handshake_timeout_s=30.0, max_handshakes=32)
+    flood = [from_host(ep, f"127.0.0.{10 + i}") for i in range(8) for _ in range(4)]
+    try:
+        time.sleep(0.2)  # all 32 in their handshake
+        assert pull_ok(holder, puller, ep, src_kv, dst_kv, "past-a-flood", [3]) < 1.0
+        assert any(closed_within(sock, 0.5) is not None for sock in flood)
+    finally:
+        for sock in flood:
+            sock.close()
