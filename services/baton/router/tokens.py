@@ -26,6 +26,7 @@ import aiohttp
 
 from baton.common.hashing import hash_token_blocks
 from baton.common.internal import OpenAIBody
+from baton.common.prompt_bound import max_prompt_chars
 from baton.common.protocol import ChatCompletionRequest, CompletionRequest
 from baton.common.registry import hash_hex
 
@@ -52,6 +53,11 @@ class RouterTokenizer:
         self.model = payload["model"]
         self.block_size = int(payload["block_size"])
         self._tok = tokenizers.Tokenizer.from_str(payload["tokenizer_json"])
+        # a text longer than this fits no context: the worker refuses it, the router does
+        # not tokenise it (None: no bound, or a worker that does not say its context)
+        limit = payload.get("max_model_len")
+        self._max_chars = (max_prompt_chars(payload["tokenizer_json"], limit)
+                           if isinstance(limit, int) and limit > 0 else None)
         self._special = dict(payload.get("special_tokens") or {})
         self._template = None
         if payload.get("chat_template"):
@@ -76,13 +82,20 @@ class RouterTokenizer:
                     **{**self._special, **(req.chat_template_kwargs or {})})
             except Exception:  # noqa: BLE001 - the worker answers the error itself
                 return None
+            if self._too_long(text):
+                return None
             return self._tok.encode(text, add_special_tokens=False).ids
         assert isinstance(req, CompletionRequest)  # the body of its api
         prompts = req.prompts()
         if len(prompts) != 1:
             return None
         p = prompts[0]
-        return self._tok.encode(p).ids if isinstance(p, str) else list(p)
+        if isinstance(p, str):
+            return None if self._too_long(p) else self._tok.encode(p).ids
+        return list(p)
+
+    def _too_long(self, text: str) -> bool:
+        return self._max_chars is not None and len(text) > self._max_chars
 
     def block_hashes(self, ids: list[int]) -> list[str]:
         """The engine's hashes of the prompt's full blocks, as the registry spells them."""

@@ -164,11 +164,13 @@ def _install_service_routes(app: FastAPI, state: WorkerState) -> None:
         """What a router needs to turn prompts into this engine's token ids (and so into
         its KV block hashes) without loading the model: the tokenizer's JSON, the chat
         template and the special tokens the template may name."""
-        tok = state.require_pipeline().tokenizer
+        pipeline = state.require_pipeline()
+        tok = pipeline.tokenizer
         if tok is None:  # --skip-tokenizer-init: the router hashes prompts approximately
             raise OpenAIError(404, "this worker runs without a tokenizer "
                                    "(--skip-tokenizer-init)", code="no_tokenizer")
         return {"model": settings.model_name, "block_size": settings.engine.cache.block_size,
+                "max_model_len": pipeline.serving.max_model_len,
                 "tokenizer_json": tok.backend_tokenizer.to_str(),
                 "chat_template": tok.chat_template,
                 "special_tokens": {k: v for k, v in tok.special_tokens_map.items()

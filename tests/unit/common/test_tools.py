@@ -9,7 +9,7 @@ import jsonschema
 import pytest
 
 from baton.common.errors import OpenAIError
-from baton.common.protocol import ChatCompletionRequest, parse_request
+from baton.common.protocol import ChatCompletionRequest, CompletionRequest, parse_request
 from baton.common.tools import NamedToolChoice, Tool, forced_schema
 
 WEATHER = {"type": "function", "function": {
@@ -158,3 +158,26 @@ def test_router_renders_tools_and_calls_as_the_worker(model_dir):
     assert router.prompt_ids("chat", req) == worker
     text = tok.decode(worker)
     assert '"arguments": {"city": "Paris"}' in text and '"name": "plant"' in text
+
+
+def test_the_router_does_not_tokenise_a_prompt_that_fits_no_context(tokenizer):
+    """With the worker's context in the tokenizer payload, a text longer than any prompt
+    that fits (`common.prompt_bound`) is not tokenised on the router: the worker refuses it,
+    and the router routes it without exact ids."""
+    from baton.common.prompt_bound import max_prompt_chars
+    from baton.router.tokens import RouterTokenizer
+
+    tok = tokenizer
+    payload = {"model": "m", "block_size": 16, "max_model_len": 32,
+               "tokenizer_json": tok.backend_tokenizer.to_str(), "chat_template": None,
+               "special_tokens": {}}
+    router = RouterTokenizer(payload)
+    bound = max_prompt_chars(payload["tokenizer_json"], 32)
+    assert bound is not None
+
+    def completion(prompt):
+        return parse_request(CompletionRequest, json.dumps({"model": "m", "prompt": prompt}
+                                                           ).encode())
+
+    assert router.prompt_ids("completions", completion("x" * (bound + 1))) is None
+    assert router.prompt_ids("completions", completion("hello")) == tok.encode("hello")
