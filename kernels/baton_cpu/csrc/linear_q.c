@@ -1,0 +1,407 @@
+/* Linear layers over GGUF block-quantized weights on CPU: y[m, o] = sum_k x[m, k] * w[o, k]
+ * (+ bias[o]), x and y bfloat16, w in Q8_0, Q4_0 or Q4_1 (32-element blocks).
+ *
+ * The weights keep GGUF's quants and fp16 scales bit for bit, repacked once (as llama.cpp's
+ * CPU "repack" does) so that 8 output rows lie side by side: for each group of 8 rows and
+ * each 32-element block, d[8] fp16, m[8] fp16, then the quants with row l's 4-byte pieces in
+ * lane l of a 32-byte vector. A weight is d * q + m with q unsigned: Q4_1 (q, d, m as in the
+ * file), Q4_0 (q = the nibble, m = -8 d), Q8_0 (q = the int8 + 128, m = -128 d). Q4 chunk j
+ * (0..3) holds k = 4j..4j+3 in the low nibbles and k = 16+4j.. in the high ones (GGUF's
+ * own nibble order); Q8 chunk j (0..7) holds k = 4j..4j+3.
+ *
+ * The activation row is quantized per 32-block to int8 (d_x = amax / 127, round half to
+ * even), with s_x = d_x * sum(q_x), as llama.cpp's Q8_1. A block's dot product is then
+ * d_w d_x * sum(q_w q_x) + m_w s_x: integer dot products of 8 rows at once (AVX-VNNI or
+ * AVX512-VNNI vpdpbusd; AVX2 vpmaddubsw + vpmaddwd, Q8 with the sign trick since its
+ * unsigned quants would saturate vpmaddubsw), scaled in fp32. A register tile of 8 outputs
+ * (16 with AVX-512) x up to 4 rows (8) reuses each unpacked weight vector for every row.
+ * Without AVX2 a scalar loop computes the same sums.
+ *
+ * BATON_Q_ISA (0 scalar, 1 AVX2, 2 256-bit VNNI, 3 AVX-512 VNNI: 16 rows per group, 8-row
+ * tiles) may be defined to build a narrower path than the compiler targets (the tests build
+ * each one the CPU can run).
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "bf16.h"
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define NATIVE_ISA 3
+#elif defined(__AVXVNNI__)
+#define NATIVE_ISA 2
+#else
+#define NATIVE_ISA 1
+#endif
+#else
+#define NATIVE_ISA 0
+#endif
+#if !defined(BATON_Q_ISA) || BATON_Q_ISA > NATIVE_ISA
+#undef BATON_Q_ISA
+#define BATON_Q_ISA NATIVE_ISA
+#endif
+
+enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 }; /* GGMLQuantizationType values */
+#define QK 32
+#if BATON_Q_ISA == 3
+#define G 16 /* output rows per group: one 512-bit vector of int32 sums */
+#define MT 8 /* activation rows per register tile */
+#else
+#define G 8
+#define MT 4
+#endif
+
+/* What a packed linear weight is; passed as the `w` of the linear kernel signature. */
+typedef struct {
+    int64_t type, n, k;
+    const uint8_t *data; /* qlinear_packed_bytes(type, n, k) bytes */
+} qweight;
+
+int qlinear_isa(void) { return BATON_Q_ISA; }
+
+static int64_t quant_bytes(int64_t type) { /* per row per block, packed */
+    return type == Q8_0 ? 32 : (type == Q4_0 || type == Q4_1) ? 16 : -1;
+}
+
+static int64_t group_block_bytes(int64_t type) { return 4 * G + G * quant_bytes(type); }
+
+int64_t qlinear_packed_bytes(int64_t type, int64_t n, int64_t k) {
+    if (quant_bytes(type) < 0 || n < 1 || k < QK || k % QK) return -1;
+    return (n + G - 1) / G * (k / QK) * group_block_bytes(type);
+}
+
+static float f16_to_f32(uint16_t h) {
+    const uint32_t sign = (uint32_t)(h >> 15) << 31, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+    union { uint32_t u; float f; } v;
+    if (exp == 0) { /* zero or subnormal: man * 2^-24 */
+        v.f = (float)man * (1.0f / 16777216.0f);
+        v.u |= sign;
+    } else if (exp == 31) {
+        v.u = sign | 0x7f800000u | (man << 13);
+    } else {
+        v.u = sign | ((exp + 112) << 23) | (man << 13);
+    }
+    return v.f;
+}
+
+static uint16_t f32_to_f16_exact(float f) { /* f is a (small) fp16 value times 8 or 128 */
+#if NATIVE_ISA > 0
+    return _cvtss_sh(f, 0);
+#else
+    union { uint32_t u; float f; } v = {.f = f};
+    const uint32_t sign = (v.u >> 16) & 0x8000u, exp = (v.u >> 23) & 0xff;
+    if (exp == 0 || (v.u & 0x7fffffffu) < 0x38800000u) { /* subnormal in fp16 */
+        float a = f < 0 ? -f : f;
+        return (uint16_t)(sign | (uint32_t)(a * 16777216.0f + 0.5f));
+    }
+    if (exp >= 143) return (uint16_t)(sign | 0x7c00u);
+    return (uint16_t)(sign | ((exp - 112) << 10) | ((v.u >> 13) & 0x3ff));
+#endif
+}
+
+/* One GGUF row-block (type's raw layout) -> d, m and the unsigned quants q[32]; 0, or -1
+ * where m = -8 d or -128 d is past fp16's range. */
+static int read_block(int64_t type, const uint8_t *src, uint16_t *d, uint16_t *m, uint8_t *q) {
+    uint16_t dh;
+    memcpy(&dh, src, 2);
+    *d = dh;
+    if (type == Q8_0) {
+        for (int i = 0; i < QK; i++) q[i] = (uint8_t)((int8_t)src[2 + i] + 128);
+        *m = f32_to_f16_exact(-128.0f * f16_to_f32(dh));
+        return (*m & 0x7c00u) == 0x7c00u ? -1 : 0;
+    }
+    const uint8_t *qs = src + (type == Q4_1 ? 4 : 2);
+    for (int i = 0; i < 16; i++) q[i] = qs[i] & 0x0f, q[i + 16] = qs[i] >> 4;
+    if (type == Q4_1) memcpy(m, src + 2, 2);
+    else *m = f32_to_f16_exact(-8.0f * f16_to_f32(dh));
+    return type != Q4_1 && (*m & 0x7c00u) == 0x7c00u ? -1 : 0;
+}
+
+/* raw: the GGUF tensor's rows [n][k / 32 blocks]; packed: qlinear_packed_bytes of it.
+ * Returns 0, -1 for a bad shape or type, -2 for a scale too large to repack. */
+int qlinear_repack(int64_t type, const uint8_t *raw, int64_t n, int64_t k, uint8_t *packed) {
+    if (qlinear_packed_bytes(type, n, k) < 0) return -1;
+    const int64_t nb = k / QK, gb = group_block_bytes(type);
+    const int64_t raw_block = type == Q8_0 ? 34 : type == Q4_1 ? 20 : 18, groups = (n + G - 1) / G;
+    int bad = 0;
+#pragma omp parallel for schedule(static) reduction(| : bad)
+    for (int64_t g = 0; g < groups; g++)
+        for (int64_t b = 0; b < nb; b++) {
+            uint8_t *dst = packed + (g * nb + b) * gb;
+            uint16_t d[G] = {0}, m[G] = {0};
+            uint8_t q[G][QK];
+            memset(q, 0, sizeof q);
+            for (int l = 0; l < G && g * G + l < n; l++)
+                bad |= read_block(type, raw + ((g * G + l) * nb + b) * raw_block, &d[l], &m[l],
+                                  q[l]);
+            memcpy(dst, d, sizeof d);
+            memcpy(dst + 2 * G, m, sizeof m);
+            uint8_t *qd = dst + 4 * G;
+            const int chunks = type == Q8_0 ? 8 : 4;
+            for (int j = 0; j < chunks; j++)
+                for (int l = 0; l < G; l++)
+                    for (int i = 0; i < 4; i++) {
+                        const int kk = 4 * j + i;
+                        qd[(j * G + l) * 4 + i] = type == Q8_0
+                            ? q[l][kk] : (uint8_t)(q[l][kk] | (q[l][kk + 16] << 4));
+                    }
+        }
+    return bad ? -2 : 0;
+}
+
+/* x [M, K] bf16 -> xq [M, K] int8, dx / sx [M, K / 32]. */
+static void quantize_rows(const uint16_t *x, int64_t M, int64_t K, int8_t *xq, float *dx,
+                          float *sx) {
+    const int64_t nb = K / QK;
+#pragma omp parallel for schedule(static) if (M * K >= 1 << 16)
+    for (int64_t i = 0; i < M * nb; i++) {
+        const uint16_t *xb = x + i * QK;
+        float v[QK], amax = 0.f;
+        for (int j = 0; j < QK; j++) {
+            v[j] = bf16_to_f32(xb[j]);
+            const float a = v[j] < 0 ? -v[j] : v[j];
+            amax = a > amax ? a : amax;
+        }
+        const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
+        int sum = 0;
+        for (int j = 0; j < QK; j++) {
+            const int q = (int)__builtin_nearbyintf(v[j] * id);
+            xq[i * QK + j] = (int8_t)q;
+            sum += q;
+        }
+        dx[i] = d, sx[i] = d * (float)sum;
+    }
+}
+
+typedef struct {
+    const int8_t *xq;
+    const float *dx, *sx;
+    int64_t K, nb;
+} xrows;
+
+#if BATON_Q_ISA == 3
+static inline __m512i x4_512(const int8_t *p) { /* 4 activation bytes in every lane */
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm512_set1_epi32(v);
+}
+
+/* out[r][l] = sum over blocks of (d_w d_x isum + m_w s_x) for rows r < mt of one group:
+ * 512-bit vpdpbusd over 16 rows of unsigned quants. */
+__attribute__((always_inline)) static inline void tile(const int64_t type, const uint8_t *wg,
+                                                       const xrows *xr, const int mt,
+                                                       float out[MT][G]) {
+    const int64_t gb = group_block_bytes(type), K = xr->K, nb = xr->nb;
+    const __m512i low = _mm512_set1_epi8(0x0f);
+    __m512 acc[MT];
+    for (int r = 0; r < mt; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = wg + b * gb, *qd = blk + 4 * G;
+        const int8_t *xb = xr->xq + b * QK;
+        __m512i isum[MT];
+        for (int r = 0; r < mt; r++) isum[r] = _mm512_setzero_si512();
+#define X4(r, off) x4_512(xb + (r) * K + (off))
+        if (type == Q8_0) {
+            for (int j = 0; j < 8; j++) {
+                const __m512i v = _mm512_loadu_si512(qd + 64 * j);
+                for (int r = 0; r < mt; r++) isum[r] = _mm512_dpbusd_epi32(isum[r], v, X4(r, 4 * j));
+            }
+        } else {
+            for (int j = 0; j < 4; j++) {
+                const __m512i v = _mm512_loadu_si512(qd + 64 * j);
+                const __m512i lo = _mm512_and_si512(v, low);
+                const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+                for (int r = 0; r < mt; r++)
+                    isum[r] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(isum[r], lo, X4(r, 4 * j)),
+                                                  hi, X4(r, 16 + 4 * j));
+            }
+        }
+#undef X4
+        const __m512 d = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)blk));
+        const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(blk + 2 * G)));
+        for (int r = 0; r < mt; r++) {
+            const __m512 scale = _mm512_mul_ps(d, _mm512_set1_ps(xr->dx[r * nb + b]));
+            acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r]), scale, acc[r]);
+            acc[r] = _mm512_fmadd_ps(m, _mm512_set1_ps(xr->sx[r * nb + b]), acc[r]);
+        }
+    }
+    for (int r = 0; r < mt; r++) _mm512_storeu_ps(out[r], acc[r]);
+}
+#elif BATON_Q_ISA > 0
+static inline __m256i bcast4(const int8_t *p) {
+    int32_t v;
+    memcpy(&v, p, 4);
+    return _mm256_set1_epi32(v);
+}
+
+#if BATON_Q_ISA == 2
+/* acc + the sums of 4 products u8 w x s8 x per lane */
+static inline __m256i dot4(__m256i acc, __m256i w, __m256i x) {
+#if defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(acc, w, x);
+#else
+    return _mm256_dpbusd_epi32(acc, w, x);
+#endif
+}
+#endif
+
+/* out[r][l] = sum over blocks of (d_w d_x isum + m_w s_x) for rows r < mt of one group. */
+__attribute__((always_inline)) static inline void tile(const int64_t type, const uint8_t *wg,
+                                                       const xrows *xr, const int mt,
+                                                       float out[MT][G]) {
+    const int64_t gb = group_block_bytes(type), K = xr->K, nb = xr->nb;
+    const __m256i low = _mm256_set1_epi8(0x0f);
+    __m256 acc[MT];
+    for (int r = 0; r < mt; r++) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = wg + b * gb, *qd = blk + 4 * G;
+        const int8_t *xb = xr->xq + b * QK;
+        const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)blk));
+        __m256i isum[MT];
+        for (int r = 0; r < mt; r++) isum[r] = _mm256_setzero_si256();
+        int with_m = 1;
+        if (type == Q8_0) {
+            for (int j = 0; j < 8; j++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(qd + 32 * j));
+#if BATON_Q_ISA == 2
+                for (int r = 0; r < mt; r++) isum[r] = dot4(isum[r], v, bcast4(xb + r * K + 4 * j));
+#else           /* signed weights: |w| x sign(x, w) cannot saturate vpmaddubsw */
+                const __m256i ws = _mm256_xor_si256(v, _mm256_set1_epi8((char)0x80));
+                const __m256i aw = _mm256_abs_epi8(ws);
+                for (int r = 0; r < mt; r++) {
+                    const __m256i p = _mm256_maddubs_epi16(
+                        aw, _mm256_sign_epi8(bcast4(xb + r * K + 4 * j), ws));
+                    isum[r] = _mm256_add_epi32(isum[r],
+                                               _mm256_madd_epi16(p, _mm256_set1_epi16(1)));
+                }
+                with_m = 0; /* d sum(w x) is already the block's dot: m = -128 d cancels */
+#endif
+            }
+        } else {
+#if BATON_Q_ISA == 1
+            __m256i s16[MT]; /* 8 products of <= 15 * 127 * 2 fit int16 */
+            for (int r = 0; r < mt; r++) s16[r] = _mm256_setzero_si256();
+#endif
+            for (int j = 0; j < 4; j++) {
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(qd + 32 * j));
+                const __m256i lo = _mm256_and_si256(v, low);
+                const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+                for (int r = 0; r < mt; r++) {
+                    const int8_t *xr_b = xb + r * K;
+#if BATON_Q_ISA == 2
+                    isum[r] = dot4(dot4(isum[r], lo, bcast4(xr_b + 4 * j)), hi,
+                                   bcast4(xr_b + 16 + 4 * j));
+#else
+                    s16[r] = _mm256_add_epi16(s16[r], _mm256_add_epi16(
+                        _mm256_maddubs_epi16(lo, bcast4(xr_b + 4 * j)),
+                        _mm256_maddubs_epi16(hi, bcast4(xr_b + 16 + 4 * j))));
+#endif
+                }
+            }
+#if BATON_Q_ISA == 1
+            for (int r = 0; r < mt; r++) isum[r] = _mm256_madd_epi16(s16[r], _mm256_set1_epi16(1));
+#endif
+        }
+        const __m256 m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(blk + 2 * G)));
+        for (int r = 0; r < mt; r++) {
+            const __m256 scale = _mm256_mul_ps(d, _mm256_set1_ps(xr->dx[r * nb + b]));
+            acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r]), scale, acc[r]);
+            if (with_m) acc[r] = _mm256_fmadd_ps(m, _mm256_set1_ps(xr->sx[r * nb + b]), acc[r]);
+        }
+    }
+    for (int r = 0; r < mt; r++) _mm256_storeu_ps(out[r], acc[r]);
+}
+#endif
+#if BATON_Q_ISA == 1 || BATON_Q_ISA == 2
+static void group_tile(int64_t type, const uint8_t *wg, const xrows *xr, int mt,
+                       float out[MT][G]) {
+    switch (mt) { /* constant row counts: the tile's loops unroll, its arrays stay in registers */
+    case 4: tile(type, wg, xr, 4, out); break;
+    case 3: tile(type, wg, xr, 3, out); break;
+    case 2: tile(type, wg, xr, 2, out); break;
+    default: tile(type, wg, xr, 1, out); break;
+    }
+}
+#endif
+#if BATON_Q_ISA == 3
+static void group_tile(int64_t type, const uint8_t *wg, const xrows *xr, int mt,
+                       float out[MT][G]) {
+    switch (mt) { /* constant row counts: the tile's loops unroll, its arrays stay in registers */
+    case 8: tile(type, wg, xr, 8, out); break;
+    case 7: tile(type, wg, xr, 7, out); break;
+    case 6: tile(type, wg, xr, 6, out); break;
+    case 5: tile(type, wg, xr, 5, out); break;
+    case 4: tile(type, wg, xr, 4, out); break;
+    case 3: tile(type, wg, xr, 3, out); break;
+    case 2: tile(type, wg, xr, 2, out); break;
+    default: tile(type, wg, xr, 1, out); break;
+    }
+}
+#elif BATON_Q_ISA == 0
+static void group_tile(int64_t type, const uint8_t *wg, const xrows *xr, int mt,
+                       float out[MT][G]) {
+    const int64_t gb = group_block_bytes(type), K = xr->K, nb = xr->nb;
+    for (int r = 0; r < mt; r++)
+        for (int l = 0; l < G; l++) out[r][l] = 0.f;
+    for (int64_t b = 0; b < nb; b++) {
+        const uint8_t *blk = wg + b * gb, *qd = blk + 4 * G;
+        for (int l = 0; l < G; l++) {
+            uint16_t dh, mh;
+            memcpy(&dh, blk + 2 * l, 2);
+            memcpy(&mh, blk + 2 * G + 2 * l, 2);
+            uint8_t q[QK];
+            for (int kk = 0; kk < QK; kk++) {
+                if (type == Q8_0) q[kk] = qd[((kk / 4) * G + l) * 4 + kk % 4];
+                else {
+                    const uint8_t byte = qd[(((kk % 16) / 4) * G + l) * 4 + kk % 4];
+                    q[kk] = kk < 16 ? byte & 0x0f : byte >> 4;
+                }
+            }
+            for (int r = 0; r < mt; r++) {
+                const int8_t *xb = xr->xq + r * K + b * QK;
+                int32_t isum = 0;
+                for (int kk = 0; kk < QK; kk++) isum += (int32_t)q[kk] * xb[kk];
+                out[r][l] += f16_to_f32(dh) * xr->dx[r * nb + b] * (float)isum
+                             + f16_to_f32(mh) * xr->sx[r * nb + b];
+            }
+        }
+    }
+}
+#endif
+
+int qlinear_bf16(const uint16_t *x, const qweight *w, const uint16_t *bias, uint16_t *y,
+                 int64_t M, int64_t N, int64_t K) {
+    if (M < 1 || w == NULL || w->n != N || w->k != K || qlinear_packed_bytes(w->type, N, K) < 0)
+        return -1;
+    const int64_t nb = K / QK, groups = (N + G - 1) / G, gb = group_block_bytes(w->type);
+    int8_t *xq = (int8_t *)malloc((size_t)(M * K));
+    float *dx = (float *)malloc(2 * sizeof(float) * (size_t)(M * nb));
+    if (!xq || !dx) {
+        free(xq), free(dx);
+        return -2;
+    }
+    float *sx = dx + M * nb;
+    quantize_rows(x, M, K, xq, dx, sx);
+#pragma omp parallel for schedule(static)
+    for (int64_t g = 0; g < groups; g++) {
+        const uint8_t *wg = w->data + g * nb * gb;
+        const int64_t n0 = g * G, valid = N - n0 < G ? N - n0 : G;
+        for (int64_t m0 = 0; m0 < M; m0 += MT) {
+            const int mt = M - m0 < MT ? (int)(M - m0) : MT;
+            const xrows xr = {xq + m0 * K, dx + m0 * nb, sx + m0 * nb, K, nb};
+            float out[MT][G];
+            group_tile(w->type, wg, &xr, mt, out);
+            for (int r = 0; r < mt; r++)
+                for (int64_t l = 0; l < valid; l++) {
+                    const float b = bias ? bf16_to_f32(bias[n0 + l]) : 0.f;
+                    y[(m0 + r) * N + n0 + l] = bf16_round(out[r][l] + b);
+                }
+        }
+    }
+    free(dx);
+    free(xq);
+    return 0;
+}

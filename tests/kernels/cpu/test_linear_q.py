@@ -1,0 +1,86 @@
+"""The GGUF block-quantized linear (`csrc/linear_q.c`) against its torch reference: weights
+quantized with the formats' own published math (the `gguf` package's numpy quantizers, as
+llama.cpp writes them), every path the kernel has (AVX-512 VNNI, 256-bit VNNI, AVX2, scalar; those this CPU can
+run), odd shapes and tails (N not a multiple of 8, rows past the 4-row tile), with bias."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from baton_cpu.quant_linear import QuantLinear, load_quant_kernels
+from baton_cpu.quant_reference import QuantType, dequantize, reference_linear
+
+gguf_quants = pytest.importorskip("gguf.quants")
+from gguf import GGMLQuantizationType  # noqa: E402  (after the skip)
+
+SOURCES = ("linear_q.c", "linear_q_vnni256.c", "linear_q_avx2.c", "linear_q_scalar.c")
+
+
+@pytest.fixture(scope="module", params=SOURCES)
+def kernels(request, kernel_cache):
+    native = load_quant_kernels(kernel_cache, request.param)
+    if native is None:
+        pytest.skip(f"no C compiler: {request.param} cannot be built here")
+    return native
+
+
+def quantized(n: int, k: int, qtype: QuantType, seed: int = 0) -> torch.Tensor:
+    """Random weights (n, k) as GGUF's raw blocks, uint8 (n, k / 32 * block bytes)."""
+    rng = np.random.default_rng(seed)
+    w = rng.standard_normal((n, k)).astype(np.float32) * 0.05
+    raw = gguf_quants.quantize(w, GGMLQuantizationType(int(qtype)))
+    return torch.from_numpy(np.ascontiguousarray(raw))
+
+
+@pytest.mark.parametrize("qtype", list(QuantType))
+def test_dequantize_matches_gguf(qtype):
+    raw = quantized(24, 96, qtype)
+    ours = dequantize(raw, qtype, 96)
+    theirs = gguf_quants.dequantize(raw.numpy(), GGMLQuantizationType(int(qtype)))
+    assert torch.equal(ours, torch.from_numpy(theirs.reshape(24, 96)))
+
+
+@pytest.mark.parametrize("qtype", list(QuantType))
+@pytest.mark.parametrize(("m", "n", "k"), [(1, 64, 576), (3, 13, 32), (5, 40, 96),
+                                            (9, 24, 160), (32, 96, 64)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_kernel_matches_reference(kernels, qtype, m, n, k, bias):
+    torch.manual_seed(m * n + k)
+    raw = quantized(n, k, qtype, seed=n + k)
+    x = torch.randn(m, k).to(torch.bfloat16)
+    b = torch.randn(n).to(torch.bfloat16) if bias else None
+    y = QuantLinear(raw, qtype, k, b, kernels)(x)
+    ref = reference_linear(x, raw, qtype, b)  # same int8 activations, fp32 sums
+    assert y.dtype == torch.bfloat16 and y.shape == (m, n)
+    # bf16 output (half an ulp) on top of fp32 summation-order noise.
+    assert ((y.float() - ref).abs() <= ref.abs() * 2 ** -8 + 1e-3).all()
+    # and the int8 activations cost little against the float product
+    exact = reference_linear(x, raw, qtype, b, quantized_x=False)
+    assert (y.float() - exact).norm() <= 0.02 * exact.norm()
+
+
+def test_any_leading_shape_and_zero_rows(kernels):
+    raw = quantized(16, 64, QuantType.Q4_1)
+    layer = QuantLinear(raw, QuantType.Q4_1, 64, None, kernels)
+    x = torch.randn(2, 3, 64).to(torch.bfloat16)
+    assert torch.equal(layer(x), layer(x.reshape(6, 64)).view(2, 3, 16))
+    assert layer(torch.empty(0, 64, dtype=torch.bfloat16)).shape == (0, 16)
+
+
+def test_bad_shapes_are_refused(kernels):
+    raw = quantized(8, 64, QuantType.Q8_0)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        QuantLinear(raw, QuantType.Q8_0, 48, None, kernels)
+    layer = QuantLinear(raw, QuantType.Q8_0, 64, None, kernels)
+    with pytest.raises(TypeError, match="bfloat16"):
+        layer(torch.randn(1, 64))
+
+
+def test_zero_activations_give_the_bias(kernels):
+    raw = quantized(8, 64, QuantType.Q4_0)
+    b = torch.arange(8).to(torch.bfloat16)
+    y = QuantLinear(raw, QuantType.Q4_0, 64, b, kernels)(torch.zeros(2, 64,
+                                                                      dtype=torch.bfloat16))
+    assert torch.equal(y, b.expand(2, 8))
