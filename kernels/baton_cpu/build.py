@@ -24,22 +24,23 @@ log = logging.getLogger(__name__)
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11",
          "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]
 _lock = threading.Lock()
-_cached: dict[tuple[str, str], ctypes.CDLL | None] = {}
+_cached: dict[tuple[str, str, tuple[str, ...]], ctypes.CDLL | None] = {}
 CSRC = Path(__file__).parent / "csrc"
 
 
-def load_library(source: str | Path, cache_dir: Path) -> ctypes.CDLL | None:
+def load_library(source: str | Path, cache_dir: Path,
+                 extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL | None:
     """The compiled `source` (a file name in `csrc/`, or a path), or None (logged once) when
-    it cannot be built here."""
+    it cannot be built here. `extra_flags` follow `FLAGS` (so they override them)."""
     source = CSRC / source
     with _lock:
-        key = (str(source), str(cache_dir))
+        key = (str(source), str(cache_dir), extra_flags)
         if key not in _cached:
-            _cached[key] = _build_and_load(source, Path(cache_dir))
+            _cached[key] = _build_and_load(source, Path(cache_dir), [*FLAGS, *extra_flags])
         return _cached[key]
 
 
-def _build_and_load(source: Path, cache_dir: Path) -> ctypes.CDLL | None:
+def _build_and_load(source: Path, cache_dir: Path, flags: list[str]) -> ctypes.CDLL | None:
     cc = shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         log.warning("no C compiler found: %s is not built, the torch path is used",
@@ -50,14 +51,14 @@ def _build_and_load(source: Path, cache_dir: Path) -> ctypes.CDLL | None:
     except OSError as err:
         log.warning("cannot read %s (%s): the torch path is used", source.name, err)
         return None
-    digest = hashlib.sha1(text + " ".join(FLAGS).encode()).hexdigest()[:12]
+    digest = hashlib.sha1(text + " ".join(flags).encode()).hexdigest()[:12]
     lib_path = cache_dir / "kernels" / f"{source.stem}-{digest}.so"
     try:
         if not lib_path.exists():
             lib_path.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.TemporaryDirectory(dir=lib_path.parent) as tmp:
                 tmp_lib = Path(tmp) / lib_path.name
-                subprocess.run([cc, *FLAGS, str(source), "-o", str(tmp_lib), "-lm"],
+                subprocess.run([cc, *flags, str(source), "-o", str(tmp_lib), "-lm"],
                                check=True, capture_output=True, timeout=120)
                 tmp_lib.replace(lib_path)
         return ctypes.CDLL(str(lib_path))

@@ -194,3 +194,69 @@ def pack_linears(model: nn.Module, native: NativeLinear | None = None,
                 setattr(model, name, SmallBatchLinear(child.weight, child.bias, gemv_f32))
         else:
             pack_linears(child, native, gemv_f32)
+
+
+class InvariantGemm:
+    """`gemm_invariant_bf16` / `_f32` of linear_invariant.c: y (M, N) from x (M, K) and a
+    row-major (N, K) weight of the same dtype, each element's sums in one fixed order
+    whatever M is (the deterministic mode's linear)."""
+
+    DTYPES = (torch.bfloat16, torch.float32)
+
+    def __init__(self, lib: ctypes.CDLL) -> None:
+        lib.linear_invariant_vectorised.restype = ctypes.c_int
+        self.vectorised = bool(lib.linear_invariant_vectorised())  # AVX2 + FMA
+        self._kernels = {torch.bfloat16: lib.gemm_invariant_bf16,
+                         torch.float32: lib.gemm_invariant_f32}
+        for fn in self._kernels.values():
+            fn.restype, fn.argtypes = ctypes.c_int, [_P] * 4 + [_I] * 3
+
+    def __call__(self, x: torch.Tensor, weight: torch.Tensor,
+                 bias: torch.Tensor | None) -> torch.Tensor:
+        return NativeLinear._run(self._kernels[weight.dtype], x, weight, bias,
+                                 weight.shape[0], "batch-invariant GEMM")
+
+
+def load_invariant_gemm(cache_dir: Path) -> InvariantGemm | None:
+    """The batch-invariant GEMM, or None where it cannot be built. Built without
+    re-association (its point is one fixed order of every sum)."""
+    lib = load_library("linear_invariant.c", cache_dir, ("-fno-associative-math",))
+    return None if lib is None else InvariantGemm(lib)
+
+
+class InvariantLinear(nn.Module):
+    """A linear whose every output row is the same bits whatever the batch around it
+    (`InvariantGemm`): the deterministic mode's replacement for every nn.Linear."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None,
+                 gemm: InvariantGemm) -> None:
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.weight = weight.detach().contiguous()
+        self.bias = None if bias is None else bias.detach().contiguous()
+        self.gemm = gemm
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.gemm(x.reshape(-1, self.in_features), self.weight, self.bias)  # (M, N)
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+def use_invariant_linears(model: nn.Module, gemm: InvariantGemm,
+                          native: NativeLinear | None = None) -> None:
+    """Replace every nn.Linear under `model` (in place) by a batch-invariant one: in bf16 on
+    a CPU with AVX512-BF16 the packed VNNI GEMM (`native`) where it takes the shape — each
+    row's sums run the whole K in its own accumulators, in one order for any M (tested) —
+    else an InvariantLinear. Raises ValueError for a dtype neither has a kernel for."""
+    for name, child in list(model.named_children()):
+        if not isinstance(child, nn.Linear):
+            use_invariant_linears(child, gemm, native)
+            continue
+        weight, bias = child.weight, child.bias
+        if weight.dtype not in InvariantGemm.DTYPES:
+            raise ValueError(f"deterministic mode has no batch-invariant linear for "
+                             f"{weight.dtype} (layer {name!r}): use bfloat16 or float32")
+        packed = None
+        if native is not None and native.has_vnni and weight.dtype == torch.bfloat16:
+            packed = PackedLinear(weight, bias, native)
+        setattr(model, name, packed if packed is not None and packed.vnni is not None
+                else InvariantLinear(weight, bias, gemm))

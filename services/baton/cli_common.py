@@ -23,6 +23,7 @@ from baton.engine.config import (
     DTYPES,
     KV_CACHE_DTYPES,
     KV_FAILURE_POLICIES,
+    QUANTIZATIONS,
     SCHEDULING_POLICIES,
     EngineConfig,
 )
@@ -134,6 +135,10 @@ def _checkpoint_flags(g) -> None:
                    default=engine_default("skip_tokenizer_init"),
                    help="load no tokenizer (a checkpoint without one): token-id prompts "
                         "only, outputs carry token ids and no text")
+    g.add_argument("--quantization", default=engine_default("quantization"),
+                   choices=QUANTIZATIONS,
+                   help="auto: a .gguf's Q8_0 / Q4_0 / Q4_1 linears served as stored (CPU, "
+                        "bfloat16); none: de-quantized at load")
     g.add_argument("--served-model-name", nargs="+", default=None,
                    help="the name(s) requests may use for this model, the first reported "
                         "in responses (default: the --model argument)")
@@ -174,6 +179,11 @@ def _batching_flags(g) -> None:
     g.add_argument("--enforce-eager", action="store_true",
                    default=engine_default("enforce_eager"),
                    help="do not capture CUDA graphs for decode steps")
+    g.add_argument("--deterministic", action="store_true",
+                   default=engine_default("deterministic"),
+                   help="batch-invariant forward passes (CPU only, one rank): greedy output "
+                        "does not depend on the batch, so stream resume and P/D stay exact "
+                        "in bf16; slower (docs/operate.md)")
 
 
 def _parallel_flags(g) -> None:
@@ -205,10 +215,12 @@ def _kv_transfer_flags(g) -> None:
 
 # flag dest -> the EngineConfig field it sets as given
 _ENGINE_FIELDS = {dest: dest for dest in (
-    "model", "revision", "skip_tokenizer_init", "dtype", "block_size", "max_num_seqs",
+    "model", "revision", "skip_tokenizer_init", "dtype", "quantization", "block_size",
+    "max_num_seqs",
     "max_num_batched_tokens", "max_model_len",
     "num_kv_blocks", "gpu_memory_utilization", "kv_cache_dtype", "scheduling_policy",
-    "num_threads", "device", "attention_backend", "enforce_eager", "tensor_parallel_size",
+    "num_threads", "device", "attention_backend", "enforce_eager", "deterministic",
+    "tensor_parallel_size",
     "kv_host", "kv_port", "kv_failure_policy")} | {
     "kv_lease_ttl": "kv_lease_ttl_s", "kv_transfer_timeout": "kv_transfer_timeout_s",
     "tp_step_timeout": "tp_step_timeout_s"}

@@ -34,6 +34,11 @@ class LoadFormat(StrEnum):
     DUMMY = "dummy"  # config.json only, random weights (benchmarks)
 
 
+class Quantization(StrEnum):
+    NONE = "none"  # quantized checkpoints are de-quantized to `dtype` at load
+    AUTO = "auto"  # a GGUF's Q8_0 / Q4_0 / Q4_1 linears kept as stored (CPU, bf16)
+
+
 class AttentionBackendName(StrEnum):
     AUTO = "auto"  # triton on CUDA, torch elsewhere
     TORCH = "torch"
@@ -79,6 +84,7 @@ def _coerce(config: object, name: str, enum: type[StrEnum], arg: str) -> None:
 DTYPES = _values(DType)
 DEVICES = _values(Device)
 LOAD_FORMATS = _values(LoadFormat)
+QUANTIZATIONS = _values(Quantization)
 ATTENTION_BACKENDS = _values(AttentionBackendName)
 KV_CACHE_DTYPES = _values(KVCacheDType)
 SCHEDULING_POLICIES = _values(SchedulingPolicy)
@@ -101,12 +107,16 @@ class CheckpointConfig:
     skip_tokenizer_init: bool = False
     load_format: LoadFormat = LoadFormat.AUTO
     dtype: DType = DType.BFLOAT16
+    # auto: a GGUF's quantized linears served as stored (platforms/cpu_quant.py); none:
+    # de-quantized to `dtype` at load
+    quantization: Quantization = Quantization.NONE
     max_model_len: int | None = None  # None: the model's, capped by the KV pool
     cache_dir: str | None = None  # where downloads and compiled kernels are kept
 
     def __post_init__(self) -> None:
         _coerce(self, "load_format", LoadFormat, "load_format")
         _coerce(self, "dtype", DType, "dtype")
+        _coerce(self, "quantization", Quantization, "quantization")
         _check(self.max_model_len is None or self.max_model_len >= 2, "max_model_len",
                self.max_model_len, "must be >= 2")
 
@@ -120,6 +130,10 @@ class ComputeConfig:
     enforce_eager: bool = False  # True: no CUDA graphs for decode steps (CUDA only)
     num_threads: int | None = None  # torch's CPU threads (None: every core)
     seed: int = 0  # the sampler's
+    # True: batch-invariant forward passes (CPU only): a token's logits are the same bits
+    # whatever else is in its step and whether its KV came from a prefill chunk or a decode
+    # step, so resumed streams and P/D hand-overs stay exact in bf16 (platforms/cpu.py)
+    deterministic: bool = False
 
     def __post_init__(self) -> None:
         _coerce(self, "device", Device, "device")
@@ -253,10 +267,11 @@ class LiveSettings:
 # flat argument -> its place in EngineConfig (group, field[, field])
 ARGS: dict[str, tuple[str, ...]] = {
     **{name: ("checkpoint", name) for name in (
-        "model", "revision", "skip_tokenizer_init", "load_format", "dtype", "max_model_len",
-        "cache_dir")},
+        "model", "revision", "skip_tokenizer_init", "load_format", "dtype", "quantization",
+        "max_model_len", "cache_dir")},
     **{name: ("compute", name) for name in (
-        "device", "attention_backend", "enforce_eager", "num_threads", "seed")},
+        "device", "attention_backend", "enforce_eager", "num_threads", "seed",
+        "deterministic")},
     **{name: ("cache", name) for name in (
         "block_size", "enable_prefix_caching", "num_kv_blocks", "kv_cache_memory_bytes",
         "gpu_memory_utilization", "kv_cache_dtype")},
@@ -296,6 +311,10 @@ class EngineConfig:
                "tensor_parallel_size", self.parallel.tensor_parallel_size,
                f"must be 1 with kv_transport={transport!r}: KV transfer between "
                "tensor-parallel pods (each rank its own KV heads) runs over 'tcp' only")
+        _check(not self.compute.deterministic or self.parallel.tensor_parallel_size == 1,
+               "tensor_parallel_size", self.parallel.tensor_parallel_size,
+               "must be 1 with deterministic=True: the all-reduce of more ranks sums in an "
+               "order that depends on the batch's size")
 
     @classmethod
     def from_args(cls, **args: Any) -> EngineConfig:

@@ -44,22 +44,36 @@ class TorchAttentionMetadata:
     # (Bp, 3) int64 for the native prefill kernel: first row in q, query count, context
     # length per prefill sequence; None when the torch path (prefill_masks) runs them.
     prefill_seqs: torch.Tensor | None = None
+    # per-token mode: (T, m) int64, each query row's sequence's block-table row (the
+    # decode kernel then attends row r over its first decode_seq_lens[r] tokens)
+    row_tables: torch.Tensor | None = None
 
 
 class TorchAttentionBackend(AttentionBackend[TorchAttentionMetadata]):
     name = "torch"
 
     def __init__(self, dtype: torch.dtype = torch.float32, native=None,
-                 native_prefill=None) -> None:
+                 native_prefill=None, per_token: bool = False) -> None:
+        """`per_token` (deterministic mode): every query row, prefill chunks' too, goes
+        through the native decode kernel as a decode over its own context — its output then
+        depends on nothing but its query and the cached K/V it sees. Needs `native`
+        (ValueError without); plain layers only (the model checks)."""
+        if per_token and native is None:
+            raise ValueError("deterministic mode needs baton_cpu's C decode attention "
+                             "kernel, which could not be built here or does not take this "
+                             "model's head shape")
         self.dtype = dtype
         self.native = native  # baton_cpu.attention.NativeDecodeAttention or None
         self.native_prefill = native_prefill  # baton_cpu.attention.NativePrefillAttention or None
+        self.per_token = per_token
 
     def build_metadata(self, layout: BatchLayout) -> TorchAttentionMetadata:
         slots = layout.slot_mapping
         valid = slots >= 0
         write_rows = None if bool(valid.all()) else valid.nonzero().squeeze(1)
         write_slots = slots if write_rows is None else slots[write_rows]
+        if self.per_token:
+            return _per_token_metadata(layout, write_rows, write_slots)
         nd = layout.num_decodes
         groups, native_lens = [], None
         if self.native is not None:
@@ -118,6 +132,11 @@ class TorchAttentionBackend(AttentionBackend[TorchAttentionMetadata]):
                 kp, vp = _gather_seq(k_cache, v_cache, layout, i, spec, q.dtype, first)
                 out[start:end] = windowed_attention(q[start:end], kp, vp, spec)
             return out
+        if meta.row_tables is not None:  # per-token: every row a decode of its own context
+            assert meta.decode_seq_lens is not None  # set with row_tables
+            self.native(q.contiguous(), k_cache, v_cache, meta.row_tables, meta.decode_seq_lens,
+                        scale, out, ks, vs)
+            return out
         nd = layout.num_decodes
         bs = k_cache.shape[1]
         if nd and meta.decode_seq_lens is not None:
@@ -147,6 +166,22 @@ class TorchAttentionBackend(AttentionBackend[TorchAttentionMetadata]):
             out[start:end] = _prefill_attention(q[start:end], kp, vp, meta.prefill_masks[j],
                                                 scale)
         return out
+
+
+def _per_token_metadata(layout: BatchLayout, write_rows: torch.Tensor | None,
+                        write_slots: torch.Tensor) -> TorchAttentionMetadata:
+    """Every query row as a decode: row r of sequence i (at position p) attends the first
+    p + 1 tokens of i's blocks, its own K/V written before (causal by length)."""
+    seq_of_row: list[int] = []
+    lens: list[int] = []
+    for i in range(layout.num_seqs):
+        count = layout.query_start_loc[i + 1] - layout.query_start_loc[i]
+        seq_of_row += [i] * count
+        lens += range(layout.seq_lens[i] - count + 1, layout.seq_lens[i] + 1)
+    tables = layout.block_tables.index_select(0, torch.tensor(seq_of_row, dtype=torch.int64))
+    return TorchAttentionMetadata(layout, write_rows, write_slots, [],
+                                  torch.tensor(lens, dtype=torch.int64), [],
+                                  row_tables=tables.contiguous())  # (T, m)
 
 
 def _split_by_length(lens: list[int], max_groups: int = 4) -> list[tuple[int, int]]:

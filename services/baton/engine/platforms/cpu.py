@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from baton.engine.models.moe import SparseMoE
 from baton.engine.platforms.base import Platform
 from baton.engine.platforms.cpu_layers import load_llama_decode, use_native_ops
 from baton.engine.platforms.host_malloc import release_free_heap, tune_malloc_for_cpu_inference
@@ -24,21 +25,46 @@ if TYPE_CHECKING:
 
 
 class CpuPlatform(Platform):
+    """`deterministic`: every kernel batch-invariant (a row's result never depends on the
+    rows beside it): linears through `baton_cpu.linear.use_invariant_linears`, no one-call
+    decode step; the attention backend does its part (`TorchAttentionBackend.per_token`)."""
+
     name = "cpu"
 
-    def __init__(self, cache_dir: Path) -> None:
+    def __init__(self, cache_dir: Path, deterministic: bool = False) -> None:
         self.cache_dir = cache_dir
+        self.deterministic = deterministic
         self.ops: ops.CpuOps | None = None  # the fused ops, once `prepare` built them
         tune_malloc_for_cpu_inference()
 
     def prepare(self, model: CausalLM) -> None:
         dtype = model.embed_tokens.weight.dtype
-        if linear.can_pack(dtype, torch.device("cpu")):
+        if self.deterministic:
+            self._invariant_linears(model)
+        elif linear.can_pack(dtype, torch.device("cpu")):
             self._pack_linears(model)
         if dtype in ops.CpuOps.DTYPES:
             self.ops = ops.load(self.cache_dir)
             if self.ops is not None:
                 use_native_ops(model, self.ops)
+
+    def _invariant_linears(self, model: CausalLM) -> None:
+        """Deterministic mode's linears; ValueError (naming why) for a model or machine it
+        cannot serve: no C compiler, mixture-of-experts layers (grouped by expert, a token's
+        rows depend on the batch), attention with windows or soft-caps (no per-token
+        kernel)."""
+        if any(isinstance(m, SparseMoE) for m in model.modules()):
+            raise ValueError("deterministic mode does not serve mixture-of-experts models "
+                             "(no batch-invariant expert kernels)")
+        if not all(spec.plain for spec in model.attention_specs()):
+            raise ValueError("deterministic mode serves plain causal attention only (this "
+                             "model has sliding windows or soft-capped layers)")
+        gemm = linear.load_invariant_gemm(self.cache_dir)
+        if gemm is None:
+            raise ValueError("deterministic mode needs baton_cpu's C kernels, which could not "
+                             "be built here (is a C compiler installed?)")
+        _own_head(model)
+        linear.use_invariant_linears(model, gemm, linear.load_linear_kernels(self.cache_dir))
 
     def _pack_linears(self, model: CausalLM) -> None:
         """Every linear packed (`baton_cpu.linear`: in bf16 the native GEMM, else oneDNN's;
@@ -51,15 +77,20 @@ class CpuPlatform(Platform):
                 return  # F.linear it is
         else:
             native = linear.load_linear_kernels(self.cache_dir)
-        if model.lm_head is None:
-            weight = model.embed_tokens.weight
-            model.lm_head = nn.Linear(weight.shape[1], weight.shape[0], bias=False,
-                                      dtype=weight.dtype)
-            model.lm_head.weight = weight
+        _own_head(model)
         linear.pack_linears(model, native, gemv)
 
     def warm_up(self, runner: ModelRunner) -> None:
-        if self.ops is not None and runner.dtype == torch.bfloat16:
+        if self.ops is not None and runner.dtype == torch.bfloat16 and not self.deterministic:
             self.fast_decode = load_llama_decode(runner.model, runner.kv_caches,
                                                  runner.backend, self.ops, self.cache_dir)
         release_free_heap()  # the checkpoint's tensors, freed by packing
+
+
+def _own_head(model: CausalLM) -> None:
+    """A tied head gets its own linear over the embedding (so packing reaches it)."""
+    if model.lm_head is None:
+        weight = model.embed_tokens.weight
+        model.lm_head = nn.Linear(weight.shape[1], weight.shape[0], bias=False,
+                                  dtype=weight.dtype)
+        model.lm_head.weight = weight

@@ -115,17 +115,24 @@ class ModelRunner:
         self.kv_dtype = kv_cache_dtype(config.cache.kv_cache_dtype, self.dtype)  # FP8 or the model's
         cache_dir = Path(config.checkpoint.cache_dir) if config.checkpoint.cache_dir else default_cache_dir()
         self.platform = make_platform(self.device, cache_dir,
-                                      cuda_graphs=not config.compute.enforce_eager)
+                                      cuda_graphs=not config.compute.enforce_eager,
+                                      deterministic=config.compute.deterministic)
         with building_in(self.tp):  # this rank's slice of every weight
             self.model, self.model_config = load_model(model_dir, self.dtype, self.device,
                                                        max_model_len, config.checkpoint.load_format)
+        if config.checkpoint.quantization == "auto":
+            from baton.engine.platforms.cpu_quant import keep_quantized
+
+            keep_quantized(self.model, config.checkpoint.model, self.device, self.dtype,
+                           self.tp.size, cache_dir)
         self.platform.prepare(self.model)  # e.g. packed weights and fused kernels on CPU
         self.kv_scales = apply_kv_scales(self.model, self.kv_dtype)  # (k, v) by layer
         self.block_size = config.cache.block_size
         cfg = self.model_config
         self.backend = make_attention_backend(
             config.compute.attention_backend, self.device, self.dtype,
-            (local_heads(cfg.num_heads, self.tp), self.num_kv_heads, cfg.head_dim), cache_dir)
+            (local_heads(cfg.num_heads, self.tp), self.num_kv_heads, cfg.head_dim), cache_dir,
+            config.compute.deterministic)
         self.kv_memory: KVMemoryPlan | None = None  # the profile's numbers, when one ran
         self.num_blocks = self._num_blocks(profiler, max_model_len)
         # One tensor for all layers (a transport can register it as a single region):
