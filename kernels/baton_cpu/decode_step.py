@@ -7,14 +7,17 @@ kernel, the fused norm / SiLU / rotary ops, the paged decode attention), through
 pointers taken from their libraries, so its hidden states equal the Python path's bit for bit
 (the engine's tests compare them). It computes plain Llama layers in bfloat16, one token per
 sequence; the caller (the engine's CPU platform) decides which models and steps those are.
+Its linears are either all PackedLinear or all QuantLinear (GGUF blocks, `quant_linear.py`:
+the quantized kernel has the bf16 linear's signature, its weight a `qweight` pointer).
 """
 
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 
@@ -22,6 +25,7 @@ from baton_cpu.attention import NativeDecodeAttention
 from baton_cpu.build import load_library
 from baton_cpu.linear import PackedLinear
 from baton_cpu.ops import CpuOps
+from baton_cpu.quant_linear import QuantLinear
 
 if TYPE_CHECKING:
     from _ctypes import CFuncPtr  # what ctypes calls _CFuncPtr (typeshed's only public name)
@@ -44,16 +48,19 @@ class LlamaStack(ctypes.Structure):
                                      "silu", "rotary", "attn")])
 
 
+Linear = PackedLinear | QuantLinear
+
+
 @dataclass(frozen=True)
 class LlamaLayer:
     """One layer's weights: bf16 norms (h,) and the four linears, packed for the kernels."""
 
     input_norm: torch.Tensor
-    qkv: PackedLinear  # q outputs, then k, then v
-    o_proj: PackedLinear
+    qkv: Linear  # q outputs, then k, then v
+    o_proj: Linear
     post_norm: torch.Tensor
-    gate_up: PackedLinear  # gate outputs, then up
-    down: PackedLinear
+    gate_up: Linear  # gate outputs, then up
+    down: Linear
 
 
 @dataclass(frozen=True)
@@ -70,6 +77,26 @@ def _address(fn: CFuncPtr) -> int | None:
     return ctypes.cast(fn, _P).value  # (None would be NULL, which a loaded function is not)
 
 
+def _linear_kernel(first: Linear) -> tuple[CFuncPtr, Callable[[Linear], int], int | None]:
+    """The linear kernel the step calls for linears like `first`, a linear's weight pointer
+    for it, and the most rows it serves (None: any)."""
+    if isinstance(first, QuantLinear):
+        return first.native.kernel, lambda m: cast(QuantLinear, m).weight_address, None
+    native = first.native
+    assert native is not None  # `load` takes only natively packed linears
+    packed = first.vnni is not None
+
+    def weight_of(m: Linear) -> int:
+        w = cast(PackedLinear, m).vnni if packed else cast(PackedLinear, m).weight
+        assert w is not None  # `load` takes linears packed one way only
+        return w.data_ptr()
+
+    # The packed GEMM serves any batch; the portable GEMV only a few rows.
+    if packed:
+        return native.gemm_kernel, weight_of, None
+    return native.gemv_kernel, weight_of, native.gemv_max_rows
+
+
 class LlamaDecodeStep:
     """`step(x, positions, slots, block_tables, seq_lens) -> out`: the final-normed hidden
     states (M, h) of M single-token rows, their K/V written into the caches."""
@@ -80,12 +107,7 @@ class LlamaDecodeStep:
         self._step = lib.llama_decode_step
         self._step.restype = ctypes.c_int
         self._step.argtypes = [ctypes.POINTER(LlamaStack), _P, _P, _P, _P, _I, _P, _I, _P]
-        native = layers[0].qkv.native
-        assert native is not None  # `load` takes only natively packed linears
-        packed = layers[0].qkv.vnni is not None
-        # The packed GEMM serves any batch; the portable GEMV only a few rows.
-        self.max_rows = None if packed else native.gemv_max_rows
-        linear = native.gemm_kernel if packed else native.gemv_kernel
+        linear, weight_of, self.max_rows = _linear_kernel(layers[0].qkv)
         cos, sin = rope
         # Everything the struct points at stays referenced here.
         self._keep: list[object] = [cos, sin, caches, layers, final_norm]
@@ -96,7 +118,9 @@ class LlamaDecodeStep:
             return ctypes.cast(arr, ctypes.POINTER(_P))
 
         def weights(pick) -> ctypes._Pointer[ctypes.c_void_p]:
-            return pointers([m.vnni if packed else m.weight for m in map(pick, layers)])
+            arr = (_P * len(layers))(*[weight_of(pick(ly)) for ly in layers])
+            self._keep.append(arr)
+            return ctypes.cast(arr, ctypes.POINTER(_P))
 
         kernels = ops.kernels(torch.bfloat16)
         k_cache = caches[0][0]
@@ -156,10 +180,15 @@ def load(shape: LlamaShape, layers: list[LlamaLayer], final_norm: torch.Tensor,
     not packed by the native kernels, linears packed two ways (the step has one linear
     kernel), caches not bf16 on CPU, or the driver failing to build."""
     linears = [m for ly in layers for m in (ly.qkv, ly.o_proj, ly.gate_up, ly.down)]
-    if (not caches or caches[0][0].dtype != torch.bfloat16 or not caches[0][0].is_cpu
-            or not all(m.native is not None for m in linears)
-            or not (all(m.vnni is not None for m in linears)
-                    or all(m.weight is not None for m in linears))):
+    if not caches or caches[0][0].dtype != torch.bfloat16 or not caches[0][0].is_cpu:
+        return None
+    quant = [m for m in linears if isinstance(m, QuantLinear)]
+    packed = [m for m in linears if isinstance(m, PackedLinear)]
+    if quant and (packed or len({m.native for m in quant}) != 1):
+        return None
+    if packed and (not all(m.native is not None for m in packed)
+                   or not (all(m.vnni is not None for m in packed)
+                           or all(m.weight is not None for m in packed))):
         return None
     lib = load_library("llama_decode.c", cache_dir)
     if lib is None:

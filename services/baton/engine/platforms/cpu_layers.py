@@ -21,6 +21,7 @@ from baton.engine.models.rope import RotaryEmbedding
 from baton_cpu import decode_step
 from baton_cpu.linear import PackedLinear
 from baton_cpu.ops import CpuOps
+from baton_cpu.quant_linear import QuantLinear
 
 if TYPE_CHECKING:
     from baton.engine.runner.batch import FlatBatch
@@ -105,8 +106,11 @@ class NativeLlamaDecode:
                          layout.block_tables, seq_lens)  # (T, h)
 
 
-def _all_packed(linears: tuple[nn.Module, ...]) -> TypeGuard[tuple[PackedLinear, ...]]:
-    return all(isinstance(m, PackedLinear) for m in linears)
+def _all_packed(linears: tuple[nn.Module, ...]
+                ) -> TypeGuard[tuple[PackedLinear | QuantLinear, ...]]:
+    """Linears the one-call step computes: packed bf16 or GGUF-quantized (its `load` takes
+    only one kind for the whole model)."""
+    return all(isinstance(m, PackedLinear | QuantLinear) for m in linears)
 
 
 def _plain_llama_layers(model: CausalLM) -> list[decode_step.LlamaLayer] | None:
