@@ -17,7 +17,14 @@ import time
 
 from aiohttp import web
 
+from baton.common.internal import WORKER_HEADER, worker_header
+
 MODEL = "sim"
+
+
+async def identify(request: web.Request, response: web.StreamResponse) -> None:
+    """What every Baton worker names on its answers."""
+    response.headers[WORKER_HEADER] = worker_header("sim-worker")
 
 
 def build_app(tokens: int, itl: float) -> web.Application:
@@ -53,6 +60,7 @@ def build_app(tokens: int, itl: float) -> web.Application:
         return resp
 
     app = web.Application()
+    app.on_response_prepare.append(identify)
     app.router.add_get("/load", load)
     app.router.add_get("/ready", ready)
     app.router.add_post("/v1/completions", completions)

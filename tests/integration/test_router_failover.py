@@ -11,6 +11,7 @@ import pytest
 from aiohttp import web
 
 from tests.integration.conftest import MODEL, Proc, free_port_run, http_get, metric_value, post_json
+from tests.unit.router.fakes import identify
 
 pytestmark = pytest.mark.slow
 
@@ -40,6 +41,7 @@ class BrokenWorker:
 
     def start(self) -> None:
         app = web.Application()
+        app.on_response_prepare.append(identify)
         app.router.add_get("/load", self.load)
         app.router.add_post("/v1/completions", self.generate)
         app.router.add_post("/v1/chat/completions", self.generate)

@@ -41,6 +41,14 @@ if TYPE_CHECKING:  # KVLayoutInfo.of reads a tensor's shape; this module never l
     import torch
 
 WIRE_VERSION: Final = 1
+# On every answer of a worker: "<WIRE_VERSION>/<worker id>" (the id it registers under), so
+# a router believes only a Baton worker of its wire version, and the process it meant
+WORKER_HEADER: Final = "X-Baton-Worker"
+
+
+def worker_header(worker_id: str) -> str:
+    """The WORKER_HEADER value of the worker `worker_id`."""
+    return f"{WIRE_VERSION}/{worker_id}"
 TOKENS_EVENT = "baton.tokens"
 API_MODELS: dict[str, type[BaseModel]] = {"chat": ChatCompletionRequest,
                                           "completions": CompletionRequest}

@@ -10,7 +10,10 @@ What every Baton worker answers, and so what is checked:
 - a whole 200 answer is a JSON object, with a `choices` list on the APIs that promise one
   (chat, completions, a decode pod's /internal/generate);
 - a streamed 200 is `text/event-stream` whose first bytes are an SSE line (a field such as
-  `data:` or `event:`, or a `:` comment).
+  `data:` or `event:`, or a `:` comment);
+- every answer carries `X-Baton-Worker: <wire version>/<worker id>` (`common.internal.
+  WORKER_HEADER`): the router's wire version, and, for a worker the registry named, the id
+  of the record (another id at that address is a process the router's view does not know).
 
 Each check returns None for a Baton answer, else what is wrong (for the log). The relay and
 the remote prefill open the circuit of a peer that answers wrongly (`Discovery.
@@ -20,6 +23,9 @@ record_misbehaviour`) and move the request to another worker, or prefill locally
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
+
+from baton.common.internal import WIRE_VERSION, WORKER_HEADER
 
 CHOICE_PATHS = ("/v1/chat/completions", "/v1/completions", "/internal/generate")
 SSE_FIELDS = (b"data:", b"event:", b"id:", b"retry:", b":")  # what an SSE line starts with
@@ -59,4 +65,18 @@ def stream_problem(content_type: str, first: bytes | None) -> str | None:
         return f"a stream of {content_type or 'no content type'}, not text/event-stream"
     if first is not None and not first.lstrip(b"\r\n").startswith(SSE_FIELDS):
         return f"a stream that does not start with an SSE event: {first[:80]!r}"
+    return None
+
+
+def identity_problem(headers: Mapping[str, str], worker_id: str | None) -> str | None:
+    """What is wrong with who answered (its WORKER_HEADER), or None: a Baton worker of this
+    wire version and, when `worker_id` is known (the registry's), that very worker."""
+    value = headers.get(WORKER_HEADER)
+    if value is None:
+        return f"an answer without {WORKER_HEADER}: not a Baton worker"
+    version, _, answered_by = value.partition("/")
+    if version != str(WIRE_VERSION):
+        return f"a worker of wire version {version[:16]!r}, not {WIRE_VERSION}"
+    if worker_id is not None and answered_by != worker_id:
+        return f"worker {answered_by[:40]!r} answered, not {worker_id!r} (a stale record)"
     return None

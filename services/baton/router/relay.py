@@ -36,7 +36,12 @@ from aiohttp import web
 from baton.common.errors import NO_RETRY_HEADER, OpenAIError
 from baton.common.metrics import RouterMetrics
 from baton.common.tracing import Tracing
-from baton.router.answers import error_problem, stream_problem, whole_problem
+from baton.router.answers import (
+    error_problem,
+    identity_problem,
+    stream_problem,
+    whole_problem,
+)
 from baton.router.discovery import Discovery, Upstream
 from baton.router.handover import Handover
 from baton.router.resume import StreamTracker
@@ -198,6 +203,7 @@ class Relay:
                     ep.url + send.path, data=send.body, headers=send.headers,
                     timeout=aiohttp.ClientTimeout(total=None, connect=s.connect_timeout_s))
                 self.metrics.upstream_latency.labels(ep.url).observe(loop.time() - t0)
+                self._check(ep, identity_problem(resp.headers, ep.worker_id))
                 if resp.status >= 400 and not refused_by_request(resp):
                     raise await self._refused(ep, resp)
                 if not stream or resp.status != 200:

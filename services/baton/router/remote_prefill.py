@@ -42,7 +42,7 @@ from baton.common.internal import Api, OpenAIBody, PrefillRequest, PrefillRespon
 from baton.common.metrics import RouterMetrics
 from baton.common.roles import Role
 from baton.common.tracing import Span, Tracing
-from baton.router.answers import error_problem
+from baton.router.answers import error_problem, identity_problem
 from baton.router.discovery import Discovery, Upstream
 from baton.router.handover import Handover
 from baton.router.relay import refused_by_request
@@ -109,7 +109,8 @@ class RemotePrefill:
             headers[TENANT_HEADER] = ctx.tenant
         pod.inflight += 1
         try:
-            status, final, raw = await self._post(pod, message.to_json(), headers, tunables)
+            status, final, raw, imposter = await self._post(pod, message.to_json(), headers,
+                                                            tunables)
         except (aiohttp.ClientError, OSError, TimeoutError) as err:
             reason = "prefill_failed" if pod.healthy else "prefill_pod_down"
             self._failed(pod, reason, request_id, repr(err), span)
@@ -119,7 +120,7 @@ class RemotePrefill:
         span.set("http.response.status_code", status)
         try:
             answer = PrefillResponse.model_validate_json(raw) if status == 200 else None
-            problem = error_problem(raw) if final else None
+            problem = imposter or (error_problem(raw) if final else None)
         except ValueError as err:
             problem = f"a 200 that is not a PrefillResponse ({type(err).__name__})"
         if problem is not None:
@@ -140,16 +141,18 @@ class RemotePrefill:
         return answer
 
     async def _post(self, pod: Upstream, body: bytes, headers: Mapping[str, str],
-                    tunables: Tunables) -> tuple[int, bool, bytes]:
-        """The pod's status, whether its refusal is final, and its body; within the
-        prefill timeout, cut short (TimeoutError) if the pod is marked down meanwhile."""
+                    tunables: Tunables) -> tuple[int, bool, bytes, str | None]:
+        """The pod's status, whether its refusal is final, its body, and what is wrong with
+        who answered (`identity_problem`); within the prefill timeout, cut short
+        (TimeoutError) if the pod is marked down meanwhile."""
         timeout = aiohttp.ClientTimeout(total=None, connect=tunables.proxy.connect_timeout_s)
         async with asyncio.timeout(tunables.disagg.prefill_timeout_s) as timer:
             stop_watching = pod.on_down(lambda: timer.reschedule(0.0))  # 0.0: expire now
             try:
                 async with self.session.post(pod.url + PREFILL_PATH, data=body,
                                              headers=headers, timeout=timeout) as resp:
-                    return resp.status, refused_by_request(resp), await resp.read()
+                    return (resp.status, refused_by_request(resp), await resp.read(),
+                            identity_problem(resp.headers, pod.worker_id))
             finally:
                 stop_watching()
 

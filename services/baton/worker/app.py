@@ -28,6 +28,7 @@ from starlette.responses import JSONResponse, Response
 
 from baton.common.auth import TENANT_HEADER, TOKEN_HEADER, bearer, token_matches
 from baton.common.errors import OpenAIError, install_error_handlers
+from baton.common.internal import WORKER_HEADER, worker_header
 from baton.common.metrics import CONTENT_TYPE, render
 from baton.common.parsing import parse_off_loop, parse_request_off_loop
 from baton.common.protocol import (
@@ -65,7 +66,27 @@ def build_app(settings: WorkerSettings, state: WorkerState | None = None) -> Fas
     install_responses_routes(app, state)
     if settings.role != Role.BOTH:
         install_internal_routes(app, state)
+    app.add_middleware(_Identify, value=worker_header(state.worker_id))  # the outermost
     return app
+
+
+class _Identify:
+    """ASGI middleware: every answer names the worker (`WORKER_HEADER`), refusals of the
+    auth middleware included, so a router believes only Baton workers."""
+
+    def __init__(self, app, value: str) -> None:
+        self.app, self.header = app, (WORKER_HEADER.lower().encode(), value.encode())
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        async def named(message) -> None:
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", ()), self.header]}
+            await send(message)
+
+        await self.app(scope, receive, named)
 
 
 def _install_auth(app: FastAPI, settings: WorkerSettings) -> None:

@@ -30,16 +30,18 @@ STOP_TIMEOUT_S = 5.0  # leaving the registry never holds up a drain longer than 
 class Registration:
     def __init__(self, url: str, advertise_url: str, report: Callable[[], dict | None],
                  prefix: str = reg.DEFAULT_PREFIX, interval_s: float = 1.0,
-                 flush_s: float = 0.1) -> None:
+                 flush_s: float = 0.1, worker_id: str | None = None) -> None:
         """`report()` returns the record's fields (role, model, load …), or None while the
-        engine is loading (nothing is registered before it is ready)."""
+        engine is loading (nothing is registered before it is ready). `worker_id`: the id
+        to register under (the worker's own, which it names on every answer); None: a new
+        one."""
         if interval_s <= 0 or flush_s <= 0:
             raise ValueError("Registration: interval_s and flush_s must be > 0")
         self.url, self.advertise_url = url, advertise_url.rstrip("/")
         self.keys = reg.Keys(prefix)
         self.report = report
         self.interval_s, self.flush_s = interval_s, flush_s
-        self.id = uuid.uuid4().hex[:16]
+        self.id = worker_id or uuid.uuid4().hex[:16]
         self.pool: BlockPool | None = None  # the engine's block events, once loaded
         self._seq = 0
         self._popped = 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+import uuid
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -117,6 +118,8 @@ class WorkerState:
         self.tracing = setup_tracing(f"baton-{settings.role.value}", settings.otlp_endpoint)
         self.draining = False  # SIGTERM: finishing what runs, taking nothing new
         self.exit_code = 0  # 1 once the engine loop died
+        # named on every answer (X-Baton-Worker) and the registry's record
+        self.worker_id = uuid.uuid4().hex[:16]
         self.registration: Registration | None = None
         if settings.registry_url is not None:
             from baton.worker.registration import Registration
@@ -124,7 +127,8 @@ class WorkerState:
             # WorkerSettings.__post_init__ refuses registry_url without advertise_url
             assert settings.advertise_url is not None
             self.registration = Registration(settings.registry_url, settings.advertise_url,
-                                             self.registry_report, settings.registry_prefix)
+                                             self.registry_report, settings.registry_prefix,
+                                             worker_id=self.worker_id)
 
     def _stats(self) -> EngineStats | None:
         return self.engine.stats() if self.engine is not None else None

@@ -11,12 +11,14 @@ from aiohttp.test_utils import TestServer
 from multidict import CIMultiDict
 
 from baton.common.internal import (
+    WORKER_HEADER,
     KVEndpointInfo,
     KVLayoutInfo,
     KVTransferParams,
     PrefillResponse,
     StreamHeader,
     TokenEvent,
+    worker_header,
 )
 from baton.common.tracing import Tracing
 from baton.router.app import ROUTER, build_app
@@ -26,12 +28,24 @@ Reply = Callable[["FakePod", web.Request, bytes], Awaitable[web.StreamResponse]]
 HEADER = StreamHeader(id="chatcmpl-1", object="chat.completion.chunk", created=7, model="m")
 
 
+IDENTITY = web.AppKey("identity", str)
+
+
+async def identify(request: web.Request, response: web.StreamResponse) -> None:
+    """What every Baton worker puts on its answers (`identity`; a worker of a static list
+    has no registry id to match); an app without an identity names none."""
+    identity = request.app.get(IDENTITY, worker_header("fake-pod"))
+    if identity:
+        response.headers[WORKER_HEADER] = identity
+
+
 class FakePod:
     """A worker of `role` that reports itself ready on /load (`ready`) and answers every
     POST with `reply`, recording the bodies and headers it got; `/internal/release` records
     the lease ids it is asked to release, and every GET's headers are kept too."""
 
-    def __init__(self, role: str, reply: Reply) -> None:
+    def __init__(self, role: str, reply: Reply, identity: str | None = None) -> None:
+        """`identity`: the X-Baton-Worker it answers with ("": none; None: a worker's)."""
         self.role, self.reply = role, reply
         self.ready = True
         self.bodies: list[bytes] = []
@@ -40,6 +54,9 @@ class FakePod:
         self.released: list[str] = []
         self.release_headers: list[CIMultiDict[str]] = []
         app = web.Application()
+        app.on_response_prepare.append(identify)
+        if identity is not None:
+            app[IDENTITY] = identity
         app.router.add_get("/load", self._load)
         app.router.add_get("/internal/tokenizer", self._tokenizer)
         app.router.add_post("/internal/release", self._release)

@@ -10,6 +10,8 @@ import json
 import pytest
 from aiohttp import web
 
+from baton.common.internal import WORKER_HEADER, worker_header
+from baton.router.answers import identity_problem
 from baton.router.app import ROUTER
 from tests.unit.router.fakes import FakePod, chat, content, metric, post, start, stop, stream
 from tests.unit.router.test_remote_prefill import cluster, decode_call
@@ -46,6 +48,32 @@ def test_an_imposter_is_never_believed_and_its_requests_go_to_a_worker(answer, s
         assert bad.circuit_open() and len(pods[0].bodies) == 1  # tried once, then left out
         await stop(router, pods)
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("identity", ["", "2/abc", "v1"])
+@pytest.mark.parametrize("streamed", [False, True])
+def test_a_well_formed_answer_from_no_baton_worker_is_not_believed(identity, streamed):
+    """The right shape is not enough: an answer must name a Baton worker of the router's
+    wire version (X-Baton-Worker), else it is not relayed and the pod is left out."""
+
+    async def main():
+        router, pods = await start(FakePod("both", worker, identity=identity),
+                                   FakePod("both", worker))
+        for _ in range(3):
+            status, _, body = await post(router, chat(stream=streamed))
+            assert status == 200, body
+        assert router.app[ROUTER].discovery.endpoints[pods[0].url].circuit_open()
+        assert len(pods[0].bodies) == 1 and len(pods[1].bodies) == 3
+        await stop(router, pods)
+    asyncio.run(main())
+
+
+def test_identity_problems():
+    assert identity_problem({WORKER_HEADER: worker_header("w1")}, None) is None
+    assert identity_problem({WORKER_HEADER: worker_header("w1")}, "w1") is None
+    assert "stale record" in identity_problem({WORKER_HEADER: worker_header("w2")}, "w1")
+    assert "not a Baton worker" in identity_problem({}, None)
+    assert "wire version" in identity_problem({WORKER_HEADER: "9/w1"}, "w1")
 
 
 def test_a_stream_of_something_else_is_not_relayed():

@@ -9,6 +9,7 @@ import asyncio
 import pytest
 
 from baton.common.auth import TOKEN_HEADER, internal_token
+from baton.common.internal import WORKER_HEADER, worker_header
 from baton.common.roles import Role
 from baton.worker.app import build_app
 from baton.worker.state import WorkerSettings, WorkerState
@@ -80,3 +81,15 @@ def test_a_tenant_is_believed_only_from_a_router(monkeypatch):
     assert call(app, "POST", "/v1/chat/completions", CHAT,
                 **given, **{TOKEN_HEADER: TOKEN})[0] == 200
     assert seen == ["default", "team-a"]
+
+
+def test_every_answer_names_the_worker_refusals_included():
+    """X-Baton-Worker: the router believes only answers that name a Baton worker of its wire
+    version, and the registry's record of it (`router/answers.py`)."""
+    state = WorkerState(WorkerSettings(role=Role.PREFILL, internal_token=TOKEN))
+    state.pipeline, state.engine, _ = make_pipeline()
+    app = build_app(state.settings, state)
+    for method, path, body in [("GET", "/health", None), ("POST", "/v1/chat/completions", CHAT),
+                               ("POST", "/internal/prefill", {})]:  # the last one a 401
+        _, headers, _ = call(app, method, path, body)
+        assert headers[WORKER_HEADER.lower()] == worker_header(state.worker_id)
