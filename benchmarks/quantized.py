@@ -1,6 +1,7 @@
 """Decode speed of the bundled model served quantized (issue 39): the GGUF's Q4_1 weights as
-shipped and Q8_0 (re-quantized from the same weights) through `--quantization auto`, against
-the bf16 de-quantized model (`--quantization none`), at batch 1, 8 and 32, in one run.
+shipped, Q8_0 and a Q4_K_M mix (re-quantized from the same weights, `gguf_variants.py`)
+through `--quantization auto`, against the bf16 de-quantized model (`--quantization none`),
+at batch 1, 8 and 32, in one run.
 
     python -m benchmarks.quantized [--batches 1 8 32] [--repeats 2] [--threads N]
 
@@ -17,46 +18,13 @@ import gc
 import time
 from pathlib import Path
 
-from baton.engine.models.loader import bundled_gguf_path, default_cache_dir
+from baton.engine.models.loader import default_cache_dir
+from benchmarks.gguf_variants import requantized_gguf
 
 PROMPT = [1, 504, 3458, 282, 4649, 314]  # a few tokens (prefill is not what is measured)
 SHORT, LONG = 8, 72
 CPU_FLAGS = ("avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx512vl",
              "avx512_vnni", "avx512_bf16", "amx_int8")
-
-
-def requantized_gguf(qtype_name: str, cache: Path) -> Path:
-    """The bundled GGUF with its Q4_1 tensors re-quantized to `qtype_name` (the gguf
-    package's quantizer, llama.cpp's math), kept in `cache` after the first run."""
-    import gguf
-    from gguf import quants
-
-    src = bundled_gguf_path()
-    dst = cache / "models" / f"{src.stem.rsplit('.', 1)[0]}.{qtype_name}.gguf"
-    if dst.exists():
-        return dst
-    qtype = gguf.GGMLQuantizationType[qtype_name]
-    reader = gguf.GGUFReader(str(src))
-    tmp = dst.with_suffix(".tmp")
-    tmp.parent.mkdir(parents=True, exist_ok=True)
-    writer = gguf.GGUFWriter(str(tmp), str(reader.get_field("general.architecture").contents()))
-    for field in reader.fields.values():
-        if field.name == "general.architecture" or field.name.startswith("GGUF."):
-            continue  # written by the writer itself
-        kind = field.types[0]
-        sub = field.types[-1] if kind == gguf.GGUFValueType.ARRAY else None
-        writer.add_key_value(field.name, field.contents(), kind, sub_type=sub)
-    for t in reader.tensors:
-        data, kind = t.data, t.tensor_type
-        if kind == gguf.GGMLQuantizationType.Q4_1:
-            data, kind = quants.quantize(quants.dequantize(t.data, kind), qtype), qtype
-        writer.add_tensor(t.name, data, raw_dtype=kind)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    tmp.rename(dst)
-    return dst
 
 
 def decode_tokens_per_s(llm, batch: int) -> float:
@@ -96,7 +64,8 @@ def main() -> None:
     print(f"CPU: {cpu_flags()}; quantized kernel path: "
           f"{native.isa if native else 'not built'}", flush=True)
     configs = {"bf16": (None, "none"), "Q4_1": (None, "auto"),
-               "Q8_0": (str(requantized_gguf("Q8_0", cache)), "auto")}
+               "Q8_0": (str(requantized_gguf("Q8_0", cache)), "auto"),
+               "Q4_K_M": (str(requantized_gguf("Q4_K_M", cache)), "auto")}
     engines = {name: LLM(model, quantization=q, num_threads=args.threads,
                          kv_cache_memory_bytes=256 << 20, max_num_seqs=max(args.batches))
                for name, (model, q) in configs.items()}

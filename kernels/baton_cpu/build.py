@@ -68,8 +68,8 @@ def _build_and_load(source: Path, cache_dir: Path, flags: list[str]) -> ctypes.C
 
 
 def _source_with_headers(source: Path) -> bytes:
-    """The source and the local headers it includes (`#include "..."`): a change to either
-    makes a new build."""
+    """The source and the local files it includes (`#include "..."`, and what those include):
+    a change to any makes a new build."""
     text = source.read_bytes()
     headers = re.findall(rb'^#include "([^"]+)"', text, flags=re.MULTILINE)
-    return text + b"".join((source.parent / h.decode()).read_bytes() for h in headers)
+    return text + b"".join(_source_with_headers(source.parent / h.decode()) for h in headers)

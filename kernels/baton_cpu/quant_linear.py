@@ -1,29 +1,32 @@
-"""Linear layers over GGUF block-quantized weights (Q8_0, Q4_0, Q4_1) on CPU, in
-`csrc/linear_q.c`: the weight keeps the file's quants and fp16 scales (repacked once so that
-8 output rows lie side by side), each call quantizes its bf16 activations to int8 per
-32-block and takes integer dot products (VNNI where the CPU has it, else AVX2, else scalar).
-`quant_reference.py` is the torch reference of the formats.
+"""Linear layers over GGUF block-quantized weights (Q8_0, Q4_0, Q4_1, Q4_K, Q6_K) on CPU, in
+`csrc/linear_q.c` and `csrc/linear_qk.h`: the weight keeps the file's quants and scales
+(repacked once so that 8 or 16 output rows lie side by side), each call quantizes its bf16
+activations to int8 per 32-block and takes integer dot products (VNNI where the CPU has it,
+else AVX2, else scalar). A fused linear may hold parts of different types (a Q4_K_M file's
+q and k in Q4_K, v in Q6_K). `quant_reference.py` is the torch reference of the formats.
 """
 
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from baton_cpu.build import load_library
-from baton_cpu.quant_reference import QK, QuantType
+from baton_cpu.quant_reference import QuantType
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 ISA_NAMES = {0: "scalar", 1: "avx2", 2: "avx-vnni", 3: "avx512-vnni"}
 
 
 class QWeight(ctypes.Structure):
-    """`qweight` in linear_q.c: what the kernel takes as its weight pointer."""
+    """`qweight` in linear_q.c: what the kernel takes as its weight pointer (`next`: the
+    part holding the rows after these, or NULL)."""
 
-    _fields_ = [("type", _I), ("n", _I), ("k", _I), ("data", _P)]
+    _fields_ = [("type", _I), ("n", _I), ("k", _I), ("data", _P), ("next", _P)]
 
 
 class NativeQuantLinear:
@@ -41,12 +44,13 @@ class NativeQuantLinear:
         self.kernel.restype, self.kernel.argtypes = ctypes.c_int, [_P] * 4 + [_I] * 3
 
     def repack(self, raw: torch.Tensor, qtype: QuantType, n: int, k: int) -> torch.Tensor:
-        """raw uint8 (n, k / 32 * block bytes), GGUF's rows -> the kernel's packed bytes.
-        Raises ValueError for a shape the format cannot hold or a scale too large."""
+        """raw uint8 (n, k / block elems * block bytes), GGUF's rows -> the kernel's packed
+        bytes. Raises ValueError for a shape the format cannot hold or a scale too large."""
         size = int(self._bytes(int(qtype), n, k))
-        if size < 0 or tuple(raw.shape) != (n, k // QK * qtype.block_bytes):
+        if size < 0 or tuple(raw.shape) != (n, k // qtype.block_elems * qtype.block_bytes):
             raise ValueError(f"a {qtype.name} weight of {n} x {k} cannot be packed from raw "
-                             f"bytes {tuple(raw.shape)} (k must be a multiple of {QK})")
+                             f"bytes {tuple(raw.shape)} (k must be a multiple of "
+                             f"{qtype.block_elems})")
         raw = raw.contiguous()
         packed = torch.empty(size, dtype=torch.uint8)
         rc = self._repack(int(qtype), raw.data_ptr(), n, k, packed.data_ptr())
@@ -57,17 +61,47 @@ class NativeQuantLinear:
 
 
 class QuantLinear(nn.Module):
-    """y = x @ W.T (+ bias) for bf16 x of any leading shape, W kept block-quantized."""
+    """y = x @ W.T (+ bias) for bf16 x of any leading shape, W kept block-quantized: `raw`
+    in `qtype`, or (`QuantLinear.fused`) the rows of several parts, each in its own type."""
 
     def __init__(self, raw: torch.Tensor, qtype: QuantType, in_features: int,
                  bias: torch.Tensor | None, native: NativeQuantLinear) -> None:
+        self._init_parts([(raw, qtype)], in_features, bias, native)
+
+    @classmethod
+    def fused(cls, parts: Sequence[tuple[torch.Tensor, QuantType]], in_features: int,
+              bias: torch.Tensor | None, native: NativeQuantLinear) -> QuantLinear:
+        """The linear whose rows are those of `parts` (raw, type) in order; consecutive
+        parts of one type are packed as one."""
+        merged: list[tuple[torch.Tensor, QuantType]] = []
+        for raw, qtype in parts:
+            if merged and merged[-1][1] == qtype:
+                merged[-1] = (torch.cat([merged[-1][0], raw]), qtype)
+            else:
+                merged.append((raw, qtype))
+        self = cls.__new__(cls)
+        self._init_parts(merged, in_features, bias, native)
+        return self
+
+    def _init_parts(self, parts: list[tuple[torch.Tensor, QuantType]], in_features: int,
+                    bias: torch.Tensor | None, native: NativeQuantLinear) -> None:
         super().__init__()
-        self.out_features, self.in_features = raw.shape[0], in_features
-        self.qtype, self.native = qtype, native
-        self.packed = native.repack(raw, qtype, self.out_features, in_features)
+        if not parts:
+            raise ValueError("a QuantLinear needs at least one part")
+        self.in_features, self.native = in_features, native
+        self.out_features = sum(raw.shape[0] for raw, _ in parts)
+        self.qtypes = tuple(qtype for _, qtype in parts)
+        self.qtype = self.qtypes[0]
+        self.packed = [native.repack(raw, qtype, raw.shape[0], in_features)
+                       for raw, qtype in parts]
         self.bias = None if bias is None else bias.detach().to(torch.bfloat16).contiguous()
-        self.qweight = QWeight(int(qtype), self.out_features, in_features,
-                               self.packed.data_ptr())
+        chain: list[QWeight] = []
+        for (raw, qtype), packed in reversed(list(zip(parts, self.packed, strict=True))):
+            after = ctypes.addressof(chain[-1]) if chain else None
+            chain.append(QWeight(int(qtype), raw.shape[0], in_features, packed.data_ptr(),
+                                 after))
+        self._chain = chain  # the last is the first part; each points at the next
+        self.qweight = chain[-1]
 
     @property
     def weight_address(self) -> int:
@@ -85,13 +119,18 @@ class QuantLinear(nn.Module):
                                     None if self.bias is None else self.bias.data_ptr(),
                                     y.data_ptr(), M, self.out_features, self.in_features)
             if rc != 0:
-                raise RuntimeError(f"native {self.qtype.name} linear failed (code {rc}) for "
+                raise RuntimeError(f"native {self.type_names} linear failed (code {rc}) for "
                                    f"x {tuple(x.shape)}, {self.out_features} outputs")
         return y.view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"{self.qtype.name}, {self.native.isa}")
+                f"{self.type_names}, {self.native.isa}")
+
+    @property
+    def type_names(self) -> str:
+        """e.g. Q4_1, or Q4_K+Q6_K for a fused linear of parts."""
+        return "+".join(t.name for t in self.qtypes)
 
 
 def load_quant_kernels(cache_dir: Path, source: str = "linear_q.c") -> NativeQuantLinear | None:

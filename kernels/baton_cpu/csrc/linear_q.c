@@ -1,5 +1,7 @@
 /* Linear layers over GGUF block-quantized weights on CPU: y[m, o] = sum_k x[m, k] * w[o, k]
- * (+ bias[o]), x and y bfloat16, w in Q8_0, Q4_0 or Q4_1 (32-element blocks).
+ * (+ bias[o]), x and y bfloat16, w in Q8_0, Q4_0 or Q4_1 (32-element blocks, below) or in
+ * Q4_K or Q6_K (256-element super-blocks: linear_qk.h), or a chain of such parts (a fused
+ * linear whose parts the file stores in different types).
  *
  * The weights keep GGUF's quants and fp16 scales bit for bit, repacked once (as llama.cpp's
  * CPU "repack" does) so that 8 output rows lie side by side: for each group of 8 rows and
@@ -44,8 +46,9 @@
 #define BATON_Q_ISA NATIVE_ISA
 #endif
 
-enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 }; /* GGMLQuantizationType values */
+enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8, Q4_K = 12, Q6_K = 14 }; /* GGMLQuantizationType values */
 #define QK 32
+#define QKK 256 /* the K types' super-blocks (linear_qk.h) */
 #if BATON_Q_ISA == 3
 #define G 16 /* output rows per group: one 512-bit vector of int32 sums */
 #define MT 8 /* activation rows per register tile */
@@ -54,10 +57,13 @@ enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 }; /* GGMLQuantizationType values */
 #define MT 4
 #endif
 
-/* What a packed linear weight is; passed as the `w` of the linear kernel signature. */
-typedef struct {
+/* What a packed linear weight is; passed as the `w` of the linear kernel signature. A fused
+ * linear whose parts differ in type (a Q4_K_M file's q, k in Q4_K and v in Q6_K) is a chain:
+ * `next` holds the rows after these n, NULL ends it. */
+typedef struct qweight {
     int64_t type, n, k;
     const uint8_t *data; /* qlinear_packed_bytes(type, n, k) bytes */
+    const struct qweight *next;
 } qweight;
 
 int qlinear_isa(void) { return BATON_Q_ISA; }
@@ -66,11 +72,16 @@ static int64_t quant_bytes(int64_t type) { /* per row per block, packed */
     return type == Q8_0 ? 32 : (type == Q4_0 || type == Q4_1) ? 16 : -1;
 }
 
-static int64_t group_block_bytes(int64_t type) { return 4 * G + G * quant_bytes(type); }
+static int64_t group_block_bytes(int64_t type);
+static int64_t block_elems(int64_t type);
+
+/* A group's bytes: the packed blocks of G rows over all k. */
+static int64_t group_bytes(int64_t type, int64_t k) { return k / block_elems(type) * group_block_bytes(type); }
 
 int64_t qlinear_packed_bytes(int64_t type, int64_t n, int64_t k) {
-    if (quant_bytes(type) < 0 || n < 1 || k < QK || k % QK) return -1;
-    return (n + G - 1) / G * (k / QK) * group_block_bytes(type);
+    const int64_t be = block_elems(type);
+    if (be < 0 || n < 1 || k < be || k % be) return -1;
+    return (n + G - 1) / G * group_bytes(type, k);
 }
 
 static float f16_to_f32(uint16_t h) {
@@ -120,41 +131,9 @@ static int read_block(int64_t type, const uint8_t *src, uint16_t *d, uint16_t *m
     return type != Q4_1 && (*m & 0x7c00u) == 0x7c00u ? -1 : 0;
 }
 
-/* raw: the GGUF tensor's rows [n][k / 32 blocks]; packed: qlinear_packed_bytes of it.
- * Returns 0, -1 for a bad shape or type, -2 for a scale too large to repack. */
-int qlinear_repack(int64_t type, const uint8_t *raw, int64_t n, int64_t k, uint8_t *packed) {
-    if (qlinear_packed_bytes(type, n, k) < 0) return -1;
-    const int64_t nb = k / QK, gb = group_block_bytes(type);
-    const int64_t raw_block = type == Q8_0 ? 34 : type == Q4_1 ? 20 : 18, groups = (n + G - 1) / G;
-    int bad = 0;
-#pragma omp parallel for schedule(static) reduction(| : bad)
-    for (int64_t g = 0; g < groups; g++)
-        for (int64_t b = 0; b < nb; b++) {
-            uint8_t *dst = packed + (g * nb + b) * gb;
-            uint16_t d[G] = {0}, m[G] = {0};
-            uint8_t q[G][QK];
-            memset(q, 0, sizeof q);
-            for (int l = 0; l < G && g * G + l < n; l++)
-                bad |= read_block(type, raw + ((g * G + l) * nb + b) * raw_block, &d[l], &m[l],
-                                  q[l]);
-            memcpy(dst, d, sizeof d);
-            memcpy(dst + 2 * G, m, sizeof m);
-            uint8_t *qd = dst + 4 * G;
-            const int chunks = type == Q8_0 ? 8 : 4;
-            for (int j = 0; j < chunks; j++)
-                for (int l = 0; l < G; l++)
-                    for (int i = 0; i < 4; i++) {
-                        const int kk = 4 * j + i;
-                        qd[(j * G + l) * 4 + i] = type == Q8_0
-                            ? q[l][kk] : (uint8_t)(q[l][kk] | (q[l][kk + 16] << 4));
-                    }
-        }
-    return bad ? -2 : 0;
-}
-
-/* x [M, K] bf16 -> xq [M, K] int8, dx / sx [M, K / 32]. */
+/* x [M, K] bf16 -> xq [M, K] int8, dx / sx [M, K / 32], xs16 [M, K / 16]. */
 static void quantize_rows(const uint16_t *x, int64_t M, int64_t K, int8_t *xq, float *dx,
-                          float *sx) {
+                          float *sx, int32_t *xs16) {
     const int64_t nb = K / QK;
 #pragma omp parallel for schedule(static) if (M * K >= 1 << 16)
     for (int64_t i = 0; i < M * nb; i++) {
@@ -166,19 +145,21 @@ static void quantize_rows(const uint16_t *x, int64_t M, int64_t K, int8_t *xq, f
             amax = a > amax ? a : amax;
         }
         const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
-        int sum = 0;
+        int sum[2] = {0, 0};
         for (int j = 0; j < QK; j++) {
             const int q = (int)__builtin_nearbyintf(v[j] * id);
             xq[i * QK + j] = (int8_t)q;
-            sum += q;
+            sum[j / 16] += q;
         }
-        dx[i] = d, sx[i] = d * (float)sum;
+        dx[i] = d, sx[i] = d * (float)(sum[0] + sum[1]);
+        xs16[2 * i] = sum[0], xs16[2 * i + 1] = sum[1];
     }
 }
 
 typedef struct {
     const int8_t *xq;
     const float *dx, *sx;
+    const int32_t *xs16; /* sum(q_x) of each 16 elements (Q6_K's offset) */
     int64_t K, nb;
 } xrows;
 
@@ -372,35 +353,104 @@ static void group_tile(int64_t type, const uint8_t *wg, const xrows *xr, int mt,
 }
 #endif
 
-int qlinear_bf16(const uint16_t *x, const qweight *w, const uint16_t *bias, uint16_t *y,
-                 int64_t M, int64_t N, int64_t K) {
-    if (M < 1 || w == NULL || w->n != N || w->k != K || qlinear_packed_bytes(w->type, N, K) < 0)
-        return -1;
-    const int64_t nb = K / QK, groups = (N + G - 1) / G, gb = group_block_bytes(w->type);
-    int8_t *xq = (int8_t *)malloc((size_t)(M * K));
-    float *dx = (float *)malloc(2 * sizeof(float) * (size_t)(M * nb));
-    if (!xq || !dx) {
-        free(xq), free(dx);
-        return -2;
-    }
-    float *sx = dx + M * nb;
-    quantize_rows(x, M, K, xq, dx, sx);
+#include "linear_qk.h"
+
+static int64_t block_elems(int64_t type) {
+    return is_k_type(type) ? QKK : quant_bytes(type) > 0 ? QK : -1;
+}
+
+static int64_t group_block_bytes(int64_t type) {
+    return is_k_type(type) ? kgroup_block_bytes(type) : 4 * G + G * quant_bytes(type);
+}
+
+/* raw: the GGUF tensor's rows [n][k / block elements blocks]; packed: qlinear_packed_bytes
+ * of it. Returns 0, -1 for a bad shape or type, -2 for a scale too large to repack. */
+int qlinear_repack(int64_t type, const uint8_t *raw, int64_t n, int64_t k, uint8_t *packed) {
+    if (qlinear_packed_bytes(type, n, k) < 0) return -1;
+    const int64_t nb = k / block_elems(type), gb = group_block_bytes(type), groups = (n + G - 1) / G;
+    const int64_t raw_block = type == Q8_0 ? 34 : type == Q4_1 ? 20 : type == Q4_0 ? 18
+                            : type == Q4_K ? 144 : 210;
+    int bad = 0;
+#pragma omp parallel for schedule(static) reduction(| : bad)
+    for (int64_t g = 0; g < groups; g++)
+        for (int64_t b = 0; b < nb; b++) {
+            uint8_t *dst = packed + (g * nb + b) * gb;
+            if (is_k_type(type)) { /* rows past n stay zero: d = 0 */
+                memset(dst, 0, (size_t)gb);
+                for (int l = 0; l < G && g * G + l < n; l++)
+                    krepack_row(type, raw + ((g * G + l) * nb + b) * raw_block, l, dst);
+                continue;
+            }
+            uint16_t d[G] = {0}, m[G] = {0};
+            uint8_t q[G][QK];
+            memset(q, 0, sizeof q);
+            for (int l = 0; l < G && g * G + l < n; l++)
+                bad |= read_block(type, raw + ((g * G + l) * nb + b) * raw_block, &d[l], &m[l],
+                                  q[l]);
+            memcpy(dst, d, sizeof d);
+            memcpy(dst + 2 * G, m, sizeof m);
+            uint8_t *qd = dst + 4 * G;
+            const int chunks = type == Q8_0 ? 8 : 4;
+            for (int j = 0; j < chunks; j++)
+                for (int l = 0; l < G; l++)
+                    for (int i = 0; i < 4; i++) {
+                        const int kk = 4 * j + i;
+                        qd[(j * G + l) * 4 + i] = type == Q8_0
+                            ? q[l][kk] : (uint8_t)(q[l][kk] | (q[l][kk + 16] << 4));
+                    }
+        }
+    return bad ? -2 : 0;
+}
+
+/* y[:, n_off : n_off + w->n] of one part of a (chained) weight; y's rows are N wide. */
+static void linear_part(const xrows *all, const qweight *w, const uint16_t *bias, uint16_t *y,
+                        int64_t M, int64_t N, int64_t n_off) {
+    const int64_t K = all->K, nb = all->nb, groups = (w->n + G - 1) / G;
+    const int64_t gbytes = group_bytes(w->type, K);
 #pragma omp parallel for schedule(static)
     for (int64_t g = 0; g < groups; g++) {
-        const uint8_t *wg = w->data + g * nb * gb;
-        const int64_t n0 = g * G, valid = N - n0 < G ? N - n0 : G;
+        const uint8_t *wg = w->data + g * gbytes;
+        const int64_t n0 = g * G, valid = w->n - n0 < G ? w->n - n0 : G;
         for (int64_t m0 = 0; m0 < M; m0 += MT) {
             const int mt = M - m0 < MT ? (int)(M - m0) : MT;
-            const xrows xr = {xq + m0 * K, dx + m0 * nb, sx + m0 * nb, K, nb};
+            const xrows xr = {all->xq + m0 * K, all->dx + m0 * nb, all->sx + m0 * nb,
+                              all->xs16 + 2 * m0 * nb, K, nb};
             float out[MT][G];
-            group_tile(w->type, wg, &xr, mt, out);
+            if (is_k_type(w->type)) kgroup_tile(w->type, wg, &xr, mt, out);
+            else group_tile(w->type, wg, &xr, mt, out);
             for (int r = 0; r < mt; r++)
                 for (int64_t l = 0; l < valid; l++) {
-                    const float b = bias ? bf16_to_f32(bias[n0 + l]) : 0.f;
-                    y[(m0 + r) * N + n0 + l] = bf16_round(out[r][l] + b);
+                    const int64_t o = n_off + n0 + l;
+                    const float b = bias ? bf16_to_f32(bias[o]) : 0.f;
+                    y[(m0 + r) * N + o] = bf16_round(out[r][l] + b);
                 }
         }
     }
+}
+
+int qlinear_bf16(const uint16_t *x, const qweight *w, const uint16_t *bias, uint16_t *y,
+                 int64_t M, int64_t N, int64_t K) {
+    int64_t rows = 0;
+    for (const qweight *p = w; p != NULL; p = p->next) {
+        if (p->k != K || qlinear_packed_bytes(p->type, p->n, K) < 0) return -1;
+        rows += p->n;
+    }
+    if (M < 1 || w == NULL || rows != N) return -1;
+    const int64_t nb = K / QK;
+    int8_t *xq = (int8_t *)malloc((size_t)(M * K));
+    float *dx = (float *)malloc(2 * sizeof(float) * (size_t)(M * nb));
+    int32_t *xs16 = (int32_t *)malloc(2 * sizeof(int32_t) * (size_t)(M * nb));
+    if (!xq || !dx || !xs16) {
+        free(xq), free(dx), free(xs16);
+        return -2;
+    }
+    float *sx = dx + M * nb;
+    quantize_rows(x, M, K, xq, dx, sx, xs16);
+    const xrows all = {xq, dx, sx, xs16, K, nb};
+    int64_t n_off = 0;
+    for (const qweight *p = w; p != NULL; n_off += p->n, p = p->next)
+        linear_part(&all, p, bias, y, M, N, n_off);
+    free(xs16);
     free(dx);
     free(xq);
     return 0;

@@ -1,7 +1,9 @@
 """`--quantization auto` on the bundled model (`platforms/cpu_quant.py`): its Q4_1 linears and
 Q8_0 head served from the GGUF's own blocks, through the one-call decode step, against the
 same model de-quantized to bf16 (`--quantization none`): sensible greedy text, and each
-prompt position's logits close.
+prompt position's logits close. The same for the bundled weights re-quantized as llama.cpp's
+Q4_K_M mix (`benchmarks/gguf_variants.py`: ffn_down in Q4_K or Q6_K, some layers' qkv a
+Q4_1 + Q8_0 pair of parts).
 
 Why the tolerance: both models hold the file's weights (the de-quantized one rounded to
 bf16, 2^-9 relative per weight); the quantized one rounds its activations to int8 per
@@ -17,8 +19,10 @@ import pytest
 import torch
 
 from baton import LLM, SamplingParams
+from baton.engine.models.loader import default_cache_dir
 from baton_cpu.linear import PackedLinear
 from baton_cpu.quant_linear import QuantLinear
+from benchmarks.gguf_variants import more_bits, requantized_gguf
 from tests.conftest import make_text
 
 ARGS = dict(dtype="bfloat16", block_size=16, num_kv_blocks=128, enable_prefix_caching=False)
@@ -32,6 +36,21 @@ def quantized():
 @pytest.fixture(scope="module")
 def dequantized():
     return LLM(quantization="none", **ARGS)
+
+
+@pytest.fixture(scope="module")
+def q4_k_m():
+    return str(requantized_gguf("Q4_K_M", default_cache_dir()))
+
+
+@pytest.fixture(scope="module")
+def k_quantized(q4_k_m):
+    return LLM(q4_k_m, quantization="auto", **ARGS)
+
+
+@pytest.fixture(scope="module")
+def k_dequantized(q4_k_m):
+    return LLM(q4_k_m, quantization="none", **ARGS)
 
 
 def test_auto_serves_the_files_blocks_through_the_one_call_step(quantized, dequantized):
@@ -57,7 +76,23 @@ def test_greedy_text_is_sensible(quantized):
     assert "return" in out[1].outputs[0].text
 
 
-def test_logits_close_to_the_dequantized_model(quantized, dequantized):
+def test_q4_k_m_serves_k_types_and_mixed_parts(k_quantized):
+    model = k_quantized.engine.runner.model
+    n = len(model.layers)
+    for i, layer in enumerate(model.layers):
+        wide = "Q6_K" if more_bits(i, n) else "Q4_K"
+        assert layer.mlp.down_proj.type_names == wide
+        assert layer.attn.qkv_proj.type_names == ("Q4_1+Q8_0" if more_bits(i, n) else "Q4_1")
+        assert layer.mlp.gate_up_proj.type_names == "Q4_1"
+    out = k_quantized.generate(["The capital of France is"],
+                               SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)
+    assert "Paris" in out[0].outputs[0].text
+
+
+@pytest.mark.parametrize("pair", [("quantized", "dequantized"),
+                                  ("k_quantized", "k_dequantized")])
+def test_logits_close_to_the_dequantized_model(request, pair):
+    quantized, dequantized = map(request.getfixturevalue, pair)
     tok = quantized.get_tokenizer()
     prompts = [tok.encode(make_text(2, i)) for i in range(3)]
     params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=20)
@@ -78,9 +113,13 @@ def test_logits_close_to_the_dequantized_model(quantized, dequantized):
     assert drift / positions < 0.15, drift / positions
 
 
-def test_one_call_step_equals_the_python_step(quantized):
-    """The fused decode step calls the same quantized kernel as QuantLinear.forward."""
+@pytest.mark.parametrize("engine", ["quantized", "k_quantized"])
+def test_one_call_step_equals_the_python_step(request, engine):
+    """The fused decode step calls the same quantized kernel as QuantLinear.forward (fused
+    linears of parts in different types included)."""
     from tests.unit.engine.test_cpu_platform import _both_paths, _decode_batch, _finish
+
+    quantized = request.getfixturevalue(engine)
 
     runner = quantized.engine.runner
     if runner.platform.fast_decode is None:

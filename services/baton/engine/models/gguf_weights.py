@@ -7,7 +7,9 @@ Our modules fuse q, k, v into `attn.qkv_proj` and gate, up into `mlp.gate_up_pro
 rows are concatenated, raw (a row of blocks is a row of the matrix). llama.cpp's converter
 permutes the rows of q and k of `llama` files (rotary halves interleaved); transformers'
 GGUF loader, which built our de-quantized copy, undoes it (`_reverse_permute_weights`), and
-so does `unpermute_rows` here, on whole rows of blocks.
+so does `unpermute_rows` here, on whole rows of blocks. A fused module's parts may differ in
+type (llama.cpp's Q4_K_M stores some layers' attn_v in Q6_K beside Q4_K q and k): it is
+then a list of parts, each in its own type.
 """
 
 from __future__ import annotations
@@ -32,15 +34,36 @@ FLOAT_TYPES = ("F32", "F16", "BF16")  # not quantized: served de-quantized, as b
 
 
 @dataclass(frozen=True)
-class RawLinear:
-    """One of our linears as the file stores it: `raw` uint8 (out, in / 32 * block bytes)
-    in the GGUF type named `type_name`, or a float type (FLOAT_TYPES) left to the loader."""
+class RawPart:
+    """Consecutive rows of a linear in one GGUF type: `raw` uint8 (rows, in / block elements
+    * block bytes) for a quantized type, or the file's floats for FLOAT_TYPES."""
 
-    module: str  # e.g. layers.3.attn.qkv_proj, lm_head
     type_name: str
     raw: torch.Tensor
+    sources: tuple[str, ...]  # the GGUF tensors whose rows these are, in order
+
+
+@dataclass(frozen=True)
+class RawLinear:
+    """One of our linears as the file stores it: its rows as parts, consecutive tensors of
+    one type merged into one part."""
+
+    module: str  # e.g. layers.3.attn.qkv_proj, lm_head
+    parts: tuple[RawPart, ...]
     in_features: int
-    sources: tuple[str, ...]  # the GGUF tensor names it was made of
+
+    @property
+    def sources(self) -> tuple[str, ...]:
+        return tuple(name for part in self.parts for name in part.sources)
+
+    @property
+    def type_names(self) -> tuple[str, ...]:
+        return tuple(part.type_name for part in self.parts)
+
+    @property
+    def is_float(self) -> bool:
+        """Not quantized (left to the loader's de-quantized copy)."""
+        return all(name in FLOAT_TYPES for name in self.type_names)
 
 
 def gguf_source(model: str | None) -> Path | None:
@@ -88,17 +111,23 @@ class GGUFLinears:
         return rows
 
     def linear(self, module: str, names: tuple[str, ...]) -> RawLinear | None:
-        """The rows of `names` concatenated as `module`, or None where the file lacks one
-        or they differ in type (the module stays de-quantized)."""
+        """The rows of `names` concatenated as `module`, or None where the file lacks one,
+        they differ in width, or float and quantized parts mix (the module stays
+        de-quantized)."""
         if not all(n in self.tensors for n in names):
             return None
-        types = {self.tensors[n].tensor_type.name for n in names}
-        if len(types) != 1:
+        types = [self.tensors[n].tensor_type.name for n in names]
+        widths = {int(self.tensors[n].shape[0]) for n in names}  # GGUF shapes are (in, out)
+        if len(widths) != 1 or (len(set(types)) > 1 and set(types) & set(FLOAT_TYPES)):
             return None
-        in_features = int(self.tensors[names[0]].shape[0])  # GGUF shapes are (in, out)
-        rows = np.concatenate([self._rows(n) for n in names])
-        return RawLinear(module, types.pop(), torch.from_numpy(np.ascontiguousarray(rows)),
-                         in_features, names)
+        parts: list[RawPart] = []
+        for name, kind in zip(names, types, strict=True):
+            sources: tuple[str, ...] = (name,)
+            if parts and parts[-1].type_name == kind:  # one part per run of a type
+                sources = (*parts.pop().sources, name)
+            rows = np.concatenate([self._rows(n) for n in sources])
+            parts.append(RawPart(kind, torch.from_numpy(np.ascontiguousarray(rows)), sources))
+        return RawLinear(module, tuple(parts), widths.pop())
 
     def linears(self, num_layers: int, tied: bool) -> Iterator[RawLinear | None]:
         """Every layer's linears and the head (`token_embd` when `tied`); None for each

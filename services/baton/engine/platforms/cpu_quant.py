@@ -1,5 +1,6 @@
 """`--quantization auto` on CPU: a GGUF checkpoint's quantized linears served as the file
-stores them (`baton_cpu.quant_linear`: Q8_0, Q4_0, Q4_1), instead of the de-quantized bf16
+stores them (`baton_cpu.quant_linear`: Q8_0, Q4_0, Q4_1, Q4_K, Q6_K; a fused module's
+parts may differ in type, as in llama.cpp's Q4_K_M), instead of the de-quantized bf16
 copy the loader made. Norms and the embedding stay as loaded; a tied head becomes a
 quantized linear over the file's `token_embd`.
 
@@ -17,7 +18,7 @@ import torch
 from torch import nn
 
 from baton.engine.models.base import CausalLM
-from baton.engine.models.gguf_weights import FLOAT_TYPES, GGUFLinears, RawLinear, gguf_source
+from baton.engine.models.gguf_weights import GGUFLinears, RawLinear, gguf_source
 from baton_cpu.quant_linear import NativeQuantLinear, QuantLinear, load_quant_kernels
 from baton_cpu.quant_reference import QuantType, dequantize
 
@@ -40,7 +41,7 @@ def keep_quantized(model: CausalLM, source: str | None, device: torch.device,
         return 0
     file = GGUFLinears(path)
     raws = [r for r in file.linears(len(model.layers), model.cfg.tie_word_embeddings)
-            if r is not None and r.type_name not in FLOAT_TYPES]
+            if r is not None and not r.is_float]
     refuse_unsupported(path, raws)
     native = load_quant_kernels(cache_dir)
     if native is None:
@@ -56,8 +57,8 @@ def keep_quantized(model: CausalLM, source: str | None, device: torch.device,
 
 def refuse_unsupported(path: Path, raws: list[RawLinear]) -> None:
     """ValueError naming every quantized type in `raws` the kernels do not serve."""
-    unsupported = sorted({f"{r.type_name} ({r.sources[0]})" for r in raws
-                          if r.type_name not in SUPPORTED})
+    unsupported = sorted({f"{part.type_name} ({part.sources[0]})" for r in raws
+                          for part in r.parts if part.type_name not in SUPPORTED})
     if unsupported:
         raise ValueError(f"--quantization auto: {path.name} holds weights in "
                          f"{', '.join(unsupported)}; Baton serves GGUF "
@@ -68,23 +69,25 @@ def refuse_unsupported(path: Path, raws: list[RawLinear]) -> None:
 def _swap(model: CausalLM, raw: RawLinear, native: NativeQuantLinear) -> None:
     """Replace `raw.module` by its QuantLinear; the first layer's are checked against the
     de-quantized weights the loader made (the name mapping and row order must agree)."""
-    qtype = QuantType[raw.type_name]
+    parts = [(part.raw, QuantType[part.type_name]) for part in raw.parts]
     parent_name, _, leaf = raw.module.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
     old = getattr(parent, leaf, None)
     loaded = model.embed_tokens.weight if raw.module == "lm_head" and old is None else (
         old.weight if isinstance(old, nn.Linear) else None)
-    if loaded is None or tuple(loaded.shape) != (raw.raw.shape[0], raw.in_features):
+    rows = sum(part.raw.shape[0] for part in raw.parts)
+    if loaded is None or tuple(loaded.shape) != (rows, raw.in_features):
         raise ValueError(f"--quantization auto: {' + '.join(raw.sources)} do not fit "
                          f"{raw.module} of {model.cfg.architecture}")
     if raw.module.startswith("layers.0."):
-        _check_same_weights(raw, qtype, loaded)
+        _check_same_weights(raw, parts, loaded)
     bias = old.bias if isinstance(old, nn.Linear) else None
-    setattr(parent, leaf, QuantLinear(raw.raw, qtype, raw.in_features, bias, native))
+    setattr(parent, leaf, QuantLinear.fused(parts, raw.in_features, bias, native))
 
 
-def _check_same_weights(raw: RawLinear, qtype: QuantType, loaded: torch.Tensor) -> None:
-    ours = dequantize(raw.raw, qtype, raw.in_features)  # (out, in) float32
+def _check_same_weights(raw: RawLinear, parts: list[tuple[torch.Tensor, QuantType]],
+                        loaded: torch.Tensor) -> None:
+    ours = torch.cat([dequantize(r, t, raw.in_features) for r, t in parts])  # (out, in) f32
     err = (ours - loaded.float()).abs().max().item()
     if err > 1e-2 * max(ours.abs().max().item(), 1e-6):
         raise ValueError(f"--quantization auto: {' + '.join(raw.sources)} de-quantized differ "
