@@ -171,6 +171,10 @@ def _batching_flags(g) -> None:
                    default=not engine_default("enable_prefix_caching"))
     g.add_argument("--scheduling-policy", default=engine_default("scheduling_policy"),
                    choices=SCHEDULING_POLICIES)
+    g.add_argument("--speculative-config", default=engine_default("speculative_config"),
+                   help='speculative decoding, a JSON object: {"method": "ngram", '
+                        '"num_speculative_tokens": 4, "prompt_lookup_max": 4, '
+                        '"prompt_lookup_min": 2} (docs/operate.md)')
     g.add_argument("--num-threads", type=int, default=engine_default("num_threads"))
     g.add_argument("--device", default=engine_default("device"), choices=DEVICES)
     g.add_argument("--attention-backend", default=engine_default("attention_backend"),
@@ -219,6 +223,7 @@ _ENGINE_FIELDS = {dest: dest for dest in (
     "max_num_seqs",
     "max_num_batched_tokens", "max_model_len",
     "num_kv_blocks", "gpu_memory_utilization", "kv_cache_dtype", "scheduling_policy",
+    "speculative_config",
     "num_threads", "device", "attention_backend", "enforce_eager", "deterministic",
     "tensor_parallel_size",
     "kv_host", "kv_port", "kv_failure_policy")} | {

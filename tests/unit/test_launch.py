@@ -47,7 +47,8 @@ NON_DEFAULTS = ["--dtype", "float32", "--block-size", "32", "--max-num-seqs", "7
                 "--kv-failure-policy", "fail", "--model", "/some/model",
                 "--tool-call-parser", "mistral", "--tensor-parallel-size", "2",
                 "--revision", "v2", "--skip-tokenizer-init", "--kv-cache-dtype", "fp8_e5m2",
-                "--reasoning-parser", "qwen3", "--tp-step-timeout", "33", "--quantization", "auto", "--deterministic"]
+                "--reasoning-parser", "qwen3", "--tp-step-timeout", "33", "--quantization", "auto", "--deterministic",
+                "--speculative-config", '{"method": "ngram"}']
 
 
 def test_up_passes_every_flag_it_was_given_to_its_workers():

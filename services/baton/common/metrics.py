@@ -19,7 +19,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from baton.common.stats import EngineStats
+from baton.common.stats import EngineStats, SpecStats
 
 prometheus_client.disable_created_metrics()  # type: ignore[no-untyped-call]  # unannotated upstream
 
@@ -123,6 +123,8 @@ class EngineCollector(Collector):
             for reason, count in sorted(stats.kv_transfer.fallbacks.items()):
                 family.add_metric([reason], count)
             yield family
+        if stats.spec is not None:
+            yield from _spec_families(stats.spec)
         values = stats.series()
         for name, (kind, doc) in ENGINE_SERIES.items():
             if name not in values:
@@ -131,6 +133,25 @@ class EngineCollector(Collector):
                 yield GaugeMetricFamily(name, doc, value=values[name])
             else:
                 yield CounterMetricFamily(name.removesuffix("_total"), doc, value=values[name])
+
+
+def _spec_families(spec: SpecStats) -> Iterable[Metric]:
+    """Speculative decoding's counters, labelled by method (and position)."""
+    for name, doc, value in (
+            ("proposed_tokens", "Guessed tokens verified.", spec.proposed_tokens_total),
+            ("accepted_tokens", "Guessed tokens the target model accepted.",
+             spec.accepted_tokens_total),
+            ("verifications", "Request steps that verified guesses (accepted tokens per "
+                              "verification = mean accepted run).", spec.verifications_total)):
+        family = CounterMetricFamily(f"baton:spec_decode_{name}", doc, labels=["method"])
+        family.add_metric([spec.method], value)
+        yield family
+    family = CounterMetricFamily("baton:spec_decode_accepted_by_position",
+                                 "Guesses accepted at each position of a run (0 = first).",
+                                 labels=["method", "position"])
+    for position, count in enumerate(spec.accepted_by_position):
+        family.add_metric([spec.method, str(position)], count)
+    yield family
 
 
 class RouterMetrics(ConfigMetrics):

@@ -19,6 +19,24 @@ class KVTransferStats:
 
 
 @dataclass(frozen=True)
+class SpecStats:
+    """Speculative decoding (`engine.spec`): guesses proposed and accepted, the (request,
+    step) pairs that verified guesses, and how often the guess at each position was
+    accepted — by `method`."""
+
+    method: str
+    proposed_tokens_total: int = 0
+    accepted_tokens_total: int = 0
+    verifications_total: int = 0
+    accepted_by_position: tuple[int, ...] = ()
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens_total / self.proposed_tokens_total \
+            if self.proposed_tokens_total else 0.0
+
+
+@dataclass(frozen=True)
 class EngineStats:
     running: int = 0
     waiting: int = 0
@@ -29,6 +47,7 @@ class EngineStats:
     prefix_cache_hit_tokens_total: int = 0
     preemptions_total: int = 0
     kv_transfer: KVTransferStats | None = None  # None: no KV connector
+    spec: SpecStats | None = None  # None: no speculative decoding
 
     @property
     def kv_cache_usage_ratio(self) -> float:

@@ -18,6 +18,7 @@ section; every field is optional (absent = keep the service's own value):
       kv_lease_ttl_s: 30
       kv_transfer_timeout_s: 30
       kv_failure_policy: recompute
+      speculative_config: {method: ngram, num_speculative_tokens: 4}   # live; {method: null}: off
       restart: {dtype: bfloat16, num_kv_blocks: 4096, block_size: 16, max_model_len: 8192}
 
 `restart` holds knobs read only at start; a reload that changes one says so in the log and
@@ -75,6 +76,8 @@ class WorkerTuning(BaseModel):
     kv_lease_ttl_s: _Seconds | None = None
     kv_transfer_timeout_s: _Seconds | None = None
     kv_failure_policy: Literal["recompute", "fail"] | None = None
+    # `--speculative-config` as a mapping (`{method: null}` turns it off); the engine checks it
+    speculative_config: dict[str, Any] | None = None
     restart: RestartKnobs = Field(default_factory=RestartKnobs)
 
 

@@ -14,6 +14,7 @@ from functools import reduce
 from typing import Any
 
 from baton.common.auth import MIN_TOKEN_CHARS
+from baton.engine.spec.config import SpeculativeConfig
 from baton.kv_transfer import TRANSPORTS
 
 
@@ -194,11 +195,15 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 128
     policy: SchedulingPolicy = SchedulingPolicy.FCFS
+    # Speculative decoding (`engine.spec`); as a flat argument the JSON of
+    # `--speculative-config` (None: off)
+    speculative: SpeculativeConfig = SpeculativeConfig()
 
     def __post_init__(self) -> None:
         for name in ("max_num_batched_tokens", "max_num_seqs"):
             _check(getattr(self, name) >= 1, name, getattr(self, name), "must be >= 1")
         _coerce(self, "policy", SchedulingPolicy, "scheduling_policy")
+        object.__setattr__(self, "speculative", SpeculativeConfig.parse(self.speculative))
 
 
 @dataclass(frozen=True)
@@ -278,6 +283,7 @@ ARGS: dict[str, tuple[str, ...]] = {
     "max_num_batched_tokens": ("scheduler", "max_num_batched_tokens"),
     "max_num_seqs": ("scheduler", "max_num_seqs"),
     "scheduling_policy": ("scheduler", "policy"),
+    "speculative_config": ("scheduler", "speculative"),
     "tensor_parallel_size": ("parallel", "tensor_parallel_size"),
     "tp_step_timeout_s": ("parallel", "step_timeout_s"),
     "kv_transport": ("kv_transfer", "transport"),
@@ -291,7 +297,7 @@ ARGS: dict[str, tuple[str, ...]] = {
 }
 # The flat arguments live tuning may change on a running engine
 LIVE_ARGS = ("max_num_seqs", "max_num_batched_tokens", "kv_lease_ttl_s",
-             "kv_transfer_timeout_s", "kv_failure_policy")
+             "kv_transfer_timeout_s", "kv_failure_policy", "speculative_config")
 
 
 @dataclass(frozen=True)
@@ -344,6 +350,8 @@ class EngineConfig:
         """The value of flat argument `name`, an enum's as its string (KeyError for one not
         in `ARGS`)."""
         value = reduce(getattr, ARGS[name], self)
+        if isinstance(value, SpeculativeConfig):
+            return value.to_json()
         return value.value if isinstance(value, StrEnum) else value
 
     def with_args(self, **args: Any) -> EngineConfig:

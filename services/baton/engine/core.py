@@ -27,6 +27,7 @@ from baton.engine.request import Request, RequestStatus
 from baton.engine.runner import ModelRunner
 from baton.engine.sampler import TokenLogprobs
 from baton.engine.scheduler import SchedulerLimits, make_scheduler
+from baton.engine.spec.decider import Speculator
 from baton.engine.stops import text_end, token_ends
 from baton.engine.structured.base import CompiledGrammar, GrammarCompileError
 from baton.engine.structured.manager import StructuredOutputs, rebuild
@@ -77,6 +78,7 @@ class EngineCore:
         self.structured = StructuredOutputs.for_tokenizer(
             self.tokenizer, self.model_config.vocab_size, self.eos_token_id)
         self._detok: dict[str, tok.IncrementalDetokenizer | None] = {}
+        self.speculator = Speculator(limits.speculative, max_len)
         self.stats = StepCounters()
         self._failed_steps = 0  # in a row
 
@@ -195,7 +197,8 @@ class EngineCore:
                 self.scheduler.finish_requests([req.request_id], status)
                 return outputs + [self._final_output(req, [token], text,
                                                      [lp] if lp is not None else None)]
-            outputs.append(self._token_output(req, token, lp, text, False))
+            outputs.append(self._token_output(req, [token], [lp] if lp is not None else None,
+                                              text, False))
         return outputs
 
     def _detok_add(self, req: Request, token: int):
@@ -226,6 +229,7 @@ class EngineCore:
         raises ends alone with finish reason "error"; a step that fails as a whole ends the
         requests it ran the same way, and after MAX_FAILED_STEPS such steps in a row raises
         EngineStepError."""
+        self.speculator.propose(self.scheduler.running)
         sched = self.scheduler.schedule()
         outputs = [self._final_output(r, [], "", None) for r in self.scheduler.drain_ended()]
         if sched.is_empty:
@@ -239,24 +243,30 @@ class EngineCore:
         except Exception as err:  # noqa: BLE001 - whose fault it is decides what ends
             return outputs + self._step_failed(sched, err)
         self._failed_steps = 0
-        sampled = result.sampled
+        sampled = self.scheduler.cut_at_stops(result.sampled)
         texts, ends = token_ends(sched.scheduled, sampled, result.failed, self._detok_add)
         finished = {r.request_id
                     for r in self.scheduler.update_from_output(sched, sampled, ends)}
-        self.stats.generation_tokens_total += len(sampled)
         self.stats.preemptions_total = self.scheduler.num_preemptions
         for s in sched.scheduled:
             req = s.request
-            req.add_prompt_logprobs(result.prompt_logprobs.get(req.request_id))
-            token = sampled.get(req.request_id)
+            rid = req.request_id
+            if rid in result.guessed:
+                self.speculator.record(req, *result.guessed[rid])
+            req.add_prompt_logprobs(result.prompt_logprobs.get(rid))
             if req.status == RequestStatus.FINISHED_ERROR:  # ended this step; no token sent
                 outputs.append(self._final_output(req, [], "", None))
                 continue
-            if token is None:
+            tokens = sampled.get(rid)
+            if not tokens:
                 continue
-            lp = result.logprobs.get(req.request_id)
-            outputs.append(self._token_output(req, token, lp, texts[req.request_id],
-                                              req.request_id in finished))
+            end = ends.get(rid)
+            if end is not None and end.at is not None:
+                tokens = tokens[:end.at + 1]
+            self.stats.generation_tokens_total += len(tokens)
+            lps = result.logprobs.get(rid)
+            outputs.append(self._token_output(req, tokens, lps[:len(tokens)] if lps else None,
+                                              texts[rid], rid in finished))
         return outputs
 
     def _step_failed(self, sched, err: Exception) -> list[EngineOutput]:
@@ -281,14 +291,13 @@ class EngineCore:
             outputs.append(self._final_output(req, [], "", None))
         return outputs
 
-    def _token_output(self, req: Request, token: int, lp, text: str,
+    def _token_output(self, req: Request, tokens: list[int], lps, text: str,
                       finished: bool) -> EngineOutput:
-        lps = [lp] if lp is not None else None
         if finished:
-            return self._final_output(req, [token], text, lps)
-        out = EngineOutput(req.request_id, [token], text, lps,
+            return self._final_output(req, tokens, text, lps)
+        out = EngineOutput(req.request_id, tokens, text, lps,
                            prompt_logprobs=req.take_prompt_logprobs())
-        if req.num_output_tokens == 1:  # the first token: how it was reached
+        if req.num_output_tokens == len(tokens):  # the first tokens: how they were reached
             out.queue_time, out.kv_transfer_time = self._queued(req), req.kv_transfer_time
         return out
 
@@ -302,6 +311,7 @@ class EngineCore:
         if detok is not None:
             text += detok.flush()
         self.runner.sampler.release(req.request_id)
+        self.speculator.release(req.request_id)
         queued = self._queued(req)
         return EngineOutput(req.request_id, tokens, text, lps,
                             finish_reason=req.status.finish_reason, stop_reason=req.stop_reason,
@@ -330,7 +340,8 @@ class EngineCore:
             generation_tokens_total=self.stats.generation_tokens_total,
             prefix_cache_hit_tokens_total=self.scheduler.prefix_hit_tokens,
             preemptions_total=self.stats.preemptions_total,
-            kv_transfer=self.connector.kv_stats() if self.connector is not None else None)
+            kv_transfer=self.connector.kv_stats() if self.connector is not None else None,
+            spec=self.speculator.stats())
 
     def take_kv_transfer_durations(self) -> list[float]:
         """Seconds each KV load took since the last call (thread-safe)."""
@@ -344,6 +355,7 @@ class EngineCore:
         self.scheduler.limits = replace(
             self.scheduler.limits, max_num_seqs=live.scheduler.max_num_seqs,
             max_num_batched_tokens=live.scheduler.max_num_batched_tokens)
+        self.speculator.reconfigure(live.scheduler.speculative)
         if self.connector is not None:
             self.connector.reconfigure(live.kv)
 

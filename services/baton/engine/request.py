@@ -81,6 +81,9 @@ class Request:
     # computed so far (the first token has none: None), across prefill chunks; handed to
     # the request's first output, then None.
     prompt_logprobs: list | None = None
+    # Speculative decoding (`engine.spec`): the guesses to verify in the coming step, set
+    # before each schedule; never part of the tokens until the target model accepts them.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.sampling_params.prompt_logprobs is not None:

@@ -18,11 +18,12 @@ from baton.engine.structured.manager import grammar_complete
 Detokenize = Callable[[Request, int], tuple[str, str | None]]  # (text, stop string matched)
 
 
-def token_ends(scheduled: Sequence[ScheduledRequest], sampled: dict[str, int],
+def token_ends(scheduled: Sequence[ScheduledRequest], sampled: dict[str, list[int]],
                failed: dict[str, str], detokenize: Detokenize
                ) -> tuple[dict[str, str], dict[str, EngineEnd]]:
-    """Each sampled token's text (request id -> text), and the ends the engine decides:
-    request id -> `EngineEnd`. `failed`: rows whose sampling settings failed (their error)."""
+    """The text of each request's sampled tokens (request id -> text), and the ends the
+    engine decides: request id -> `EngineEnd` (`at`: the token it ends at, when a request
+    gained several). `failed`: rows whose sampling settings failed (their error)."""
     texts: dict[str, str] = {}
     ends: dict[str, EngineEnd] = {}
     for s in scheduled:
@@ -30,16 +31,20 @@ def token_ends(scheduled: Sequence[ScheduledRequest], sampled: dict[str, int],
         if rid in failed:  # with a token or without one
             ends[rid] = EngineEnd(RequestStatus.FINISHED_ERROR, failed[rid])
             continue
-        if rid not in sampled:
-            continue
-        try:
-            texts[rid], matched = detokenize(req, sampled[rid])
-        except Exception as err:  # noqa: BLE001 - its stop strings or its detokenising
-            ends[rid] = EngineEnd(RequestStatus.FINISHED_ERROR,
-                                  f"{type(err).__name__}: {err}")
-            continue
-        if (end := text_end(req, matched)) is not None:
-            ends[rid] = end
+        parts = []
+        for i, token in enumerate(sampled.get(rid, ())):
+            try:
+                text, matched = detokenize(req, token)
+            except Exception as err:  # noqa: BLE001 - its stop strings or its detokenising
+                ends[rid] = EngineEnd(RequestStatus.FINISHED_ERROR,
+                                      f"{type(err).__name__}: {err}", at=i)
+                break
+            parts.append(text)
+            if (end := text_end(req, matched)) is not None:
+                ends[rid] = EngineEnd(end.status, end.reason, at=i)
+                break
+        if rid in sampled:
+            texts[rid] = "".join(parts)
     return texts, ends
 
 

@@ -4,7 +4,7 @@ the engine config at start, and to the running engine on each reload.
 Live: `engine.config.LIVE_ARGS`, handed on as a `LiveSettings` — `max_num_seqs` and
 `max_num_batched_tokens` (the scheduler's limits; at most the values the worker started
 with, since buffers are sized then), `kv_lease_ttl_s`, `kv_transfer_timeout_s`,
-`kv_failure_policy` — handed to `AsyncEngine.reconfigure`, which applies them on the engine
+`kv_failure_policy`, `speculative_config` (method and k, on or off) — handed to `AsyncEngine.reconfigure`, which applies them on the engine
 thread between steps. `restart` knobs (dtype, KV blocks, block size, context length) are
 read at start only; a reload that changes one is reported as needing a restart. Fields
 pinned by flags are never taken from the file.

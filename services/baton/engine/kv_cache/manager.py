@@ -118,8 +118,8 @@ class KVCacheManager:
         blocks.extend([None] * skipped)
         blocks.extend(taken)
         blocks.extend(new_blocks)
-        if publish:
-            self._cache_full_blocks(request, blocks, total_tokens)
+        if publish:  # known tokens only: speculative guesses never enter the prefix cache
+            self._cache_full_blocks(request, blocks, min(total_tokens, request.num_tokens))
         return new_blocks
 
     def publish(self, request: Request, num_tokens: int) -> None:

@@ -35,7 +35,8 @@ class FlatBatch:
     positions: torch.Tensor  # (T,)
     layout: BatchLayout
     entries: list[ScheduledRequest]  # in batch order (decodes first)
-    logits_indices: list[int]  # last row of each entry that samples
+    # the rows that sample: each sampling entry's last, or with guesses its last 1 + k
+    logits_indices: list[int]
     sampling_entries: list[ScheduledRequest]
     prompt_logprob_spans: list[PromptLogprobSpan] = field(default_factory=list)
     logits_rows: torch.Tensor | None = None  # (S,) int64 on the device: logits_indices
@@ -62,7 +63,7 @@ def build_batch(scheduled: list[ScheduledRequest], block_ids_of: Callable[[str],
     chunk_positions: list[np.ndarray] = []
     chunk_slots: list[np.ndarray] = []
     qsl, ctx_lens, seq_lens, tables = [0], [], [], []
-    logits_indices, sampling, spans, targets = [], [], [], []
+    logits_indices, sampling, spans, targets = list[int](), [], [], []
     for s in entries:
         start = s.start
         end = start + s.num_new_tokens
@@ -82,7 +83,7 @@ def build_batch(scheduled: list[ScheduledRequest], block_ids_of: Callable[[str],
         seq_lens.append(end)
         tables.append(blocks)
         if s.samples:
-            logits_indices.append(qsl[-1] - 1)
+            logits_indices.extend(range(qsl[-1] - s.num_sampled, qsl[-1]))
             sampling.append(s)
         if s.writes_kv and s.request.prompt_logprobs is not None:
             span = _prompt_logprob_span(s.request, start, end, qsl[-2])

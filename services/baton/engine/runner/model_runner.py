@@ -24,6 +24,7 @@ from baton.engine.runner.tp import building_in, start_tensor_parallel
 from baton.engine.runner.tp_wire import logits_calls
 from baton.engine.sampler import Sampler
 from baton.engine.scheduler.output import SchedulerOutput
+from baton.engine.spec.verify import accepted_run
 from baton.engine.staging import HostStaging
 from baton.engine.structured.masks import fill_grammar_masks
 
@@ -31,15 +32,18 @@ log = logging.getLogger(__name__)
 
 
 class StepResult(NamedTuple):
-    """One step's output: `sampled` and `logprobs` by request id; `failed` maps the
-    requests whose own sampling settings raised (sampled nothing) to the error;
-    `prompt_logprobs` the next prompt tokens' logprobs of requests asking for them (None
-    for tokens a prefix-cache hit skipped), to append to `Request.prompt_logprobs`."""
+    """One step's output: the tokens each request gained (one, or with speculation its
+    accepted guesses and then the target's own token) and their logprobs, by request id;
+    `failed` maps the requests whose own sampling settings raised (sampled nothing) to the
+    error; `prompt_logprobs` the next prompt tokens' logprobs of requests asking for them
+    (None for tokens a prefix-cache hit skipped), to append to `Request.prompt_logprobs`;
+    `guessed` the (guesses, accepted) counts of the requests that verified guesses."""
 
-    sampled: dict[str, int]
-    logprobs: dict[str, TokenLogprobs]
+    sampled: dict[str, list[int]]
+    logprobs: dict[str, list[TokenLogprobs]]
     failed: dict[str, str]
     prompt_logprobs: dict[str, list[TokenLogprobs | None]] = {}
+    guessed: dict[str, tuple[int, int]] = {}
 
 
 # Prompt positions whose logits are computed at once for prompt logprobs: (rows, vocab)
@@ -229,7 +233,8 @@ class ModelRunner:
             return self._execute(batch)
 
     def _execute(self, batch: FlatBatch) -> StepResult:
-        reqs = [s.request for s in batch.sampling_entries]
+        # one per sampled row: a request with k guesses samples k + 1 rows
+        reqs = [s.request for s in batch.sampling_entries for _ in range(s.num_sampled)]
         hidden = self._forward(batch)  # (T, h)
         # Host work while a GPU runs the forward (launched, not finished): grammar masks.
         masks = fill_grammar_masks(reqs)
@@ -240,9 +245,22 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden.index_select(0, batch.logits_rows))  # (N, V)
         failed: dict[str, str] = {}
         tokens, logprobs = self.sampler(logits, reqs, failed, masks)
-        sampled = {r.request_id: t for r, t in zip(reqs, tokens) if r.request_id not in failed}
-        lps = {r.request_id: lp for r, lp in zip(reqs, logprobs) if lp is not None}
-        return StepResult(sampled, lps, failed, prompt_lps)
+        sampled: dict[str, list[int]] = {}
+        lps: dict[str, list[TokenLogprobs]] = {}
+        guessed: dict[str, tuple[int, int]] = {}
+        row = 0
+        for s in batch.sampling_entries:
+            rid, guesses = s.request.request_id, s.spec_token_ids
+            targets = tokens[row:row + s.num_sampled]
+            keep = accepted_run(guesses, targets) + 1
+            if guesses:
+                guessed[rid] = (len(guesses), keep - 1)
+            if rid not in failed:
+                sampled[rid] = targets[:keep]
+                if logprobs[row] is not None:
+                    lps[rid] = [lp for lp in logprobs[row:row + keep] if lp is not None]
+            row += s.num_sampled
+        return StepResult(sampled, lps, failed, prompt_lps, guessed)
 
     def _forward(self, batch: FlatBatch) -> torch.Tensor:
         """The last hidden states of every row of the batch, (T, h)."""

@@ -11,13 +11,17 @@ from baton.engine.request import Request, RequestStatus
 class ScheduledRequest:
     """Run `num_new_tokens` tokens of `request` starting at its `num_computed_tokens`,
     writing their KV; sample a token when they reach the end of its known tokens.
+    `spec_token_ids`: guesses run after its last known token (the tail of the
+    `num_new_tokens`); each of their rows samples too, to verify them (`engine.spec`).
 
     A policy may schedule rows of another kind (the static baseline's padding) by
-    subclassing: the batch builder only asks `start`, `input_ids`, `writes_kv`, `samples`.
+    subclassing: the batch builder only asks `start`, `input_ids`, `writes_kv`, `samples`,
+    `num_sampled`.
     """
 
     request: Request
     num_new_tokens: int
+    spec_token_ids: list[int] = field(default_factory=list)
     writes_kv = True  # class-level: a subclass may compute rows whose KV is thrown away
 
     @property
@@ -26,13 +30,21 @@ class ScheduledRequest:
         return self.request.num_computed_tokens
 
     def input_ids(self, start: int, end: int) -> list[int]:
-        return self.request.token_ids(start, end)
+        known = min(end, self.request.num_tokens)
+        ids = self.request.token_ids(start, known)
+        return ids + self.spec_token_ids[:end - known] if end > known else ids
 
     @property
     def samples(self) -> bool:
         """True when this step reaches the end of the known tokens, so a token is sampled."""
         req = self.request
-        return req.num_computed_tokens + self.num_new_tokens == req.num_tokens
+        return (req.num_computed_tokens + self.num_new_tokens
+                == req.num_tokens + len(self.spec_token_ids))
+
+    @property
+    def num_sampled(self) -> int:
+        """Rows that sample: the last known token's and one per guess (0: none)."""
+        return 1 + len(self.spec_token_ids) if self.samples else 0
 
 
 @dataclass
@@ -67,3 +79,6 @@ class EngineEnd:
 
     status: RequestStatus
     reason: str | None = None  # the stop string matched, or the error
+    # with several tokens in a step (speculation): the index of the token it ends at (the
+    # later ones are dropped); None: after the last
+    at: int | None = None

@@ -121,12 +121,16 @@ class Scheduler:
         return out
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        """Running requests first, in order: a decode is its last token plus its guesses
+        (`spec_token_ids`, as many as the budget leaves), a prompt its next chunk."""
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            known = req.num_tokens - req.num_computed_tokens
+            num_new = min(known + len(req.spec_token_ids), budget)
             if self._allocate_or_preempt(req, num_new, i, out):
-                out.scheduled.append(ScheduledRequest(req, num_new))
+                guesses = req.spec_token_ids[:max(0, num_new - known)]
+                out.scheduled.append(ScheduledRequest(req, num_new, guesses))
                 budget -= num_new
                 i += 1
         return budget
@@ -161,6 +165,7 @@ class Scheduler:
         self.kv.free(req)
         req.status = RequestStatus.PREEMPTED
         req.num_computed_tokens = 0
+        req.spec_token_ids = []
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.add_preempted(req)
@@ -225,24 +230,35 @@ class Scheduler:
         self.running.append(req)
 
     # -- after the model ran ---------------------------------------------------------------
-    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, int],
+    def update_from_output(self, out: SchedulerOutput,
+                           sampled: Mapping[str, int | list[int]],
                            ends: Mapping[str, EngineEnd] | None = None) -> list[Request]:
         """Advance counters, append sampled tokens, end requests that hit a stop condition
         (EOS, stop token id, max_tokens, context window) or that the engine ended (`ends`:
         a stop string, a complete grammar, the request's own error: these win). Each ends
-        here once, with its final status. Returns those ended this step."""
+        here once, with its final status. Returns those ended this step.
+
+        A request may gain several tokens (speculation: its accepted guesses, then the
+        target's own token): each accepted guess had its KV written this step, so it
+        counts as computed; a stop at one of them drops the tokens after it."""
         finished = []
         for s in out.scheduled:
             req = s.request
-            req.num_computed_tokens += s.num_new_tokens
-            token = sampled.get(req.request_id)
+            req.num_computed_tokens += s.num_new_tokens - len(s.spec_token_ids)
+            got = sampled.get(req.request_id)
+            tokens = [got] if isinstance(got, int) else got or []
             end = (ends or {}).get(req.request_id)
-            if token is None and end is None:
+            if end is not None and end.at is not None:
+                tokens = tokens[:end.at + 1]
+            if not tokens and end is None:
                 continue
             status = None
-            if token is not None:
+            for i, token in enumerate(tokens):
+                req.num_computed_tokens += i > 0  # the guess before it: verified, in cache
                 req.output_token_ids.append(token)
                 status = self.stop_status(req, token)
+                if status is not None:
+                    break
             if end is not None:
                 status = end.status
                 if end.reason is not None or status == RequestStatus.FINISHED_ERROR:
@@ -253,17 +269,33 @@ class Scheduler:
                 finished.append(req)
         return finished
 
-    def stop_status(self, req: Request, token: int) -> RequestStatus | None:
+    def stop_status(self, req: Request, token: int, ahead: int = 0) -> RequestStatus | None:
+        """How `token`, the request's latest output, ends it (None: it does not). `ahead`:
+        tokens of this step not appended yet, `token` the last of them."""
         params = req.sampling_params
-        if req.num_output_tokens >= params.min_tokens:
+        num_output, num_tokens = req.num_output_tokens + ahead, req.num_tokens + ahead
+        if num_output >= params.min_tokens:
             if token == req.eos_token_id and not params.ignore_eos:
                 return RequestStatus.FINISHED_STOPPED
             if token in params.stop_token_ids:
                 req.stop_reason = token
                 return RequestStatus.FINISHED_STOPPED
-        if req.num_output_tokens >= req.max_tokens or req.num_tokens >= self.limits.max_model_len:
+        if num_output >= req.max_tokens or num_tokens >= self.limits.max_model_len:
             return RequestStatus.FINISHED_LENGTH_CAPPED
         return None
+
+    def cut_at_stops(self, sampled: Mapping[str, list[int]]) -> dict[str, list[int]]:
+        """Each request's tokens of this step (several only with speculation; not appended
+        yet) up to the first that ends it by the scheduler's own conditions — EOS, a stop
+        id, max_tokens, the context window: what the detokeniser may see."""
+        return {rid: self._cut_at_stop(self.requests[rid], tokens) if len(tokens) > 1
+                else tokens for rid, tokens in sampled.items()}
+
+    def _cut_at_stop(self, req: Request, tokens: list[int]) -> list[int]:
+        for i, token in enumerate(tokens[:-1]):
+            if self.stop_status(req, token, ahead=i + 1) is not None:
+                return tokens[:i + 1]
+        return tokens
 
     def _finish(self, req: Request, status: RequestStatus) -> None:
         req.status = status

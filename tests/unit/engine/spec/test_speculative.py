@@ -1,0 +1,125 @@
+"""Speculative decoding (`engine.spec`, n-gram prompt lookup) on the bundled model: with and
+without it, greedy tokens, their logprobs, texts and finish reasons are identical — in one
+batch with chat prompts, through stop ids, stop strings and max_tokens inside an accepted
+run, preemption by recompute, prefix-cache hits, sampled (unspeculated) and structured
+requests — and guesses are accepted. Both engines run deterministic bf16, so the logprobs
+of a token verified in a chunk equal the ones a decode step gives, bit for bit."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from baton import LLM, SamplingParams
+from baton.common.sampling_params import StructuredOutput
+from baton_loadtest.grounded import grounded_workload
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 4}
+
+
+def _engine(kernel_cache, spec: dict | None, blocks: int = 1024) -> LLM:
+    args = dict(dtype="bfloat16", deterministic=True, num_kv_blocks=blocks,
+                max_num_batched_tokens=512, cache_dir=str(kernel_cache))
+    if spec is not None:
+        args["speculative_config"] = json.dumps(spec)
+    return LLM(**args)
+
+
+@pytest.fixture(scope="module")
+def plain(kernel_cache):
+    return _engine(kernel_cache, None)
+
+
+@pytest.fixture(scope="module")
+def spec(kernel_cache):
+    return _engine(kernel_cache, SPEC)
+
+
+@pytest.fixture(scope="module")
+def prompts(plain):
+    tok = plain.get_tokenizer()
+    grounded = [{"prompt_token_ids": tok.encode(tok.apply_chat_template(
+        r.messages, add_generation_prompt=True, tokenize=False), add_special_tokens=False)}
+        for r in grounded_workload(4, seed=3, passage_chars=(300, 700))]
+    return grounded + ["The quick brown fox", "def fibonacci(n):"]
+
+
+def _greedy(**kw) -> SamplingParams:
+    return SamplingParams(**{"temperature": 0, "max_tokens": 80, "logprobs": 2, **kw})
+
+
+def _same(a, b) -> None:
+    for x, y in zip(a, b, strict=True):
+        ox, oy = x.outputs[0], y.outputs[0]
+        assert oy.token_ids == ox.token_ids
+        assert oy.text == ox.text
+        assert (oy.finish_reason, oy.stop_reason) == (ox.finish_reason, ox.stop_reason)
+        if ox.logprobs is not None:
+            assert [lp.logprob for lp in oy.logprobs] == [lp.logprob for lp in ox.logprobs]
+            assert [lp.top for lp in oy.logprobs] == [lp.top for lp in ox.logprobs]
+
+
+def test_greedy_output_is_unchanged_and_guesses_are_accepted(plain, spec, prompts):
+    before = spec.engine.speculator.counters.accepted_tokens
+    _same(plain.generate(prompts, _greedy(), use_tqdm=False),
+          spec.generate(prompts, _greedy(), use_tqdm=False))
+    counters = spec.engine.speculator.counters
+    assert counters.accepted_tokens - before > 20
+    stats = spec.engine.metrics_snapshot().spec
+    assert stats is not None and stats.method == "ngram" and 0 < stats.acceptance_rate <= 1
+    spec.engine.kv.check_integrity()
+
+
+def test_stops_inside_an_accepted_run_end_it_where_plain_decoding_does(plain, spec, prompts):
+    ref = plain.generate(prompts[:4], _greedy(), use_tqdm=False)
+    for r in ref:
+        ids, text = r.outputs[0].token_ids, r.outputs[0].text
+        cases = [_greedy(stop_token_ids=[ids[30]]), _greedy(stop=[text[60:66]]),
+                 _greedy(max_tokens=37), _greedy(stop=[text[40:44]], max_tokens=45,
+                                                 include_stop_str_in_output=True)]
+        prompt = {"prompt_token_ids": r.prompt_token_ids}
+        for params in cases:
+            _same(plain.generate(prompt, params, use_tqdm=False),
+                  spec.generate(prompt, params, use_tqdm=False))
+
+
+def test_prefix_hits_and_preemption_keep_it_exact(kernel_cache, plain, prompts):
+    small = _engine(kernel_cache, SPEC, blocks=36)  # 576 tokens for ~1,000 asked
+    ref = plain.generate(prompts, _greedy(max_tokens=120), use_tqdm=False)
+    got = small.generate(prompts, _greedy(max_tokens=120), use_tqdm=False)
+    assert small.engine.scheduler.num_preemptions > 0
+    _same(ref, got)
+    again = small.generate(prompts[0], _greedy(max_tokens=120), use_tqdm=False)
+    assert again[0].num_cached_tokens > 0  # guesses never entered the cache; hits did
+    _same(ref[:1], again)
+    small.engine.kv.check_integrity()
+
+
+def test_sampled_and_structured_requests_are_served_unchanged(plain, spec, prompts):
+    seeded = [SamplingParams(temperature=0.8, seed=7, max_tokens=40)] * 2
+    _same(plain.generate(prompts[:2], seeded, use_tqdm=False),
+          spec.generate(prompts[:2], seeded, use_tqdm=False))
+    schema = {"type": "object", "properties": {"name": {"type": "string"}},
+              "required": ["name"]}
+    guided = _greedy(structured=StructuredOutput("json_schema", json.dumps(schema)),
+                     max_tokens=40)
+    _same(plain.generate(prompts[0], guided, use_tqdm=False),
+          spec.generate(prompts[0], guided, use_tqdm=False))
+
+
+def test_live_tuning_turns_it_off_and_on(spec, prompts):
+    from dataclasses import replace
+
+    from baton.engine.spec.config import SpeculativeConfig
+
+    engine = spec.engine
+    live = engine.config.live_settings
+    off = replace(live, scheduler=replace(live.scheduler, speculative=SpeculativeConfig()))
+    engine.reconfigure(off)
+    before = engine.speculator.counters.proposed_tokens
+    spec.generate(prompts[0], _greedy(max_tokens=30), use_tqdm=False)
+    assert engine.speculator.counters.proposed_tokens == before
+    engine.reconfigure(live)
+    spec.generate(prompts[1], _greedy(max_tokens=30), use_tqdm=False)
+    assert engine.speculator.counters.proposed_tokens > before
