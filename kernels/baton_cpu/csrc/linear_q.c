@@ -131,29 +131,64 @@ static int read_block(int64_t type, const uint8_t *src, uint16_t *d, uint16_t *m
     return type != Q4_1 && (*m & 0x7c00u) == 0x7c00u ? -1 : 0;
 }
 
+#if BATON_Q_ISA > 0
+static inline int32_t hsum8(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+    return _mm_cvtsi128_si32(_mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1)));
+}
+
+/* One 32-block, as the scalar loop below computes it (cvtps rounds half to even, as
+ * nearbyintf does in the default rounding mode): the per-call cost of the activations was
+ * ~1 us per 576 elements in the scalar loop, a third of a 576 x 576 linear at 32 rows. */
+static inline void quantize_block(const uint16_t *xb, int8_t *q, float *d, float *s, int32_t *s16) {
+    __m256 v[4];
+    __m256 amax = _mm256_setzero_ps();
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    for (int i = 0; i < 4; i++) {
+        const __m128i h = _mm_loadu_si128((const __m128i *)(xb + 8 * i));
+        v[i] = _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+        amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
+    }
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    const float dd = _mm_cvtss_f32(m) / 127.f, id = dd != 0.f ? 1.f / dd : 0.f;
+    __m256i qi[4];
+    for (int i = 0; i < 4; i++) qi[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], _mm256_set1_ps(id)));
+    const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(qi[0], qi[1]),
+                                              _mm256_packs_epi32(qi[2], qi[3]));
+    _mm256_storeu_si256((__m256i *)q, _mm256_permutevar8x32_epi32(
+                                          packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    s16[0] = hsum8(_mm256_add_epi32(qi[0], qi[1]));
+    s16[1] = hsum8(_mm256_add_epi32(qi[2], qi[3]));
+    *d = dd, *s = dd * (float)(s16[0] + s16[1]);
+}
+#else
+static inline void quantize_block(const uint16_t *xb, int8_t *q, float *d, float *s, int32_t *s16) {
+    float v[QK], amax = 0.f;
+    for (int j = 0; j < QK; j++) {
+        v[j] = bf16_to_f32(xb[j]);
+        const float a = v[j] < 0 ? -v[j] : v[j];
+        amax = a > amax ? a : amax;
+    }
+    const float dd = amax / 127.f, id = dd != 0.f ? 1.f / dd : 0.f;
+    s16[0] = s16[1] = 0;
+    for (int j = 0; j < QK; j++) {
+        const int qj = (int)__builtin_nearbyintf(v[j] * id);
+        q[j] = (int8_t)qj;
+        s16[j / 16] += qj;
+    }
+    *d = dd, *s = dd * (float)(s16[0] + s16[1]);
+}
+#endif
+
 /* x [M, K] bf16 -> xq [M, K] int8, dx / sx [M, K / 32], xs16 [M, K / 16]. */
 static void quantize_rows(const uint16_t *x, int64_t M, int64_t K, int8_t *xq, float *dx,
                           float *sx, int32_t *xs16) {
-    const int64_t nb = K / QK;
-#pragma omp parallel for schedule(static) if (M * K >= 1 << 16)
-    for (int64_t i = 0; i < M * nb; i++) {
-        const uint16_t *xb = x + i * QK;
-        float v[QK], amax = 0.f;
-        for (int j = 0; j < QK; j++) {
-            v[j] = bf16_to_f32(xb[j]);
-            const float a = v[j] < 0 ? -v[j] : v[j];
-            amax = a > amax ? a : amax;
-        }
-        const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
-        int sum[2] = {0, 0};
-        for (int j = 0; j < QK; j++) {
-            const int q = (int)__builtin_nearbyintf(v[j] * id);
-            xq[i * QK + j] = (int8_t)q;
-            sum[j / 16] += q;
-        }
-        dx[i] = d, sx[i] = d * (float)(sum[0] + sum[1]);
-        xs16[2 * i] = sum[0], xs16[2 * i + 1] = sum[1];
-    }
+#pragma omp parallel for schedule(static) if (M * K >= 1 << 15)
+    for (int64_t i = 0; i < M * (K / QK); i++)
+        quantize_block(x + i * QK, xq + i * QK, &dx[i], &sx[i], &xs16[2 * i]);
 }
 
 typedef struct {
