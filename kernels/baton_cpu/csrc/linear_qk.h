@@ -130,27 +130,20 @@ __attribute__((always_inline)) static inline void tile_q4k(const uint8_t *wg, co
     for (int64_t b = 0; b < K / QKK; b++) {
         const uint8_t *blk = wg + b * gb, *sc = blk + 4 * G, *mn = sc + 8 * G, *qd = mn + 8 * G;
         const VF d = VF_F16(blk), dmin = VF_F16(blk + 2 * G);
-        for (int p = 0; p < 4; p++) {
-            VI lo_sum[MT], hi_sum[MT];
-            for (int r = 0; r < mt; r++) lo_sum[r] = VI_ZERO, hi_sum[r] = VI_ZERO;
+        for (int s = 0; s < 8; s++) { /* sub-block s: the low (even s) or high nibbles of pair s / 2 */
+            const int p = s / 2, shift = 4 * (s % 2);
+            VI isum[MT];
+            for (int r = 0; r < mt; r++) isum[r] = VI_ZERO;
             for (int c = 0; c < 8; c++) {
-                const VI v = VI_LOAD(qd + (p * 8 + c) * 4 * G);
-                const VI lo = VI_AND(v, low), hi = VI_AND(VI_SRLI16(v, 4), low);
-                for (int r = 0; r < mt; r++) {
-                    const int8_t *x = xr->xq + r * K + b * QKK + 64 * p + 4 * c;
-                    lo_sum[r] = PDOT(lo_sum[r], lo, VX4(x));
-                    hi_sum[r] = PDOT(hi_sum[r], hi, VX4(x + 32));
-                }
+                const VI q = VI_AND(VI_SRLI16(VI_LOAD(qd + (p * 8 + c) * 4 * G), shift), low);
+                for (int r = 0; r < mt; r++)
+                    isum[r] = PDOT(isum[r], q, VX4(xr->xq + r * K + b * QKK + 32 * s + 4 * c));
             }
-            for (int u = 0; u < 2; u++) {
-                const int s = 2 * p + u;
-                const int64_t j = b * 8 + s; /* the 32-block of the activations */
-                const VF scale = VF_MUL(d, VF_U8(sc + s * G)), mins = VF_MUL(dmin, VF_U8(mn + s * G));
-                for (int r = 0; r < mt; r++) {
-                    const VI isum = PFIN(u ? hi_sum[r] : lo_sum[r]);
-                    acc[r] = VF_FMADD(VF_CVT(isum), VF_MUL(scale, VF_SET(xr->dx[r * nb + j])), acc[r]);
-                    acc[r] = VF_FNMADD(mins, VF_SET(xr->sx[r * nb + j]), acc[r]);
-                }
+            const int64_t j = b * 8 + s; /* the 32-block of the activations */
+            const VF scale = VF_MUL(d, VF_U8(sc + s * G)), mins = VF_MUL(dmin, VF_U8(mn + s * G));
+            for (int r = 0; r < mt; r++) {
+                acc[r] = VF_FMADD(VF_CVT(PFIN(isum[r])), VF_MUL(scale, VF_SET(xr->dx[r * nb + j])), acc[r]);
+                acc[r] = VF_FNMADD(mins, VF_SET(xr->sx[r * nb + j]), acc[r]);
             }
         }
     }
