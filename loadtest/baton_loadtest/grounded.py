@@ -46,9 +46,12 @@ def _passages(rng: np.random.Generator, count: int, chars: tuple[int, int]) -> l
     for _ in range(count):
         text, code = sources[int(rng.integers(len(sources)))]
         length = int(rng.integers(chars[0], chars[1]))
-        start = int(rng.integers(0, len(text) - length))
-        start = text.rfind("\n", 0, start) + 1  # whole lines
-        out.append((text[start:start + length], code))
+        # a passage as people paste one: from a definition (code) or a paragraph (text)
+        marks = [i + 1 for i in range(len(text) - length)
+                 if text.startswith(("\ndef ", "\nclass ", "\n    def ") if code else "\n\n", i)]
+        start = marks[int(rng.integers(len(marks)))] if marks else 0
+        end = text.rfind("\n", start, start + length)  # whole lines
+        out.append((text[start:end if end > start else start + length].strip("\n"), code))
     return out
 
 

@@ -221,3 +221,33 @@ def test_a_prepared_model_matches_its_torch_code(tmp_path, dtype):
     # Differences of an ulp now and then, carried through 3 layers.
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(native.float(), reference.float(), rtol=tol, atol=tol)
+
+
+def test_verification_chunks_take_the_native_step_as_decodes(llm):
+    """A decode's last token and its speculative guesses (`engine.spec`) run through the
+    one-call step, each row attending as a decode of its own context: the same bits as the
+    Python path with per-token attention."""
+    from baton.engine.attention.torch_backend import TorchAttentionBackend
+
+    engine, runner = llm.engine, llm.engine.runner
+    fast = runner.platform.fast_decode
+    if fast.max_rows is not None and fast.max_rows < 5:
+        pytest.skip("the portable GEMV serves fewer rows than a verification chunk")
+    _decode_batch(llm, [40])  # prefilled; its decode step is not run
+    req = engine.scheduler.running[-1]
+    req.spec_token_ids = [5, 6, 7, 8]
+    sched = engine.scheduler.schedule()
+    batch = build_batch(sched.scheduled, engine.kv.get_block_ids, runner.block_size,
+                        runner.device)
+    assert fast.can_run(batch) and batch.layout.num_decodes == 0 and len(batch.input_ids) == 5
+    before = runner.kv_cache.clone()
+    native_hidden = fast.run(batch)
+    native_cache = runner.kv_cache.clone()
+    runner.kv_cache.copy_(before)
+    per_token = TorchAttentionBackend(runner.dtype, runner.backend.native, per_token=True)
+    ctx = ForwardContext(per_token, per_token.build_metadata(batch.layout), runner.kv_caches)
+    with torch.inference_mode():
+        python_hidden = runner.model(batch.input_ids, batch.positions, ctx)
+    assert torch.equal(native_hidden, python_hidden)
+    assert torch.equal(native_cache, runner.kv_cache)
+    _finish(llm, sched)

@@ -42,6 +42,22 @@ class BatchLayout:
     def num_decode_tokens(self) -> int:
         return self.query_start_loc[self.num_decodes]
 
+    def rows_as_decodes(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every query row as a decode of its own: (T, max_blocks) block tables (its
+        sequence's row) and (T,) int64 lengths — row r of sequence i, at position p, attends
+        the first p + 1 tokens of i's blocks (its own K/V written before: causal by
+        length). For kernels of one query token per sequence (deterministic mode's
+        attention, speculative verification through the CPU's one-call decode step)."""
+        seq_of_row: list[int] = []
+        lens: list[int] = []
+        for i in range(self.num_seqs):
+            count = self.query_start_loc[i + 1] - self.query_start_loc[i]
+            seq_of_row += [i] * count
+            lens += range(self.seq_lens[i] - count + 1, self.seq_lens[i] + 1)
+        rows = torch.tensor(seq_of_row, dtype=torch.int64, device=self.block_tables.device)
+        return (self.block_tables.index_select(0, rows).contiguous(),
+                torch.tensor(lens, dtype=torch.int64))
+
 
 @dataclass(frozen=True)
 class LayerAttention:

@@ -170,18 +170,10 @@ class TorchAttentionBackend(AttentionBackend[TorchAttentionMetadata]):
 
 def _per_token_metadata(layout: BatchLayout, write_rows: torch.Tensor | None,
                         write_slots: torch.Tensor) -> TorchAttentionMetadata:
-    """Every query row as a decode: row r of sequence i (at position p) attends the first
-    p + 1 tokens of i's blocks, its own K/V written before (causal by length)."""
-    seq_of_row: list[int] = []
-    lens: list[int] = []
-    for i in range(layout.num_seqs):
-        count = layout.query_start_loc[i + 1] - layout.query_start_loc[i]
-        seq_of_row += [i] * count
-        lens += range(layout.seq_lens[i] - count + 1, layout.seq_lens[i] + 1)
-    tables = layout.block_tables.index_select(0, torch.tensor(seq_of_row, dtype=torch.int64))
-    return TorchAttentionMetadata(layout, write_rows, write_slots, [],
-                                  torch.tensor(lens, dtype=torch.int64), [],
-                                  row_tables=tables.contiguous())  # (T, m)
+    """Every query row as a decode (`BatchLayout.rows_as_decodes`)."""
+    tables, lens = layout.rows_as_decodes()  # (T, m), (T,)
+    return TorchAttentionMetadata(layout, write_rows, write_slots, [], lens, [],
+                                  row_tables=tables)
 
 
 def _split_by_length(lens: list[int], max_groups: int = 4) -> list[tuple[int, int]]:
