@@ -262,3 +262,18 @@ def test_a_prefill_whose_last_token_fails_holds_no_lease(engines, tokenizer, mon
     assert final.kv_transfer_params is None and final.new_token_ids == []
     assert p.kv.num_used_blocks == 0
     p.check_integrity()
+
+
+def test_a_speculating_decode_pod_continues_a_pulled_prompt_exactly(engines, tokenizer):
+    """Decode pods speculate (`engine.spec`): the pulled prompt's first decodes already
+    guess, and the tokens equal colocated generation without speculation."""
+    p, _, c = engines
+    d = engine("decode", speculative_config='{"method": "ngram", "prompt_lookup_min": 1}')
+    try:
+        ids = tokenizer.encode(make_text(3, 2) + "\nRepeat the first sentence:")
+        tokens, _ = decode(d, "s-d", ids, prefill(p, "s-p", ids), n=40)
+        assert tokens == colocated(c, "s-c", ids, n=40)
+        assert d.speculator.counters.proposed_tokens > 0
+        assert_no_blocks(p, d)
+    finally:
+        d.close()
