@@ -311,6 +311,7 @@ class EngineCore:
         if detok is not None:
             text += detok.flush()
         self.runner.sampler.release(req.request_id)
+        self.runner.rejection.release(req.request_id)
         self.speculator.release(req.request_id)
         queued = self._queued(req)
         return EngineOutput(req.request_id, tokens, text, lps,

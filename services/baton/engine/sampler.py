@@ -230,9 +230,9 @@ class Sampler:
         """logits (R, V) -> (R,) sampled ids via the exponential race (argmax p / Exp(1))."""
         logits = logits / t.temperature[:, None]
         if any(plan.top_k):
-            logits = _top_k(logits, t.top_k, max(plan.top_k))
+            logits = top_k_filter(logits, t.top_k, max(plan.top_k))
         probs = torch.softmax(logits, dim=-1)
-        probs = _top_p_min_p(probs, t.top_p, t.min_p, plan.top_p_on, plan.min_p_on)
+        probs = top_p_min_p_filter(probs, t.top_p, t.min_p, plan.top_p_on, plan.min_p_on)
         noise = torch.empty_like(probs)  # (R, V)
         if len(plan.shared) == len(plan.rand):
             noise.exponential_(generator=plan.shared_gen)
@@ -360,7 +360,7 @@ def _penalise(logits: torch.Tensor, t: _StepTensors, plan: _Plan) -> None:
         flat.scatter_(0, at.view(-1), torch.where(vals > 0, vals / rep, vals * rep).view(-1))
 
 
-def _top_k(logits: torch.Tensor, ks: torch.Tensor, k_max: int) -> torch.Tensor:
+def top_k_filter(logits: torch.Tensor, ks: torch.Tensor, k_max: int) -> torch.Tensor:
     """logits (R, V), ks (R,) (0: off) -> logits below each row's k-th largest at -inf."""
     top = logits.topk(k_max, dim=-1).values  # (R, k_max)
     thresh = top.gather(1, (ks - 1).clamp(min=0)[:, None])  # (R, 1)
@@ -368,7 +368,7 @@ def _top_k(logits: torch.Tensor, ks: torch.Tensor, k_max: int) -> torch.Tensor:
     return logits.masked_fill(logits < thresh, -torch.inf)
 
 
-def _top_p_min_p(probs: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
+def top_p_min_p_filter(probs: torch.Tensor, top_p: torch.Tensor, min_p: torch.Tensor,
                  top_p_on: bool, min_p_on: bool) -> torch.Tensor:
     """probs (R, V); top_p, min_p (R,) -> probs with the truncated ids at 0."""
     if min_p_on:

@@ -24,7 +24,8 @@ from baton.engine.runner.tp import building_in, start_tensor_parallel
 from baton.engine.runner.tp_wire import logits_calls
 from baton.engine.sampler import Sampler
 from baton.engine.scheduler.output import SchedulerOutput
-from baton.engine.spec.verify import accepted_run
+from baton.engine.spec.rejection import RejectionSampler
+from baton.engine.spec.verify import sampler_rows, verify
 from baton.engine.staging import HostStaging
 from baton.engine.structured.masks import fill_grammar_masks
 
@@ -148,6 +149,7 @@ class ModelRunner:
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1])
                           for i in range(cfg.num_layers)]
         self.sampler = Sampler(config.compute.seed)
+        self.rejection = RejectionSampler(config.compute.seed)  # sampled requests' guesses
         self.staging = HostStaging(self.device)  # the batch metadata's one copy a step
         self.max_model_len = max_model_len
         self.platform.warm_up(self)
@@ -233,34 +235,28 @@ class ModelRunner:
             return self._execute(batch)
 
     def _execute(self, batch: FlatBatch) -> StepResult:
-        # one per sampled row: a request with k guesses samples k + 1 rows
-        reqs = [s.request for s in batch.sampling_entries for _ in range(s.num_sampled)]
+        entries = batch.sampling_entries
+        # the sampler's rows: one per sampling row (a request with k guesses has k + 1),
+        # but for those verified by rejection sampling (`engine.spec`)
+        rows = sampler_rows(entries)
+        every = [s.request for s in entries for _ in range(s.num_sampled)]
+        reqs = [every[i] for i in rows]
         hidden = self._forward(batch)  # (T, h)
         # Host work while a GPU runs the forward (launched, not finished): grammar masks.
         masks = fill_grammar_masks(reqs)
         prompt_lps = self._prompt_logprobs(batch, hidden)
-        if not reqs:
+        if not entries:
             return StepResult({}, {}, {}, prompt_lps)
         assert batch.logits_rows is not None  # build_batch sets it
         logits = self.model.compute_logits(hidden.index_select(0, batch.logits_rows))  # (N, V)
         failed: dict[str, str] = {}
-        tokens, logprobs = self.sampler(logits, reqs, failed, masks)
-        sampled: dict[str, list[int]] = {}
-        lps: dict[str, list[TokenLogprobs]] = {}
-        guessed: dict[str, tuple[int, int]] = {}
-        row = 0
-        for s in batch.sampling_entries:
-            rid, guesses = s.request.request_id, s.spec_token_ids
-            targets = tokens[row:row + s.num_sampled]
-            keep = accepted_run(guesses, targets) + 1
-            if guesses:
-                guessed[rid] = (len(guesses), keep - 1)
-            if rid not in failed:
-                sampled[rid] = targets[:keep]
-                if logprobs[row] is not None:
-                    lps[rid] = [lp for lp in logprobs[row:row + keep] if lp is not None]
-            row += s.num_sampled
-        return StepResult(sampled, lps, failed, prompt_lps, guessed)
+        tokens: list[int] = []
+        logprobs: list[TokenLogprobs | None] = []
+        if reqs:
+            mine = logits if len(rows) == len(every) else logits[rows]  # (R, V)
+            tokens, logprobs = self.sampler(mine, reqs, failed, masks)
+        out = verify(entries, logits, tokens, logprobs, failed, self.rejection)
+        return StepResult(out.sampled, out.logprobs, failed, prompt_lps, out.guessed)
 
     def _forward(self, batch: FlatBatch) -> torch.Tensor:
         """The last hidden states of every row of the batch, (T, h)."""

@@ -1,10 +1,10 @@
 """Which running requests guess this step, and what: the engine calls `propose` before each
 schedule and `record` after each verification.
 
-A request guesses when it is decoding (its last token is the only one without KV), is
-greedy without penalties (the verification is exact for argmax sampling of logits that do
-not depend on the tokens before them in the same step), has no grammar, and is past its
-`min_tokens`. Guesses never overrun `max_tokens` or the context window (each step adds the
+A request guesses when it is decoding (its last token is the only one without KV), has no
+penalties and no grammar and is past its `min_tokens` (verification scores every row of a
+step with the same settings, so nothing may depend on the tokens before a row: greedy rows
+keep the target's argmax, sampled ones go through rejection sampling). Guesses never overrun `max_tokens` or the context window (each step adds the
 accepted guesses plus the target's own token). Nobody guesses in a step with more running
 requests than `disable_by_batch_size`, and a request whose recent guesses were mostly
 rejected pauses for `backoff_steps` steps."""
@@ -90,7 +90,7 @@ class Speculator:
     def _may_guess(self, req: Request) -> bool:
         p = req.sampling_params
         state = self._state.get(req.request_id)
-        return (req.num_tokens - req.num_computed_tokens == 1 and p.is_greedy
+        return (req.num_tokens - req.num_computed_tokens == 1
                 and not p.needs_penalties and p.structured is None
                 and req.num_output_tokens >= p.min_tokens and req.kv_handoff is None
                 and (state is None or state.paused_until <= self._step))

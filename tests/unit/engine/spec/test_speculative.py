@@ -1,8 +1,10 @@
 """Speculative decoding (`engine.spec`, n-gram prompt lookup) on the bundled model: with and
 without it, greedy tokens, their logprobs, texts and finish reasons are identical — in one
 batch with chat prompts, through stop ids, stop strings and max_tokens inside an accepted
-run, preemption by recompute, prefix-cache hits, sampled (unspeculated) and structured
-requests — and guesses are accepted. Both engines run deterministic bf16, so the logprobs
+run, preemption by recompute, prefix-cache hits and structured (unspeculated) requests —
+and guesses are accepted; seeded sampled requests speculate and stay reproducible, and
+rejection sampling keeps every position's distribution the target's (a chi-squared test
+against plain sampling). Both engines run deterministic bf16, so the logprobs
 of a token verified in a chunk equal the ones a decode step gives, bit for bit."""
 
 from __future__ import annotations
@@ -96,10 +98,15 @@ def test_prefix_hits_and_preemption_keep_it_exact(kernel_cache, plain, prompts):
     small.engine.kv.check_integrity()
 
 
-def test_sampled_and_structured_requests_are_served_unchanged(plain, spec, prompts):
+def test_seeded_sampled_requests_speculate_reproducibly(spec, prompts):
     seeded = [SamplingParams(temperature=0.8, seed=7, max_tokens=40)] * 2
-    _same(plain.generate(prompts[:2], seeded, use_tqdm=False),
-          spec.generate(prompts[:2], seeded, use_tqdm=False))
+    before = spec.engine.speculator.counters.verified_requests
+    first = spec.generate(prompts[:2], seeded, use_tqdm=False)
+    assert spec.engine.speculator.counters.verified_requests > before  # they guessed
+    _same(first, spec.generate(prompts[:2], seeded, use_tqdm=False))
+
+
+def test_structured_requests_are_served_unchanged(plain, spec, prompts):
     schema = {"type": "object", "properties": {"name": {"type": "string"}},
               "required": ["name"]}
     guided = _greedy(structured=StructuredOutput("json_schema", json.dumps(schema)),
@@ -123,3 +130,29 @@ def test_live_tuning_turns_it_off_and_on(spec, prompts):
     engine.reconfigure(live)
     spec.generate(prompts[1], _greedy(max_tokens=30), use_tqdm=False)
     assert engine.speculator.counters.proposed_tokens > before
+
+
+def test_rejection_sampling_keeps_the_distribution(kernel_cache, plain):
+    """Per position, the tokens of many sampled continuations with speculation are drawn
+    from the same distribution as without it (chi-squared two-sample test, p > 0.001 at
+    each position), while guesses are both kept and rejected."""
+    from scipy.stats import chi2_contingency
+
+    many = _engine(kernel_cache, {**SPEC, "disable_by_batch_size": 512})
+    prompt = "1 2 3 4 5 1 2 3 4 5 1 2 3 4 5 1 2 3 4 5 1 2"  # a pattern lookup can guess
+    params = SamplingParams(temperature=1.0, max_tokens=6, ignore_eos=True)
+    draws = 300
+    runs = {name: [o.outputs[0].token_ids for o in llm.generate([prompt] * draws, params,
+                                                                 use_tqdm=False)]
+            for name, llm in (("plain", plain), ("spec", many))}
+    c = many.engine.speculator.counters
+    assert 0 < c.accepted_tokens < c.proposed_tokens
+    for pos in range(1, 6):
+        tables = {name: [ids[pos] for ids in runs[name]] for name in runs}
+        support = sorted(set(tables["plain"]) | set(tables["spec"]))
+        common = [t for t in support
+                  if tables["plain"].count(t) + tables["spec"].count(t) >= 10]
+        counts = [[sum(1 for t in tables[name] if t == tok) for tok in common]
+                  + [sum(1 for t in tables[name] if t not in common)] for name in runs]
+        counts = [[a, b] for a, b in zip(*counts) if a + b > 0]
+        assert chi2_contingency(counts).pvalue > 1e-3, (pos, counts)
