@@ -137,8 +137,9 @@ def _checkpoint_flags(g) -> None:
                         "only, outputs carry token ids and no text")
     g.add_argument("--quantization", default=engine_default("quantization"),
                    choices=QUANTIZATIONS,
-                   help="auto: a .gguf's Q8_0 / Q4_0 / Q4_1 linears served as stored (CPU, "
-                        "bfloat16); none: de-quantized at load")
+                   help="auto (default): a .gguf's Q8_0 / Q4_0 / Q4_1 / Q4_K / Q6_K linears "
+                        "served as stored (CPU, bfloat16; other GGUF types refused by name); "
+                        "none: de-quantized at load")
     g.add_argument("--served-model-name", nargs="+", default=None,
                    help="the name(s) requests may use for this model, the first reported "
                         "in responses (default: the --model argument)")
@@ -174,7 +175,8 @@ def _batching_flags(g) -> None:
     g.add_argument("--speculative-config", default=engine_default("speculative_config"),
                    help='speculative decoding, a JSON object: {"method": "ngram", '
                         '"num_speculative_tokens": 4, "prompt_lookup_max": 4, '
-                        '"prompt_lookup_min": 2} (docs/operate.md)')
+                        '"prompt_lookup_min": 2}; method suffix also looks in recent outputs '
+                        '(docs/operate.md)')
     g.add_argument("--num-threads", type=int, default=engine_default("num_threads"))
     g.add_argument("--device", default=engine_default("device"), choices=DEVICES)
     g.add_argument("--attention-backend", default=engine_default("attention_backend"),

@@ -312,7 +312,7 @@ class EngineCore:
             text += detok.flush()
         self.runner.sampler.release(req.request_id)
         self.runner.rejection.release(req.request_id)
-        self.speculator.release(req.request_id)
+        self.speculator.finish(req)
         queued = self._queued(req)
         return EngineOutput(req.request_id, tokens, text, lps,
                             finish_reason=req.status.finish_reason, stop_reason=req.stop_reason,

@@ -8,16 +8,18 @@ import json
 from dataclasses import asdict, dataclass
 from typing import Any
 
-METHODS = ("ngram",)
-# Methods the issue names that are not built: refused by name at start
-NOT_BUILT = ("suffix", "draft_model", "eagle", "medusa", "mtp")
+METHODS = ("ngram", "suffix")
+# Methods not built here: refused by name at start
+NOT_BUILT = ("draft_model", "eagle", "medusa", "mtp")
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """`method` None: no speculation. `num_speculative_tokens` (k): guesses per request per
+    """`method` None: no speculation; `ngram`: prompt lookup (`ngram.py`); `suffix`: prompt
+    lookup, else the outputs of recently finished requests (`suffix.py`, at most
+    `suffix_cache_tokens` tokens). `num_speculative_tokens` (k): guesses per request per
     step. `prompt_lookup_min/max`: the n-gram sizes matched against the request's own
-    prompt and output. `disable_by_batch_size`: no speculation in a step with more running
+    prompt and output (and the suffix index). `disable_by_batch_size`: no speculation in a step with more running
     requests than this (verifying costs more than it saves there; `benchmarks/spec_bench.py`
     measures the crossover). `min_acceptance`: a request whose recent guesses were accepted
     less than this often stops guessing for `backoff_steps` steps."""
@@ -26,6 +28,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 4
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
+    suffix_cache_tokens: int = 1 << 18
     disable_by_batch_size: int = 16
     min_acceptance: float = 0.2
     backoff_steps: int = 16
@@ -42,6 +45,8 @@ class SpeculativeConfig:
                   ("prompt_lookup_min", 1 <= self.prompt_lookup_min <= self.prompt_lookup_max,
                    "must be in [1, prompt_lookup_max]"),
                   ("prompt_lookup_max", self.prompt_lookup_max <= 64, "must be <= 64"),
+                  ("suffix_cache_tokens", 64 <= self.suffix_cache_tokens <= 1 << 24,
+                   "must be in [64, 16M]"),
                   ("disable_by_batch_size", self.disable_by_batch_size >= 1, "must be >= 1"),
                   ("min_acceptance", 0.0 <= self.min_acceptance <= 1.0, "must be in [0, 1]"),
                   ("backoff_steps", self.backoff_steps >= 0, "must be >= 0")]

@@ -17,6 +17,7 @@ from baton.common.stats import SpecStats
 from baton.engine.request import Request
 from baton.engine.spec.config import SpeculativeConfig
 from baton.engine.spec.ngram import TokenHistory, lookup
+from baton.engine.spec.suffix import SuffixIndex
 
 EMA = 0.3  # weight of the latest step in a request's acceptance rate
 
@@ -40,15 +41,21 @@ class _State:
 
 class Speculator:
     def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
-        self.config = config
         self.max_model_len = max_model_len
         self.counters = SpecCounters(accepted_by_position=[0] * config.num_speculative_tokens)
         self._state: dict[str, _State] = {}
         self._step = 0
+        self.suffixes: SuffixIndex | None = None
+        self.reconfigure(config)
 
     def reconfigure(self, config: SpeculativeConfig) -> None:
-        """Live tuning: k and on/off between steps."""
+        """Live tuning: method, k and on/off between steps."""
         self.config = config
+        if config.method != "suffix":
+            self.suffixes = None
+        elif self.suffixes is None or self.suffixes.capacity != config.suffix_cache_tokens:
+            self.suffixes = SuffixIndex(config.suffix_cache_tokens, config.prompt_lookup_min,
+                                        config.prompt_lookup_max)
         grow = config.num_speculative_tokens - len(self.counters.accepted_by_position)
         self.counters.accepted_by_position += [0] * max(0, grow)
 
@@ -84,8 +91,11 @@ class Speculator:
         return SpecStats(method or "ngram", c.proposed_tokens, c.accepted_tokens,
                          c.verified_requests, tuple(c.accepted_by_position))
 
-    def release(self, request_id: str) -> None:
-        self._state.pop(request_id, None)
+    def finish(self, req: Request) -> None:
+        """`req` ended: forget it; with `suffix`, index its output for later requests."""
+        self._state.pop(req.request_id, None)
+        if self.suffixes is not None and req.output_token_ids:
+            self.suffixes.add(req.output_token_ids)
 
     def _may_guess(self, req: Request) -> bool:
         p = req.sampling_params
@@ -107,4 +117,7 @@ class Speculator:
         history = state.history
         if history.len < req.num_tokens:
             history.extend(req.token_ids(history.len, req.num_tokens))
-        return lookup(history.tokens, room, c.prompt_lookup_min, c.prompt_lookup_max)
+        guess = lookup(history.tokens, room, c.prompt_lookup_min, c.prompt_lookup_max)
+        if not guess and self.suffixes is not None:
+            guess = self.suffixes.lookup(history.tokens[-c.prompt_lookup_max:].tolist(), room)
+        return guess

@@ -156,3 +156,15 @@ def test_rejection_sampling_keeps_the_distribution(kernel_cache, plain):
                   + [sum(1 for t in tables[name] if t not in common)] for name in runs]
         counts = [[a, b] for a, b in zip(*counts) if a + b > 0]
         assert chi2_contingency(counts).pvalue > 1e-3, (pos, counts)
+
+
+def test_suffix_method_guesses_from_other_requests_outputs(kernel_cache, plain):
+    """`suffix`: a request that repeats an earlier one's answer guesses it from the index
+    (its prompt has nothing to look up), exactly."""
+    llm = _engine(kernel_cache, {**SPEC, "method": "suffix"})
+    prompt = "Name three colours of the rainbow."
+    ref = plain.generate(prompt, _greedy(max_tokens=40), use_tqdm=False)
+    _same(ref, llm.generate(prompt, _greedy(max_tokens=40), use_tqdm=False))
+    before = llm.engine.speculator.counters.accepted_tokens
+    _same(ref, llm.generate(prompt, _greedy(max_tokens=40), use_tqdm=False))
+    assert llm.engine.speculator.counters.accepted_tokens - before >= 20
