@@ -75,3 +75,19 @@ def test_configure_at_start_takes_the_file_under_the_flags():
     assert (cfg.scheduler.max_num_seqs, cfg.cache.block_size) == (4, START.cache.block_size)
     with pytest.raises(TuningError, match="worker: EngineConfig.block_size=3"):
         configure(START, parse_tuning("worker: {restart: {block_size: 3}}"), frozenset())
+
+
+def test_speculation_is_turned_on_tuned_and_off_live():
+    from baton.engine.spec.config import SpeculativeConfig
+
+    tuner, engine, _ = make_tuner()
+    tuner.apply(parse_tuning("worker: {speculative_config: {method: ngram, "
+                             "num_speculative_tokens: 6}}"))
+    assert engine.applied[-1].scheduler.speculative == SpeculativeConfig("ngram", 6)
+    tuner.apply(parse_tuning("worker: {speculative_config: {method: null}}"))
+    assert not engine.applied[-1].scheduler.speculative.enabled
+    with pytest.raises(TuningError, match="num_speculative_tokens=99"):
+        tuner.apply(parse_tuning("worker: {speculative_config: {method: ngram, "
+                                 "num_speculative_tokens: 99}}"))
+    with pytest.raises(TuningError, match="not built"):
+        tuner.apply(parse_tuning("worker: {speculative_config: {method: draft_model}}"))
