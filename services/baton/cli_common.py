@@ -175,7 +175,8 @@ def _batching_flags(g) -> None:
     g.add_argument("--speculative-config", default=engine_default("speculative_config"),
                    help='speculative decoding, a JSON object: {"method": "ngram", '
                         '"num_speculative_tokens": 4, "prompt_lookup_max": 4, '
-                        '"prompt_lookup_min": 2}; method suffix also looks in recent outputs '
+                        '"prompt_lookup_min": 2}; method suffix also looks in recent outputs, '
+                        'method draft_model runs the model "draft_model" names '
                         '(docs/operate.md)')
     g.add_argument("--num-threads", type=int, default=engine_default("num_threads"))
     g.add_argument("--device", default=engine_default("device"), choices=DEVICES)

@@ -37,7 +37,7 @@ class LoadFormat(StrEnum):
 
 class Quantization(StrEnum):
     NONE = "none"  # quantized checkpoints are de-quantized to `dtype` at load
-    AUTO = "auto"  # a GGUF's Q8_0 / Q4_0 / Q4_1 linears kept as stored (CPU, bf16)
+    AUTO = "auto"  # a GGUF's Q8_0 / Q4_0 / Q4_1 / Q4_K / Q6_K linears kept as stored (CPU, bf16)
 
 
 class AttentionBackendName(StrEnum):
@@ -108,9 +108,10 @@ class CheckpointConfig:
     skip_tokenizer_init: bool = False
     load_format: LoadFormat = LoadFormat.AUTO
     dtype: DType = DType.BFLOAT16
-    # auto: a GGUF's quantized linears served as stored (platforms/cpu_quant.py); none:
-    # de-quantized to `dtype` at load
-    quantization: Quantization = Quantization.NONE
+    # auto: a GGUF's quantized linears served as stored (platforms/cpu_quant.py; elsewhere,
+    # or for other checkpoints, a no-op); none: de-quantized to `dtype` at load. auto is the
+    # default: on the bundled model it decodes 2.4x as fast as bf16 at batch 1, 1.1x at 32
+    quantization: Quantization = Quantization.AUTO
     max_model_len: int | None = None  # None: the model's, capped by the KV pool
     cache_dir: str | None = None  # where downloads and compiled kernels are kept
 
@@ -379,6 +380,10 @@ class EngineConfig:
             if asked > started:
                 raise ValueError(f"{name}={asked} is above the {started} this engine started "
                                  "with; raising it needs a restart")
+        draft = live.scheduler.speculative.draft_model
+        if draft is not None and draft != self.scheduler.speculative.draft_model:
+            raise ValueError(f"speculative_config.draft_model={draft!r} is not the draft this "
+                             "engine loaded at start; loading another needs a restart")
 
 
 _DEFAULT = EngineConfig()

@@ -28,6 +28,7 @@ from baton.engine.runner import ModelRunner
 from baton.engine.sampler import TokenLogprobs
 from baton.engine.scheduler import SchedulerLimits, make_scheduler
 from baton.engine.spec.decider import Speculator
+from baton.engine.spec.draft import load_draft
 from baton.engine.stops import text_end, token_ends
 from baton.engine.structured.base import CompiledGrammar, GrammarCompileError
 from baton.engine.structured.manager import StructuredOutputs, rebuild
@@ -78,7 +79,9 @@ class EngineCore:
         self.structured = StructuredOutputs.for_tokenizer(
             self.tokenizer, self.model_config.vocab_size, self.eos_token_id)
         self._detok: dict[str, tok.IncrementalDetokenizer | None] = {}
-        self.speculator = Speculator(limits.speculative, max_len)
+        self.speculator = Speculator(limits.speculative, max_len, draft=(
+            load_draft(config, self.model_config.vocab_size, max_len)
+            if limits.speculative.method == "draft_model" else None))
         self.stats = StepCounters()
         self._failed_steps = 0  # in a row
 

@@ -8,16 +8,18 @@ import json
 from dataclasses import asdict, dataclass
 from typing import Any
 
-METHODS = ("ngram", "suffix")
+METHODS = ("ngram", "suffix", "draft_model")
 # Methods not built here: refused by name at start
-NOT_BUILT = ("draft_model", "eagle", "medusa", "mtp")
+NOT_BUILT = ("eagle", "eagle3", "medusa", "mtp")
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """`method` None: no speculation; `ngram`: prompt lookup (`ngram.py`); `suffix`: prompt
     lookup, else the outputs of recently finished requests (`suffix.py`, at most
-    `suffix_cache_tokens` tokens). `num_speculative_tokens` (k): guesses per request per
+    `suffix_cache_tokens` tokens); `draft_model`: k greedy steps of a smaller model of the
+    same tokenizer (`draft.py`; `draft_model` names it as `--model` would, its KV pool
+    `draft_num_kv_blocks` blocks). `num_speculative_tokens` (k): guesses per request per
     step. `prompt_lookup_min/max`: the n-gram sizes matched against the request's own
     prompt and output (and the suffix index). `disable_by_batch_size`: no speculation in a step with more running
     requests than this (verifying costs more than it saves there; `benchmarks/spec_bench.py`
@@ -29,6 +31,8 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4
     prompt_lookup_min: int = 2
     suffix_cache_tokens: int = 1 << 18
+    draft_model: str | None = None
+    draft_num_kv_blocks: int = 2048
     disable_by_batch_size: int = 16
     min_acceptance: float = 0.2
     backoff_steps: int = 16
@@ -47,6 +51,9 @@ class SpeculativeConfig:
                   ("prompt_lookup_max", self.prompt_lookup_max <= 64, "must be <= 64"),
                   ("suffix_cache_tokens", 64 <= self.suffix_cache_tokens <= 1 << 24,
                    "must be in [64, 16M]"),
+                  ("draft_model", (self.method == "draft_model") == bool(self.draft_model),
+                   "must name the draft exactly when method is 'draft_model'"),
+                  ("draft_num_kv_blocks", self.draft_num_kv_blocks >= 16, "must be >= 16"),
                   ("disable_by_batch_size", self.disable_by_batch_size >= 1, "must be >= 1"),
                   ("min_acceptance", 0.0 <= self.min_acceptance <= 1.0, "must be in [0, 1]"),
                   ("backoff_steps", self.backoff_steps >= 0, "must be >= 0")]

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from baton.common.stats import SpecStats
 from baton.engine.request import Request
 from baton.engine.spec.config import SpeculativeConfig
+from baton.engine.spec.draft import DraftModel
 from baton.engine.spec.ngram import TokenHistory, lookup
 from baton.engine.spec.suffix import SuffixIndex
 
@@ -40,8 +41,12 @@ class _State:
 
 
 class Speculator:
-    def __init__(self, config: SpeculativeConfig, max_model_len: int) -> None:
+    def __init__(self, config: SpeculativeConfig, max_model_len: int,
+                 draft: DraftModel | None = None) -> None:
+        """`draft`: the loaded draft model when the engine started with method
+        `draft_model`."""
         self.max_model_len = max_model_len
+        self.draft = draft
         self.counters = SpecCounters(accepted_by_position=[0] * config.num_speculative_tokens)
         self._state: dict[str, _State] = {}
         self._step = 0
@@ -64,8 +69,17 @@ class Speculator:
         that do not guess)."""
         self._step += 1
         on = self.config.enabled and len(running) <= self.config.disable_by_batch_size
+        guessing = [r for r in running if on and self._may_guess(r)]
         for req in running:
-            req.spec_token_ids = self._guess(req) if on and self._may_guess(req) else []
+            req.spec_token_ids = []
+        if self.config.method == "draft_model" and self.draft is not None:
+            drafted = self.draft.propose(guessing, {r.request_id: self._room(r)
+                                                    for r in guessing})
+            for req in guessing:
+                req.spec_token_ids = drafted[req.request_id]
+            return
+        for req in guessing:
+            req.spec_token_ids = self._guess(req)
 
     def record(self, req: Request, proposed: int, accepted: int) -> None:
         """`accepted` of the `proposed` guesses of `req` were the target's own tokens."""
@@ -94,6 +108,8 @@ class Speculator:
     def finish(self, req: Request) -> None:
         """`req` ended: forget it; with `suffix`, index its output for later requests."""
         self._state.pop(req.request_id, None)
+        if self.draft is not None:
+            self.draft.finish(req.request_id)
         if self.suffixes is not None and req.output_token_ids:
             self.suffixes.add(req.output_token_ids)
 
@@ -105,10 +121,16 @@ class Speculator:
                 and req.num_output_tokens >= p.min_tokens and req.kv_handoff is None
                 and (state is None or state.paused_until <= self._step))
 
+    def _room(self, req: Request) -> int:
+        """Guesses `req` may take: k, less what max_tokens and the context window leave
+        (a step adds the kept guesses and the target's own token)."""
+        return min(self.config.num_speculative_tokens,
+                   req.max_tokens - req.num_output_tokens - 1,
+                   self.max_model_len - req.num_tokens - 1)
+
     def _guess(self, req: Request) -> list[int]:
         c = self.config
-        room = min(c.num_speculative_tokens, req.max_tokens - req.num_output_tokens - 1,
-                   self.max_model_len - req.num_tokens - 1)
+        room = self._room(req)
         if room <= 0:
             return []
         state = self._state.get(req.request_id)
