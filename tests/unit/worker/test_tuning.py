@@ -90,4 +90,7 @@ def test_speculation_is_turned_on_tuned_and_off_live():
         tuner.apply(parse_tuning("worker: {speculative_config: {method: ngram, "
                                  "num_speculative_tokens: 99}}"))
     with pytest.raises(TuningError, match="not built"):
-        tuner.apply(parse_tuning("worker: {speculative_config: {method: draft_model}}"))
+        tuner.apply(parse_tuning("worker: {speculative_config: {method: eagle}}"))
+    with pytest.raises(TuningError, match="needs a restart"):
+        tuner.apply(parse_tuning("worker: {speculative_config: {method: draft_model, "
+                                 "draft_model: /elsewhere}}"))

@@ -50,7 +50,7 @@ def test_the_config_names_what_is_wrong():
     cfg = SpeculativeConfig.parse('{"method": "ngram", "num_speculative_tokens": 6}')
     assert cfg.enabled and cfg.num_speculative_tokens == 6
     assert SpeculativeConfig.parse(cfg.to_json()) == cfg
-    for bad, match in [('{"method": "draft_model"}', "not built"), ("[1]", "JSON object"),
+    for bad, match in [('{"method": "eagle"}', "not built"), ("[1]", "JSON object"),
                        ('{"method": "ngram", "k": 3}', "no field 'k'"), ("{", "not JSON"),
                        ('{"method": "ngram", "num_speculative_tokens": 0}', r"\[1, 16\]")]:
         with pytest.raises(ValueError, match=match):
