@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from baton_loadtest.grounded import grounded_message
 from baton_loadtest.spec import ArrivalSpec, LengthSpec, WorkloadSpec
 from baton_loadtest.workload import corpus_token_ids
 
@@ -84,6 +85,12 @@ class RequestFactory:
         self.system = (self._text(rng, spec.system_prompt_tokens)
                        if spec.system_prompt_tokens else None)
 
+    def _user(self, rng: np.random.Generator, n: int) -> str:
+        """A user turn of about n tokens: corpus text, or a grounded ask and its passage."""
+        if self.spec.content == "grounded":
+            return grounded_message(rng, (max(200, 3 * n), max(400, 5 * n)))
+        return self._text(rng, n)
+
     def _text(self, rng: np.random.Generator, n: int) -> str:
         start = int(rng.integers(0, len(self.corpus)))
         ids = [self.corpus[(start + i) % len(self.corpus)] for i in range(n)]
@@ -101,7 +108,7 @@ class RequestFactory:
         """Independent request i."""
         rng = np.random.default_rng([self.spec.seed, 1, i])
         p, o = self._lengths(rng)
-        messages = self._head() + [{"role": "user", "content": self._text(rng, p)}]
+        messages = self._head() + [{"role": "user", "content": self._user(rng, p)}]
         return PlannedRequest(i, messages, _join(messages), o)
 
     def session(self, s: int, first_index: int) -> list[PlannedRequest]:
@@ -111,7 +118,7 @@ class RequestFactory:
         turns = []
         for t in range(self.spec.sessions.turns):
             p, o = self._lengths(rng)
-            history = history + [{"role": "user", "content": self._text(rng, p)}]
+            history = history + [{"role": "user", "content": self._user(rng, p)}]
             idx = first_index + t
             turns.append(PlannedRequest(
                 idx, list(history), _join(history), o, session=s,

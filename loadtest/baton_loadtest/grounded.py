@@ -55,17 +55,20 @@ def _passages(rng: np.random.Generator, count: int, chars: tuple[int, int]) -> l
     return out
 
 
+def grounded_message(rng: np.random.Generator, passage_chars: tuple[int, int]) -> str:
+    """One user message: an ask to edit, reformat or quote, and its passage."""
+    (passage, code), = _passages(rng, 1, passage_chars)
+    asks = _CODE_ASKS if code else _TEXT_ASKS
+    ask = asks[int(rng.integers(len(asks)))]
+    return f"{ask}\n\n```python\n{passage}\n```" if code else f"{ask}\n\n{passage}"
+
+
 def grounded_workload(num_requests: int = 32, seed: int = 0,
                       output_tokens: tuple[int, int] = (100, 400),
                       passage_chars: tuple[int, int] = (600, 1600)) -> list[GroundedRequest]:
     """`num_requests` chat requests, each a passage and an ask to edit, reformat or quote
     it, with `max_tokens` drawn uniformly from `output_tokens`."""
     rng = np.random.default_rng(seed)
-    reqs = []
-    for passage, code in _passages(rng, num_requests, passage_chars):
-        asks = _CODE_ASKS if code else _TEXT_ASKS
-        ask = asks[int(rng.integers(len(asks)))]
-        body = f"{ask}\n\n```python\n{passage}\n```" if code else f"{ask}\n\n{passage}"
-        reqs.append(GroundedRequest([{"role": "user", "content": body}],
-                                    int(rng.integers(output_tokens[0], output_tokens[1] + 1))))
-    return reqs
+    return [GroundedRequest([{"role": "user", "content": grounded_message(rng, passage_chars)}],
+                            int(rng.integers(output_tokens[0], output_tokens[1] + 1)))
+            for _ in range(num_requests)]

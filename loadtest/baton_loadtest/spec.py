@@ -120,6 +120,9 @@ class WorkloadSpec:
     arrival: ArrivalSpec = field(default_factory=ArrivalSpec)
     system_prompt_tokens: int = 0
     sessions: SessionSpec = field(default_factory=SessionSpec)
+    # "text": prompts cut from a corpus; "grounded": a passage (code or prose, about 4
+    # characters per prompt token) and an ask to edit, reformat or quote it (`grounded.py`)
+    content: str = "text"
 
     @classmethod
     def load(cls, path: str | Path) -> WorkloadSpec:
@@ -160,6 +163,8 @@ class WorkloadSpec:
         _need(self.duration_s is None or self.duration_s > 0, f"{where}.duration_s",
               "must be > 0")
         _need(self.system_prompt_tokens >= 0, f"{where}.system_prompt_tokens", "must be >= 0")
+        _need(self.content in ("text", "grounded"), f"{where}.content",
+              "must be 'text' or 'grounded'")
         s = self.sessions
         _need(s.count >= 0 and s.turns >= 1 and s.think_time_s >= 0, f"{where}.sessions",
               "needs count >= 0, turns >= 1, think_time_s >= 0")

@@ -100,7 +100,23 @@ def test_sessions_share_prefixes_and_chain_turns(tokenizer):
             assert r.messages[len(prev.messages)]["role"] == "assistant"
 
 
+def test_grounded_prompts_hand_over_a_passage_to_work_on(tokenizer):
+    spec = WorkloadSpec.load("loadtest/workloads/grounded.yaml").with_overrides(num_requests=12)
+    reqs, _ = plan(spec, tokenizer)
+    asks = ("Add a docstring", "Rename", "Return this code", "Copy this code", "Quote",
+            "Fix the grammar", "Rewrite this passage")
+    for r in reqs:
+        ask, _, passage = r.messages[-1]["content"].partition("\n\n")
+        assert ask.startswith(asks) and len(passage) >= 150
+        assert 100 <= r.max_tokens <= 400
+    assert sum("```python" in r.prompt for r in reqs) >= 3  # code and prose both
+    assert sum("```python" not in r.prompt for r in reqs) >= 1
+    again, _ = plan(spec, tokenizer)
+    assert [r.prompt for r in again] == [r.prompt for r in reqs]  # seeded
+
+
 @pytest.mark.parametrize("raw, field", [
+    ({"content": "poetry"}, "content"),
     ({"prompt_tokens": {"dist": "zipf"}}, "prompt_tokens.dist"),
     ({"arrival": {"process": "poisson", "rate": 0}}, "arrival.rate"),
     ({"arrival": {"process": "step", "rates": []}}, "arrival.rates"),
