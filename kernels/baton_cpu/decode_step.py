@@ -81,7 +81,7 @@ def _linear_kernel(first: Linear) -> tuple[CFuncPtr, Callable[[Linear], int], in
     """The linear kernel the step calls for linears like `first`, a linear's weight pointer
     for it, and the most rows it serves (None: any)."""
     if isinstance(first, QuantLinear):
-        return first.native.kernel, lambda m: cast(QuantLinear, m).weight_address, None
+        return first.native.kernel, lambda m: cast(QuantLinear, m).step_weight_address, None
     native = first.native
     assert native is not None  # `load` takes only natively packed linears
     packed = first.vnni is not None

@@ -3,7 +3,10 @@
 (repacked once so that 8 or 16 output rows lie side by side), each call quantizes its bf16
 activations to int8 per 32-block and takes integer dot products (VNNI where the CPU has it,
 else AVX2, else scalar). A fused linear may hold parts of different types (a Q4_K_M file's
-q and k in Q4_K, v in Q6_K). `quant_reference.py` is the torch reference of the formats.
+q and k in Q4_K, v in Q6_K). From `dequant_rows` rows on (a prefill chunk), where the CPU
+has AVX512-BF16, the weights are de-quantized to bf16 tile by tile and run through the bf16
+GEMM's tile instead (`csrc/linear_q_dequant.h`): the de-quantized model's results, at the
+int8 path's speed or better. `quant_reference.py` is the torch reference of the formats.
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ class QWeight(ctypes.Structure):
     """`qweight` in linear_q.c: what the kernel takes as its weight pointer (`next`: the
     part holding the rows after these, or NULL)."""
 
-    _fields_ = [("type", _I), ("n", _I), ("k", _I), ("data", _P), ("next", _P)]
+    _fields_ = [("type", _I), ("n", _I), ("k", _I), ("data", _P), ("next", _P),
+                ("dequant_rows", _I)]
 
 
 class NativeQuantLinear:
@@ -36,6 +40,9 @@ class NativeQuantLinear:
     def __init__(self, lib: ctypes.CDLL) -> None:
         lib.qlinear_isa.restype = ctypes.c_int
         self.isa = ISA_NAMES[int(lib.qlinear_isa())]
+        lib.qlinear_dequant_rows.restype = ctypes.c_int
+        # batches of this many rows or more run de-quantized through the bf16 tile (0: never)
+        self.dequant_rows = int(lib.qlinear_dequant_rows())
         self._bytes = lib.qlinear_packed_bytes
         self._bytes.restype, self._bytes.argtypes = _I, [_I] * 3
         self._repack = lib.qlinear_repack
@@ -95,18 +102,40 @@ class QuantLinear(nn.Module):
         self.packed = [native.repack(raw, qtype, raw.shape[0], in_features)
                        for raw, qtype in parts]
         self.bias = None if bias is None else bias.detach().to(torch.bfloat16).contiguous()
+        # forward's weight (prefill chunks de-quantized from native.dequant_rows rows on) and
+        # the one-call decode step's (decode rows: the int8 path at every batch, faster there)
+        self._chain = self._link(parts, native.dequant_rows)
+        self._step_chain = self._link(parts, 0)
+
+    def _link(self, parts: list[tuple[torch.Tensor, QuantType]],
+              dequant_rows: int) -> list[QWeight]:
+        """The kernel's weight: one QWeight per part, the last the first part; each points at
+        the next (valid while this module lives)."""
         chain: list[QWeight] = []
         for (raw, qtype), packed in reversed(list(zip(parts, self.packed, strict=True))):
             after = ctypes.addressof(chain[-1]) if chain else None
-            chain.append(QWeight(int(qtype), raw.shape[0], in_features, packed.data_ptr(),
-                                 after))
-        self._chain = chain  # the last is the first part; each points at the next
-        self.qweight = chain[-1]
+            chain.append(QWeight(int(qtype), raw.shape[0], self.in_features, packed.data_ptr(),
+                                 after, dequant_rows))
+        return chain
+
+    def set_dequant_rows(self, rows: int) -> None:
+        """From `rows` rows on, `forward` de-quantizes to bf16 (0: never, every batch through
+        the int8 activations: one path for every batch, as deterministic mode needs)."""
+        if rows and not self.native.dequant_rows:
+            raise ValueError(f"this build of the quantized kernels ({self.native.isa}) has no "
+                             "bf16 path (it needs AVX512-BF16)")
+        for part in self._chain:
+            part.dequant_rows = rows
 
     @property
     def weight_address(self) -> int:
-        """The QWeight the kernel takes (valid while this module lives)."""
-        return ctypes.addressof(self.qweight)
+        """The QWeight the kernel takes in `forward` (valid while this module lives)."""
+        return ctypes.addressof(self._chain[-1])
+
+    @property
+    def step_weight_address(self) -> int:
+        """The QWeight for the one-call decode step: the int8 path at any batch."""
+        return ctypes.addressof(self._step_chain[-1])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.bfloat16:

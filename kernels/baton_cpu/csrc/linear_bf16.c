@@ -48,79 +48,23 @@ int pack_vnni_bf16(const uint16_t *w, uint16_t *packed, int64_t N, int64_t K) {
 }
 
 #if HAVE_DPBF16
-#define MR 6 /* rows per register tile */
-#define NR 4 /* 16-column blocks per register tile: MR * NR accumulators + NR weight vectors */
-
-/* bf16_round of 16 floats: round to nearest even, inf / nan passed through. */
-static inline __m256i round_to_bf16(__m512 v) {
-    const __m512i u = _mm512_castps_si512(v);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff)));
-    const __mmask16 special = _mm512_cmpeq_epi32_mask(
-        _mm512_and_si512(u, _mm512_set1_epi32(0x7f800000)), _mm512_set1_epi32(0x7f800000));
-    r = _mm512_mask_mov_epi32(r, special, u);
-    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
-}
-
-/* y[0:mr, 0:nr * 16] of one tile; `wp` at the tile's first column block. */
-__attribute__((always_inline)) static inline void tile(
-        const uint16_t *x, const uint16_t *wp, const uint16_t *bias, uint16_t *y, const int mr,
-        const int nr, int64_t N, int64_t K) {
-    __m512 acc[MR][NR];
-    for (int m = 0; m < mr; m++)
-        for (int r = 0; r < nr; r++) acc[m][r] = _mm512_setzero_ps();
-    const int64_t KP = K / 2, strip = KP * 32; /* elements per 16-column block */
-    for (int64_t kp = 0; kp < KP; kp++) {
-        __m512bh wv[NR];
-        for (int r = 0; r < nr; r++)
-            wv[r] = (__m512bh)_mm512_loadu_si512(wp + r * strip + kp * 32);
-        for (int m = 0; m < mr; m++) {
-            int32_t pair;
-            memcpy(&pair, x + m * K + 2 * kp, sizeof pair);
-            const __m512bh xv = (__m512bh)_mm512_set1_epi32(pair);
-            for (int r = 0; r < nr; r++) acc[m][r] = _mm512_dpbf16_ps(acc[m][r], xv, wv[r]);
-        }
-    }
-    for (int r = 0; r < nr; r++) {
-        const __m512 b = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(
-                                    _mm256_loadu_si256((const __m256i *)(bias + r * 16))), 16))
-                              : _mm512_setzero_ps();
-        for (int m = 0; m < mr; m++)
-            _mm256_storeu_si256((__m256i *)(y + m * N + r * 16),
-                                round_to_bf16(_mm512_add_ps(acc[m][r], b)));
-    }
-}
-
-#define TILE_ROWS(NRC)                                                                     \
-    switch (mr) {                                                                          \
-    case 6: tile(xm, wpn, bn, ym, 6, NRC, N, K); break;                                    \
-    case 5: tile(xm, wpn, bn, ym, 5, NRC, N, K); break;                                    \
-    case 4: tile(xm, wpn, bn, ym, 4, NRC, N, K); break;                                    \
-    case 3: tile(xm, wpn, bn, ym, 3, NRC, N, K); break;                                    \
-    case 2: tile(xm, wpn, bn, ym, 2, NRC, N, K); break;                                    \
-    default: tile(xm, wpn, bn, ym, 1, NRC, N, K); break;                                   \
-    }
+#include "gemm_bf16_tile.h"
 
 /* y = x @ w.T (+ bias) from the packed w; the shape rules of pack_vnni_bf16 (else -1). */
 int gemm_vnni_bf16(const uint16_t *x, const uint16_t *packed, const uint16_t *bias, uint16_t *y,
                    int64_t M, int64_t N, int64_t K) {
     if (M < 1 || N < 16 || N % 16 || K < 2 || K % 2) return -1;
-    const int64_t blocks = N / 16, tasks = (blocks + NR - 1) / NR;
+    const int64_t blocks = N / 16, tasks = (blocks + BF16_NR - 1) / BF16_NR;
 #pragma omp parallel for schedule(static)
     for (int64_t t = 0; t < tasks; t++) {
-        const int64_t b0 = t * NR, nr = blocks - b0 < NR ? blocks - b0 : NR;
+        const int64_t b0 = t * BF16_NR, nr = blocks - b0 < BF16_NR ? blocks - b0 : BF16_NR;
         const uint16_t *wpn = packed + b0 * (K / 2) * 32;
         const uint16_t *bn = bias ? bias + b0 * 16 : NULL;
-        for (int64_t m0 = 0; m0 < M; m0 += MR) {
-            const int mr = M - m0 < MR ? (int)(M - m0) : MR;
+        for (int64_t m0 = 0; m0 < M; m0 += BF16_MR) {
+            const int mr = M - m0 < BF16_MR ? (int)(M - m0) : BF16_MR;
             const uint16_t *xm = x + m0 * K;
             uint16_t *ym = y + m0 * N + b0 * 16;
-            switch (nr) {
-            case 4: TILE_ROWS(4) break;
-            case 3: TILE_ROWS(3) break;
-            case 2: TILE_ROWS(2) break;
-            default: TILE_ROWS(1) break;
-            }
+            bf16_tile_any(xm, wpn, bn, ym, mr, (int)nr, N, K);
         }
     }
     return 0;

@@ -73,7 +73,9 @@ def test_kernel_matches_reference(kernels, qtype, m, n, k, bias):
     raw = quantized(n, k, qtype, seed=n + k)
     x = torch.randn(m, k).to(torch.bfloat16)
     b = torch.randn(n).to(torch.bfloat16) if bias else None
-    y = QuantLinear(raw, qtype, k, b, kernels)(x)
+    layer = QuantLinear(raw, qtype, k, b, kernels)
+    layer.set_dequant_rows(0)  # every batch through the int8 path (the bf16 one: below)
+    y = layer(x)
     ref = reference_linear(x, raw, qtype, b)  # same int8 activations, fp32 sums
     assert y.dtype == torch.bfloat16 and y.shape == (m, n)
     # bf16 output (half an ulp) on top of fp32 summation-order noise.
@@ -119,6 +121,7 @@ def test_fused_parts_of_different_types(kernels, m):
              (quantized(8, k, QuantType.Q8_0, 4), QuantType.Q8_0)]
     b = torch.randn(69).to(torch.bfloat16)
     layer = QuantLinear.fused(parts, k, b, kernels)
+    layer.set_dequant_rows(0)
     assert layer.type_names == "Q4_K+Q6_K+Q8_0" and layer.out_features == 69
     x = torch.randn(m, k).to(torch.bfloat16)
     ref = torch.cat([reference_linear(x, raw, t) for raw, t in parts], dim=1) + b.float()
@@ -130,3 +133,28 @@ def test_k_types_need_whole_super_blocks(kernels):
     raw = quantized(8, 256, QuantType.Q4_K)
     with pytest.raises(ValueError, match="multiple of 256"):
         QuantLinear(raw[:, :72], QuantType.Q4_K, 128, None, kernels)
+
+
+@pytest.mark.parametrize("qtype", list(QuantType))
+@pytest.mark.parametrize("m", [16, 45])
+def test_prefill_rows_equal_the_bf16_gemm_of_the_dequantized_weight(kernel_cache, qtype, m):
+    """From dequant_rows rows on (AVX512-BF16 CPUs), the whole groups of rows are the bf16
+    GEMM over the weight de-quantized as the gguf package does, bit for bit (the model
+    loaded with --quantization none computes the same); a tail of rows past the last whole
+    group (8 of 72) takes the int8 path."""
+    from baton_cpu.linear import PackedLinear, load_linear_kernels
+
+    native, bf16 = load_quant_kernels(kernel_cache), load_linear_kernels(kernel_cache)
+    if native is None or not native.dequant_rows or bf16 is None or not bf16.has_vnni:
+        pytest.skip("no AVX512-BF16 here: every batch takes the int8 path")
+    assert m >= native.dequant_rows
+    k = 512
+    raw = quantized(72, k, qtype, seed=m)
+    b = torch.randn(72).to(torch.bfloat16)
+    x = torch.randn(m, k).to(torch.bfloat16)
+    y = QuantLinear(raw, qtype, k, b, native)(x)
+    w = torch.from_numpy(gguf_quants.dequantize(raw.numpy(), GGMLQuantizationType(int(qtype))))
+    gemm = PackedLinear(w.reshape(72, k).to(torch.bfloat16)[:64], b[:64], bf16)
+    assert gemm.vnni is not None and torch.equal(y[:, :64], gemm(x))
+    ref = reference_linear(x, raw, qtype, b)
+    assert ((y[:, 64:].float() - ref[:, 64:]).abs() <= ref[:, 64:].abs() * 2 ** -8 + 1e-3).all()

@@ -18,6 +18,7 @@ from baton.engine.platforms.base import Platform
 from baton.engine.platforms.cpu_layers import load_llama_decode, use_native_ops
 from baton.engine.platforms.host_malloc import release_free_heap, tune_malloc_for_cpu_inference
 from baton_cpu import linear, ops
+from baton_cpu.quant_linear import QuantLinear
 
 if TYPE_CHECKING:
     from baton.engine.models.base import CausalLM
@@ -65,6 +66,9 @@ class CpuPlatform(Platform):
                              "be built here (is a C compiler installed?)")
         _own_head(model)
         linear.use_invariant_linears(model, gemm, linear.load_linear_kernels(self.cache_dir))
+        for module in model.modules():  # GGUF blocks (--quantization auto): one path for
+            if isinstance(module, QuantLinear):  # every batch, the int8 activations
+                module.set_dequant_rows(0)
 
     def _pack_linears(self, model: CausalLM) -> None:
         """Every linear packed (`baton_cpu.linear`: in bf16 the native GEMM, else oneDNN's;

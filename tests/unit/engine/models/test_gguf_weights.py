@@ -98,6 +98,7 @@ def test_unsupported_types_are_refused_by_name(tmp_path):
 
 def test_the_flag_takes_auto_and_none():
     assert EngineConfig.from_args(quantization="auto").checkpoint.quantization == "auto"
-    assert EngineConfig.from_args().checkpoint.quantization == "none"
+    assert EngineConfig.from_args().checkpoint.quantization == "auto"  # the default
+    assert EngineConfig.from_args(quantization="none").checkpoint.quantization == "none"
     with pytest.raises(ValueError, match="quantization"):
         EngineConfig.from_args(quantization="int4")
