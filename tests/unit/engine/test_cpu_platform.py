@@ -34,7 +34,9 @@ def _tiny_biased_model(path, model_dir):
 
 @pytest.fixture(scope="module", params=["bundled", "tiny-biased"])
 def llm(request, tmp_path_factory, model_dir, kernel_cache):
-    args = dict(dtype="bfloat16", block_size=16, num_kv_blocks=256, cache_dir=str(kernel_cache))
+    # the de-quantized bf16 linears (the GGUF's own blocks: tests/unit/engine/test_quantized_gguf.py)
+    args = dict(dtype="bfloat16", block_size=16, num_kv_blocks=256, cache_dir=str(kernel_cache),
+                quantization="none")
     if request.param == "bundled":
         llm = LLM(**args)
     else:
@@ -223,31 +225,23 @@ def test_a_prepared_model_matches_its_torch_code(tmp_path, dtype):
     torch.testing.assert_close(native.float(), reference.float(), rtol=tol, atol=tol)
 
 
-def test_verification_chunks_take_the_native_step_as_decodes(llm):
-    """A decode's last token and its speculative guesses (`engine.spec`) run through the
-    one-call step, each row attending as a decode of its own context: the same bits as the
-    Python path with per-token attention."""
-    from baton.engine.attention.torch_backend import TorchAttentionBackend
-
+def test_verification_rows_are_decodes_of_the_native_step(llm):
+    """A decode's last token and its speculative guesses (`engine.spec`) are laid out as one
+    decode per row, each attending its own context: the one-call step runs them, the same
+    bits as the Python path."""
     engine, runner = llm.engine, llm.engine.runner
     fast = runner.platform.fast_decode
     if fast.max_rows is not None and fast.max_rows < 5:
-        pytest.skip("the portable GEMV serves fewer rows than a verification chunk")
+        pytest.skip("the portable GEMV serves fewer rows than a verification step")
     _decode_batch(llm, [40])  # prefilled; its decode step is not run
     req = engine.scheduler.running[-1]
     req.spec_token_ids = [5, 6, 7, 8]
     sched = engine.scheduler.schedule()
     batch = build_batch(sched.scheduled, engine.kv.get_block_ids, runner.block_size,
                         runner.device)
-    assert fast.can_run(batch) and batch.layout.num_decodes == 0 and len(batch.input_ids) == 5
-    before = runner.kv_cache.clone()
-    native_hidden = fast.run(batch)
-    native_cache = runner.kv_cache.clone()
-    runner.kv_cache.copy_(before)
-    per_token = TorchAttentionBackend(runner.dtype, runner.backend.native, per_token=True)
-    ctx = ForwardContext(per_token, per_token.build_metadata(batch.layout), runner.kv_caches)
-    with torch.inference_mode():
-        python_hidden = runner.model(batch.input_ids, batch.positions, ctx)
-    assert torch.equal(native_hidden, python_hidden)
-    assert torch.equal(native_cache, runner.kv_cache)
+    assert fast.can_run(batch) and batch.layout.num_decodes == 5
+    assert batch.layout.seq_lens == [45, 44, 43, 42, 41]  # longest first
+    assert batch.logits_indices == [4, 3, 2, 1, 0]  # the request's rows, in its order
+    (nh, ncache), (ph, pcache), _ = _both_paths(runner, batch)
+    assert torch.equal(nh, ph) and torch.equal(ncache, pcache)
     _finish(llm, sched)

@@ -47,7 +47,7 @@ class BatchLayout:
         sequence's row) and (T,) int64 lengths — row r of sequence i, at position p, attends
         the first p + 1 tokens of i's blocks (its own K/V written before: causal by
         length). For kernels of one query token per sequence (deterministic mode's
-        attention, speculative verification through the CPU's one-call decode step)."""
+        attention)."""
         seq_of_row: list[int] = []
         lens: list[int] = []
         for i in range(self.num_seqs):

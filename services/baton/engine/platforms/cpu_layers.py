@@ -86,10 +86,9 @@ def use_native_ops(model: nn.Module, ops: CpuOps) -> None:
 
 
 class NativeLlamaDecode:
-    """The CPU platform's fast decode path: steps of single-token decodes and speculative
-    verification chunks (a decode's last token and its guesses, each row attending as a
-    decode of its own context), few enough rows for the portable GEMV (any number with the
-    packed GEMM), through `baton_cpu`'s one-call Llama step."""
+    """The CPU platform's fast decode path: steps of single-token decodes only (speculative
+    verification rows are decodes too: `runner.batch`), few enough for the portable GEMV
+    (any number with the packed GEMM), through `baton_cpu`'s one-call Llama step."""
 
     def __init__(self, step: decode_step.LlamaDecodeStep, embed: nn.Module) -> None:
         self.step, self.embed = step, embed
@@ -97,21 +96,14 @@ class NativeLlamaDecode:
 
     def can_run(self, batch: FlatBatch) -> bool:
         layout = batch.layout
-        decodes = layout.num_decodes == layout.num_seqs == len(batch.input_ids)
-        verifying = bool(batch.entries) and all(s.num_new_tokens == 1 or s.spec_token_ids
-                                                for s in batch.entries)
-        return ((self.max_rows is None or len(batch.input_ids) <= self.max_rows)
-                and (decodes or verifying))
+        return (layout.num_decodes == layout.num_seqs == len(batch.input_ids)
+                and (self.max_rows is None or layout.num_seqs <= self.max_rows))
 
     def run(self, batch: FlatBatch) -> torch.Tensor:
         layout = batch.layout
-        if layout.num_decodes == layout.num_seqs:
-            tables, seq_lens = layout.block_tables, torch.tensor(layout.seq_lens,
-                                                                 dtype=torch.int64)
-        else:  # verification chunks: a row per token
-            tables, seq_lens = layout.rows_as_decodes()  # (T, m), (T,)
+        seq_lens = torch.tensor(layout.seq_lens, dtype=torch.int64)  # (T,)
         return self.step(self.embed(batch.input_ids), batch.positions, layout.slot_mapping,
-                         tables, seq_lens)  # (T, h)
+                         layout.block_tables, seq_lens)  # (T, h)
 
 
 def _all_packed(linears: tuple[nn.Module, ...]

@@ -49,12 +49,13 @@ def build_batch(scheduled: list[ScheduledRequest], block_ids_of: Callable[[str],
                 block_size: int, device: torch.device, staging: HostStaging | None = None
                 ) -> FlatBatch:
     """The step's flat batch; its tensors reach `device` in one copy through `staging` (the
-    runner's, reused across steps; a fresh one when None)."""
-    # Decodes first, longest context first, so that attention backends can cut the decode
-    # rows into groups of similar length and pad less.
-    entries = sorted(scheduled, key=lambda s: (s.num_new_tokens != 1,
+    runner's, reused across steps; a fresh one when None). A request verifying guesses
+    (`engine.spec`) becomes one decode per row, each attending its own context, so every
+    attention backend and decode path treats its rows exactly as plain decode steps'."""
+    entries = sorted(scheduled, key=lambda s: (s.num_new_tokens != 1 and not s.spec_token_ids,
                                                -s.request.num_computed_tokens))
-    num_decodes = sum(1 for s in entries if s.num_new_tokens == 1)
+    pieces = _pieces(entries)
+    num_decodes = sum(1 for _, _, n in pieces if n == 1)
     tokens: list[int] = []
     # The one-token rows' positions and slots as plain ints (a small numpy array per row
     # costs more), then each chunk's as arrays.
@@ -63,13 +64,14 @@ def build_batch(scheduled: list[ScheduledRequest], block_ids_of: Callable[[str],
     chunk_positions: list[np.ndarray] = []
     chunk_slots: list[np.ndarray] = []
     qsl, ctx_lens, seq_lens, tables = [0], [], [], []
-    logits_indices, sampling, spans, targets = list[int](), [], [], []
-    for s in entries:
-        start = s.start
-        end = start + s.num_new_tokens
+    row_of: dict[tuple[int, int], int] = {}  # (entry, position) -> its batch row
+    spans: list[PromptLogprobSpan] = []
+    targets: list[np.ndarray] = []
+    for s, start, count in pieces:
+        end = start + count
         blocks = block_ids_of(s.request.request_id)
         tokens.extend(s.input_ids(start, end))
-        if s.num_new_tokens == 1:
+        if count == 1:
             positions.append(start)
             slots.append(blocks[start // block_size] * block_size + start % block_size
                          if s.writes_kv else -1)  # -1: no KV write
@@ -77,20 +79,18 @@ def build_batch(scheduled: list[ScheduledRequest], block_ids_of: Callable[[str],
             chunk = np.arange(start, end, dtype=np.int64)
             chunk_positions.append(chunk)
             chunk_slots.append(_slots(blocks, chunk, block_size) if s.writes_kv
-                               else np.full(s.num_new_tokens, -1, np.int64))
-        qsl.append(qsl[-1] + s.num_new_tokens)
+                               else np.full(count, -1, np.int64))
+        row_of[(id(s), end - 1)] = qsl[-1] + count - 1
+        qsl.append(qsl[-1] + count)
         ctx_lens.append(start)
         seq_lens.append(end)
         tables.append(blocks)
-        if s.samples:
-            logits_indices.extend(range(qsl[-1] - s.num_sampled, qsl[-1]))
-            sampling.append(s)
         if s.writes_kv and s.request.prompt_logprobs is not None:
-            span = _prompt_logprob_span(s.request, start, end, qsl[-2])
-            if span is not None:
-                spans.append(span)
-                targets.append(np.asarray(s.request.prompt_token_ids[
-                    span.first_target:span.first_target + span.count], dtype=np.int64))
+            _add_span(spans, targets, s.request, start, end, qsl[-2])
+    sampling = [s for s in entries if s.samples]
+    logits_indices = [row_of[(id(s), p)] for s in sampling
+                      for p in range(s.start + s.num_new_tokens - s.num_sampled,
+                                     s.start + s.num_new_tokens)]
     table = _block_table(tables)
     staging = staging if staging is not None else HostStaging(device)
     ids, pos, slot_mapping, flat_table, rows, prompt_targets = staging.pack(
@@ -105,6 +105,30 @@ def build_batch(scheduled: list[ScheduledRequest], block_ids_of: Callable[[str],
         input_ids=ids, positions=pos, layout=layout, entries=entries,
         logits_indices=logits_indices, sampling_entries=sampling, prompt_logprob_spans=spans,
         logits_rows=rows, prompt_targets=prompt_targets)
+
+
+def _pieces(entries: list[ScheduledRequest]) -> list[tuple[ScheduledRequest, int, int]]:
+    """(entry, first position, rows) of each sequence of the batch: decodes first, longest
+    context first (attention backends cut decode rows into groups of similar length and pad
+    less), a verifying request split into one-row decodes; then the prompt chunks."""
+    pieces = []
+    for s in entries:
+        if s.spec_token_ids:
+            pieces += [(s, s.start + r, 1) for r in range(s.num_new_tokens)]
+        else:
+            pieces.append((s, s.start, s.num_new_tokens))
+    return sorted(pieces, key=lambda p: (p[2] != 1, -p[1]))
+
+
+def _add_span(spans: list[PromptLogprobSpan], targets: list[np.ndarray], req: Request,
+              start: int, end: int, first_row: int) -> None:
+    """The prompt-logprob span of a chunk of `req` (positions [start, end) at rows
+    first_row..) and the prompt tokens it predicts, when it has one."""
+    span = _prompt_logprob_span(req, start, end, first_row)
+    if span is not None:
+        spans.append(span)
+        targets.append(np.asarray(req.prompt_token_ids[
+            span.first_target:span.first_target + span.count], dtype=np.int64))
 
 
 def _slots(blocks: list[int], pos: np.ndarray, block_size: int) -> np.ndarray:

@@ -30,9 +30,12 @@ class ScheduledRequest:
         return self.request.num_computed_tokens
 
     def input_ids(self, start: int, end: int) -> list[int]:
-        known = min(end, self.request.num_tokens)
-        ids = self.request.token_ids(start, known)
-        return ids + self.spec_token_ids[:end - known] if end > known else ids
+        """Its token ids at positions [start, end): known tokens, then guesses."""
+        known = self.request.num_tokens
+        ids = self.request.token_ids(start, min(end, known)) if start < known else []
+        if end > known:
+            ids = ids + self.spec_token_ids[max(start, known) - known:end - known]
+        return ids
 
     @property
     def samples(self) -> bool:
