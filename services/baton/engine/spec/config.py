@@ -33,7 +33,7 @@ class SpeculativeConfig:
     suffix_cache_tokens: int = 1 << 18
     draft_model: str | None = None
     draft_num_kv_blocks: int = 2048
-    disable_by_batch_size: int = 16
+    disable_by_batch_size: int = 4  # the crossover measured on CPU (docs/benchmarks.md)
     min_acceptance: float = 0.2
     backoff_steps: int = 16
 

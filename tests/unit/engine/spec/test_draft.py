@@ -24,7 +24,8 @@ def target_dir(tmp_path_factory):
 
 def _llm(model, draft=None, k: int = 3) -> LLM:
     spec = None if draft is None else json.dumps(
-        {"method": "draft_model", "draft_model": str(draft), "num_speculative_tokens": k})
+        {"method": "draft_model", "draft_model": str(draft), "num_speculative_tokens": k,
+         "disable_by_batch_size": 16})
     return LLM(model=str(model), skip_tokenizer_init=True, dtype="float32", num_kv_blocks=256,
                speculative_config=spec)
 

@@ -17,7 +17,7 @@ from baton import LLM, SamplingParams
 from baton.common.sampling_params import StructuredOutput
 from baton_loadtest.grounded import grounded_workload
 
-SPEC = {"method": "ngram", "num_speculative_tokens": 4}
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "disable_by_batch_size": 16}
 
 
 def _engine(kernel_cache, spec: dict | None, blocks: int = 1024) -> LLM:
