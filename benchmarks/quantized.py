@@ -41,13 +41,14 @@ def decode_tokens_per_s(llm, batch: int) -> float:
     return batch * (LONG - SHORT) / (run(LONG) - run(SHORT))
 
 
-def prefill_tokens_per_s(llm, tokens: int = 512, runs: int = 3) -> float:
+def prefill_tokens_per_s(llm, seed: int, tokens: int = 512, runs: int = 3) -> float:
     from baton import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=1)
     best = float("inf")
     for i in range(runs + 1):  # the first warms up
-        prompt = [(PROMPT[j % len(PROMPT)] + 7 * i + j) % 30000 + 100 for j in range(tokens)]
+        prompt = [(PROMPT[j % len(PROMPT)] + 7 * i + 31 * seed + j) % 30000 + 100
+                  for j in range(tokens)]
         t0 = time.perf_counter()
         llm.generate([prompt], params, use_tqdm=False)
         best = min(best, time.perf_counter() - t0) if i else best
@@ -91,7 +92,7 @@ def main() -> None:
                 rates[name] = decode_tokens_per_s(llm, batch)
             _report(f"repeat {repeat + 1} batch {batch:3d}", rates)
         _report(f"repeat {repeat + 1} prefill 512", {
-            name: prefill_tokens_per_s(llm) for name, llm in engines.items()})
+            name: prefill_tokens_per_s(llm, repeat) for name, llm in engines.items()})
 
 
 def _report(what: str, rates: dict[str, float]) -> None:

@@ -82,7 +82,10 @@ def _swap(model: CausalLM, raw: RawLinear, native: NativeQuantLinear) -> None:
     if raw.module.startswith("layers.0."):
         _check_same_weights(raw, parts, loaded)
     bias = old.bias if isinstance(old, nn.Linear) else None
-    setattr(parent, leaf, QuantLinear.fused(parts, raw.in_features, bias, native))
+    layer = QuantLinear.fused(parts, raw.in_features, bias, native)
+    if raw.module == "lm_head":  # its rows are the decode batch's, each step (the layers'
+        layer.set_dequant_rows(0)  # run in the one-call step): the int8 path at any batch
+    setattr(parent, leaf, layer)
 
 
 def _check_same_weights(raw: RawLinear, parts: list[tuple[torch.Tensor, QuantType]],
