@@ -40,7 +40,9 @@ def load_library(source: str | Path, cache_dir: Path,
         return _cached[key]
 
 
-def _build_and_load(source: Path, cache_dir: Path, flags: list[str]) -> ctypes.CDLL | None:
+def _build_and_load(source: Path, cache_dir: Path,
+                    flags: list[str] | None = None) -> ctypes.CDLL | None:
+    flags = FLAGS if flags is None else flags
     cc = shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         log.warning("no C compiler found: %s is not built, the torch path is used",
