@@ -51,9 +51,11 @@ def test_tuned_malloc_stops_page_faults_in_prefill_steps(model_dir):
     off, default_faults = _probe(model_dir, "0")
     assert applied and not off
     # Measured: ~3k faults by default (~14k with oneDNN's linears, where AVX512-BF16 is
-    # missing), ~15 tuned.
-    assert default_faults > 4 * tuned_faults
+    # missing), ~15 tuned. glibc's own dynamic mmap threshold sometimes settles on the
+    # step's sizes by itself (a CI run saw 0 faults untuned): then there is nothing to beat.
     assert tuned_faults < 500
+    if default_faults >= 500:
+        assert default_faults > 4 * tuned_faults
 
 
 _RELEASE_PROBE = """
