@@ -17,10 +17,11 @@ from baton.common.stats import EngineStats
 from baton.engine import tokenizer as tok
 from baton.engine.config import EngineConfig, LiveSettings
 from baton.engine.context_window import check_context, fit_kv_pool
-from baton.engine.errors import InvalidRequestError
+from baton.engine.errors import EngineStepError, InvalidRequestError
 from baton.engine.kv_cache import KVCacheManager
 from baton.engine.kv_connector.base import KVConnector
 from baton.engine.kv_connector.handoff import KVHandoff, PullKV
+from baton.engine.lora.requests import LoRAAdapter, check_lora_request
 from baton.engine.models.loader import resolve_model_dir
 from baton.engine.outputs import EngineOutput
 from baton.engine.request import Request, RequestStatus
@@ -32,13 +33,9 @@ from baton.engine.spec.draft import load_draft
 from baton.engine.stops import text_end, token_ends
 from baton.engine.structured.base import CompiledGrammar, GrammarCompileError
 from baton.engine.structured.manager import StructuredOutputs, rebuild
+from baton.engine.structured.masks import advance_grammars
 
 log = logging.getLogger(__name__)
-
-
-class EngineStepError(RuntimeError):
-    """Steps kept failing with nobody's request to blame: the engine itself is broken (a
-    device fault, a bug). Raised out of `step`; the loop that runs it dies."""
 
 
 # Consecutive failed steps before a step's error is the engine's, not its requests'.
@@ -48,7 +45,6 @@ MAX_FAILED_STEPS = 3
 @dataclass
 class StepCounters:
     """What the engine counts as it steps (the rest of `EngineStats` is read live)."""
-
     prompt_tokens_total: int = 0
     generation_tokens_total: int = 0
     preemptions_total: int = 0
@@ -73,7 +69,8 @@ class EngineCore:
         self.connector = _make_connector(config, self.runner)
         limits = config.scheduler
         self.scheduler = make_scheduler(SchedulerLimits(
-            limits.max_num_batched_tokens, limits.max_num_seqs, max_len, limits.policy),
+            limits.max_num_batched_tokens, limits.max_num_seqs, max_len, limits.policy,
+            config.lora.max_loras if config.lora.enabled else None),
             self.kv, self.connector)
         self.eos_token_id = tok.eos_token_id(self.tokenizer, self.model_config.eos_token_ids)
         self.structured = StructuredOutputs.for_tokenizer(
@@ -103,9 +100,10 @@ class EngineCore:
     def make_request(self, request_id: str, prompt_token_ids: list[int],
                      params: SamplingParams, priority: int = 0, detokenize: bool = True,
                      arrival_time: float | None = None, *, kv: KVHandoff | None = None,
-                     presampled: int = 0, grammar: CompiledGrammar | None = None) -> Request:
-        """Validate and build a request without touching engine state (thread-safe).
-
+                     presampled: int = 0, grammar: CompiledGrammar | None = None,
+                     lora: LoRAAdapter | None = None) -> Request:
+        """Validate and build a request without touching engine state (thread-safe);
+        `lora`: its adapter (`AdapterRegistry.get`, off this thread), None: the base model.
         `kv`: `HoldKV` (prefill role) or `PullKV` (decode role), see `engine.kv_connector`;
         a pulled request's first output is the token the prefill sampled. `presampled`:
         draws a seeded sampler already made for this request elsewhere (tokens a resumed
@@ -130,6 +128,7 @@ class EngineCore:
         if presampled < 0:
             raise InvalidRequestError(f"presampled={presampled} must be >= 0")
         req.num_presampled = presampled
+        req.lora = check_lora_request(lora, kv, self.runner.lora)
         if kv is not None:
             self._check_handoff(kv, n, params)
             req.kv_handoff = kv
@@ -247,6 +246,7 @@ class EngineCore:
             return outputs + self._step_failed(sched, err)
         self._failed_steps = 0
         sampled = self.scheduler.cut_at_stops(result.sampled)
+        advance_grammars([s.request for s in sched.scheduled], sampled, result.failed)
         texts, ends = token_ends(sched.scheduled, sampled, result.failed, self._detok_add)
         finished = {r.request_id
                     for r in self.scheduler.update_from_output(sched, sampled, ends)}
@@ -306,8 +306,8 @@ class EngineCore:
 
     @staticmethod
     def _queued(req: Request) -> float | None:
-        return (None if req.first_scheduled_time is None
-                else req.first_scheduled_time - req.arrival_time)
+        t = req.first_scheduled_time
+        return None if t is None else t - req.arrival_time
 
     def _final_output(self, req: Request, tokens: list[int], text: str, lps) -> EngineOutput:
         detok = self._detok.pop(req.request_id, None)

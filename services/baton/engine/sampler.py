@@ -30,12 +30,7 @@ import torch
 from baton.engine.logprobs import TokenLogprobs, logprob_table, read_logprobs
 from baton.engine.request import Request
 from baton.engine.staging import HostStaging
-from baton.engine.structured.masks import (
-    GrammarMasks,
-    accept_sampled,
-    apply_grammar_masks,
-    see_grammar_starts,
-)
+from baton.engine.structured.masks import GrammarMasks, apply_grammar_masks
 
 
 @dataclass
@@ -109,19 +104,15 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, reqs: list[Request],
                  failed: dict[str, str] | None = None, masks: GrammarMasks | None = None
                  ) -> tuple[list[int], list[TokenLogprobs | None]]:
-        """logits (N, V), one row per request -> token ids and optional logprobs; a
-        constrained request's matcher then takes its token. `logits` is not modified.
+        """logits (N, V), one row per request -> token ids and optional logprobs. `logits`
+        is not modified; the grammars do not move (the caller advances them over the
+        tokens each request keeps: `structured.masks.advance_grammars`).
 
         `failed`: when given, a row whose own settings make its part raise (a seed torch
-        refuses, a banned or biased id outside the vocabulary, a token its grammar rejects)
-        is sampled without them, and its request id maps to the error in `failed`: the
-        caller ends that request, the other rows are unaffected. Without it the error
-        propagates."""
-        tokens, logprobs = fetch(self.sample_on_device(logits, reqs, failed, masks))
-        if masks is not None:
-            accept_sampled(reqs, masks, tokens, failed)
-        see_grammar_starts(reqs, tokens)
-        return tokens, logprobs
+        refuses, a banned or biased id outside the vocabulary) is sampled without them, and
+        its request id maps to the error in `failed`: the caller ends that request, the
+        other rows are unaffected. Without it the error propagates."""
+        return fetch(self.sample_on_device(logits, reqs, failed, masks))
 
     def sample_on_device(self, logits: torch.Tensor, reqs: list[Request],
                          failed: dict[str, str] | None = None,

@@ -32,7 +32,8 @@ def token_ends(scheduled: Sequence[ScheduledRequest], sampled: dict[str, list[in
             ends[rid] = EngineEnd(RequestStatus.FINISHED_ERROR, failed[rid])
             continue
         parts = []
-        for i, token in enumerate(sampled.get(rid, ())):
+        tokens = sampled.get(rid, [])
+        for i, token in enumerate(tokens):
             try:
                 text, matched = detokenize(req, token)
             except Exception as err:  # noqa: BLE001 - its stop strings or its detokenising
@@ -40,7 +41,7 @@ def token_ends(scheduled: Sequence[ScheduledRequest], sampled: dict[str, list[in
                                       f"{type(err).__name__}: {err}", at=i)
                 break
             parts.append(text)
-            if (end := text_end(req, matched)) is not None:
+            if (end := text_end(req, matched, last=i == len(tokens) - 1)) is not None:
                 ends[rid] = EngineEnd(end.status, end.reason, at=i)
                 break
         if rid in sampled:
@@ -48,9 +49,11 @@ def token_ends(scheduled: Sequence[ScheduledRequest], sampled: dict[str, list[in
     return texts, ends
 
 
-def text_end(req: Request, matched: str | None) -> EngineEnd | None:
+def text_end(req: Request, matched: str | None, last: bool = True) -> EngineEnd | None:
     """A token whose text matched a stop string, or that completed the request's structured
-    output, ends it ("stop"; `matched` is its stop reason)."""
-    if matched is not None or grammar_complete(req):
+    output, ends it ("stop"; `matched` is its stop reason). The grammar has taken the
+    step's whole run (`advance_grammars`, which cuts a run where its output completes):
+    only the run's `last` token can have completed it."""
+    if matched is not None or (last and grammar_complete(req)):
         return EngineEnd(RequestStatus.FINISHED_STOPPED, matched)
     return None

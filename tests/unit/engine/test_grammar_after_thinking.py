@@ -12,7 +12,7 @@ from baton.common.sampling_params import StructuredOutput
 from baton.engine.request import Request
 from baton.engine.sampler import Sampler
 from baton.engine.structured.manager import grammar_complete, rebuild
-from baton.engine.structured.masks import fill_grammar_masks
+from baton.engine.structured.masks import advance_grammars, fill_grammar_masks
 from tests.unit.engine.test_structured import AllowBackend, RecordingMatcher
 
 END = 9  # the end-of-thinking token
@@ -41,6 +41,7 @@ def test_the_grammar_waits_for_the_end_of_thinking_then_constrains():
         logits = torch.zeros(1, 16)
         logits[0, best] = 5.0
         tokens, _ = sampler(logits, [req], {}, fill_grammar_masks([req]))
+        advance_grammars([req], {"r": tokens}, {})
         return tokens[0]
 
     assert fill_grammar_masks([req]) is None and req.active_grammar is None

@@ -19,8 +19,7 @@ from baton.engine.sampler import Sampler
 from baton.engine.structured.base import GrammarBackend, GrammarMatcher
 from baton.engine.structured.manager import generated_so_far
 from baton.engine.structured.masks import (
-    GrammarMasks,
-    accept_sampled,
+    advance_grammars,
     apply_grammar_masks,
     fill_grammar_masks,
     keep_bits,
@@ -315,6 +314,14 @@ class RecordingMatcher(GrammarMatcher):
         self.tokens.append(token_id)
         return self._accept
 
+    def valid_prefix(self, tokens):
+        return len(tokens) if self._accept else 0
+
+    def fork(self, tokens):
+        copy = type(self)(self.backend, self._accept)
+        copy.tokens = self.tokens + list(tokens)
+        return copy
+
     @property
     def is_terminated(self):
         return False
@@ -374,6 +381,7 @@ def test_the_sampler_picks_only_allowed_ids_and_advances_the_matchers():
         tokens, _ = Sampler()(logits, reqs, {}, fill_grammar_masks(reqs))
         assert tokens[0] == int(logits[0].argmax())
         assert tokens[1] in (7, 40) and tokens[2] in (7, 40)
+        advance_grammars(reqs, {r.request_id: [t] for r, t in zip(reqs, tokens)}, {})
     assert torch.equal(logits, before)  # the caller's logits are not modified
     assert len(m_greedy.tokens) == len(m_sampled.tokens) == 20
 
@@ -382,12 +390,11 @@ def test_a_rejected_token_fails_that_request_alone():
     backend = AllowBackend(16, range(16))
     reqs = [make_req("ok", RecordingMatcher(backend)),
             make_req("bad", RecordingMatcher(backend, accept=False))]
-    masks = GrammarMasks([0, 1], torch.full((2, 1), -1, dtype=torch.int32))
     failed: dict[str, str] = {}
-    accept_sampled(reqs, masks, [3, 4], failed)
+    advance_grammars(reqs, {"ok": [3], "bad": [4]}, failed)
     assert list(failed) == ["bad"] and "rejected on purpose" in failed["bad"]
     with pytest.raises(RuntimeError, match="bad"):
-        accept_sampled(reqs, masks, [3, 4], None)
+        advance_grammars(reqs, {"ok": [3], "bad": [4]}, None)
 
 
 def test_generated_so_far_covers_resumed_and_pulled_tokens():

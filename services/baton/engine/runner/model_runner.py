@@ -14,6 +14,8 @@ from baton.engine.attention.kv_quant import apply_kv_scales, kv_cache_dtype
 from baton.engine.config import EngineConfig
 from baton.engine.distributed import TPGroup
 from baton.engine.logprobs import TokenLogprobs, prompt_logprob_table, read_prompt_logprobs
+from baton.engine.lora.manager import LoRAManager
+from baton.engine.lora.targets import lora_targets as _lora_targets
 from baton.engine.models.layers import local_heads
 from baton.engine.models.loader import default_cache_dir, load_model
 from baton.engine.platforms import make_platform
@@ -125,6 +127,8 @@ class ModelRunner:
         with building_in(self.tp):  # this rank's slice of every weight
             self.model, self.model_config = load_model(model_dir, self.dtype, self.device,
                                                        max_model_len, config.checkpoint.load_format)
+        # the adaptable linears' layout, read before the platform swaps them (`engine.lora`)
+        lora_targets = _lora_targets(self.model) if config.lora.enabled else None
         if config.checkpoint.quantization == "auto":
             from baton.engine.platforms.cpu_quant import keep_quantized
 
@@ -153,6 +157,8 @@ class ModelRunner:
         self.staging = HostStaging(self.device)  # the batch metadata's one copy a step
         self.max_model_len = max_model_len
         self.platform.warm_up(self)
+        self.lora = None if lora_targets is None else LoRAManager(
+            self.model, lora_targets, config.lora, self.dtype, self.device)
         log.info("model %s (%s), %d KV blocks of %d tokens (%s), attention=%s, %s",
                  cfg.architecture, config.checkpoint.dtype, self.num_blocks, self.block_size,
                  str(self.kv_dtype).removeprefix("torch."),
@@ -236,14 +242,16 @@ class ModelRunner:
 
     def _execute(self, batch: FlatBatch) -> StepResult:
         entries = batch.sampling_entries
-        # the sampler's rows: one per sampling row (a request with k guesses has k + 1),
-        # but for those verified by rejection sampling (`engine.spec`)
-        rows = sampler_rows(entries)
+        # one row per sampling row (a request with k guesses has k + 1), each with the
+        # guesses scored before it; the sampler draws all but the rows verified by
+        # rejection sampling (`engine.spec`)
         every = [s.request for s in entries for _ in range(s.num_sampled)]
+        ahead = [s.spec_token_ids[:i] for s in entries for i in range(s.num_sampled)]
+        rows = sampler_rows(entries)
         reqs = [every[i] for i in rows]
         hidden = self._forward(batch)  # (T, h)
         # Host work while a GPU runs the forward (launched, not finished): grammar masks.
-        masks = fill_grammar_masks(reqs)
+        masks = fill_grammar_masks(every, ahead)
         prompt_lps = self._prompt_logprobs(batch, hidden)
         if not entries:
             return StepResult({}, {}, {}, prompt_lps)
@@ -253,14 +261,23 @@ class ModelRunner:
         tokens: list[int] = []
         logprobs: list[TokenLogprobs | None] = []
         if reqs:
-            mine = logits if len(rows) == len(every) else logits[rows]  # (R, V)
-            tokens, logprobs = self.sampler(mine, reqs, failed, masks)
-        out = verify(entries, logits, tokens, logprobs, failed, self.rejection)
+            whole = len(rows) == len(every)
+            mine = logits if whole else logits[rows]  # (R, V)
+            tokens, logprobs = self.sampler(mine, reqs, failed,
+                                            masks if whole or masks is None
+                                            else masks.select(rows))
+        out = verify(entries, logits, tokens, logprobs, failed, self.rejection, masks)
         return StepResult(out.sampled, out.logprobs, failed, prompt_lps, out.guessed)
 
     def _forward(self, batch: FlatBatch) -> torch.Tensor:
-        """The last hidden states of every row of the batch, (T, h)."""
-        return self.platform.forward(self, batch)  # (T, h)
+        """The last hidden states of every row of the batch, (T, h). A step with LoRA
+        adapter rows runs the model's modules (`LoRALinear`), never the fast decode path."""
+        if self.lora is None or not self.lora.begin_step(batch):
+            return self.platform.forward(self, batch)  # (T, h)
+        try:
+            return self.platform.forward(self, batch, fast=False)  # (T, h)
+        finally:
+            self.lora.end_step()
 
     def _prompt_logprobs(self, batch: FlatBatch, hidden: torch.Tensor
                          ) -> dict[str, list[TokenLogprobs | None]]:

@@ -2,9 +2,11 @@
 schedule and `record` after each verification.
 
 A request guesses when it is decoding (its last token is the only one without KV), has no
-penalties and no grammar and is past its `min_tokens` (verification scores every row of a
-step with the same settings, so nothing may depend on the tokens before a row: greedy rows
-keep the target's argmax, sampled ones go through rejection sampling). Guesses never overrun `max_tokens` or the context window (each step adds the
+penalties and is past its `min_tokens` (those depend on the tokens before a row in ways the
+rows of one verification do not see). A request with a structured output guesses too: its
+guesses are cut at the first its grammar rejects, and each verification row is masked by
+the grammar as it stands after the guesses before that row (`structured.masks`); greedy
+rows keep the target's argmax, sampled ones go through rejection sampling. Guesses never overrun `max_tokens` or the context window (each step adds the
 accepted guesses plus the target's own token). Nobody guesses in a step with more running
 requests than `disable_by_batch_size`, and a request whose recent guesses were mostly
 rejected pauses for `backoff_steps` steps."""
@@ -19,6 +21,7 @@ from baton.engine.spec.config import SpeculativeConfig
 from baton.engine.spec.draft import DraftModel
 from baton.engine.spec.ngram import TokenHistory, lookup
 from baton.engine.spec.suffix import SuffixIndex
+from baton.engine.structured.masks import guesses_allowed
 
 EMA = 0.3  # weight of the latest step in a request's acceptance rate
 
@@ -76,10 +79,10 @@ class Speculator:
             drafted = self.draft.propose(guessing, {r.request_id: self._room(r)
                                                     for r in guessing})
             for req in guessing:
-                req.spec_token_ids = drafted[req.request_id]
+                req.spec_token_ids = guesses_allowed(req, drafted[req.request_id])
             return
         for req in guessing:
-            req.spec_token_ids = self._guess(req)
+            req.spec_token_ids = guesses_allowed(req, self._guess(req))
 
     def record(self, req: Request, proposed: int, accepted: int) -> None:
         """`accepted` of the `proposed` guesses of `req` were the target's own tokens."""
@@ -117,7 +120,7 @@ class Speculator:
         p = req.sampling_params
         state = self._state.get(req.request_id)
         return (req.num_tokens - req.num_computed_tokens == 1
-                and not p.needs_penalties and p.structured is None
+                and not p.needs_penalties
                 and req.num_output_tokens >= p.min_tokens and req.kv_handoff is None
                 and (state is None or state.paused_until <= self._step))
 

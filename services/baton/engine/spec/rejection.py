@@ -10,8 +10,10 @@ distributed as p_i exactly (Leviathan et al., 2023; vLLM's rejection sampler).
 
 Randomness: a request with a `seed` draws from its own generator (seeded with it, kept
 until the request ends), so its output is reproducible run to run; others from one
-generator seeded with the engine's seed. Penalties, grammars and min_tokens bans depend on
-the tokens before a row or on its position: such requests never guess (`decider.py`)."""
+generator seeded with the engine's seed. A grammar's masks are applied to the rows first
+(`verify.py`: p_i is then the masked distribution, as the sampler's). Penalties and
+min_tokens bans depend on the tokens before a row or on its position: such requests never
+guess (`decider.py`)."""
 
 from __future__ import annotations
 

@@ -16,6 +16,7 @@ import torch
 from baton.engine.logprobs import TokenLogprobs, logprob_table, read_logprobs
 from baton.engine.scheduler.output import ScheduledRequest
 from baton.engine.spec.rejection import RejectionSampler
+from baton.engine.structured.masks import GrammarMasks, apply_grammar_masks
 
 
 def accepted_run(guesses: list[int], targets: list[int]) -> int:
@@ -55,17 +56,24 @@ class Verified:
 
 def verify(entries: list[ScheduledRequest], logits: torch.Tensor, tokens: list[int],
            logprobs: list[TokenLogprobs | None], failed: dict[str, str],
-           rejection: RejectionSampler) -> Verified:
+           rejection: RejectionSampler, masks: GrammarMasks | None = None) -> Verified:
     """Turn a step's rows into each request's tokens. `logits` (N, V): every sampling row;
     `tokens` / `logprobs`: the sampler's draws for `sampler_rows(entries)`, in order;
-    `failed`: the requests whose sampling settings failed there."""
+    `failed`: the requests whose sampling settings failed there; `masks`: the grammar
+    masks of every sampling row (the rows verified by rejection sampling draw under them;
+    their logprobs, as the sampler's, come from the raw distribution)."""
     out = Verified(failed=failed)
+    masked = logits
+    if masks is not None and any(by_rejection(s) for s in entries):
+        masked = logits.float()  # (N, V), a copy when logits are bf16
+        masked = masked.clone() if masked is logits else masked
+        apply_grammar_masks(masked, masks)
     row = drawn = 0
     for s in entries:
         rid, guesses, n = s.request.request_id, s.spec_token_ids, s.num_sampled
         if by_rejection(s):
             params = s.request.sampling_params
-            kept = rejection.verify(logits[row:row + n], rid, params, guesses)
+            kept = rejection.verify(masked[row:row + n], rid, params, guesses)
             lps = _logprobs(logits[row:row + len(kept)], kept, params.logprobs)
         else:
             targets = tokens[drawn:drawn + n]

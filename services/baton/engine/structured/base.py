@@ -7,6 +7,9 @@
                    for every constrained row of the batch)
     after sampling matcher.accept(token) -> bool                     (engine thread)
                    matcher.is_terminated                             (the output is complete)
+    speculation    matcher.valid_prefix(guesses) -> int              (engine thread: guesses
+                   matcher.fork(guesses) -> GrammarMatcher            checked, then masked at
+                                                                      each of their positions)
 
 A bitmask row holds one bit per vocabulary id: bit `t % 32` of int32 word `t // 32` is set
 when token `t` may come next. EOS is allowed exactly where the grammar may end.
@@ -36,6 +39,15 @@ class GrammarMatcher(ABC):
     def accept(self, token_id: int) -> bool:
         """Advance over one token. False when the grammar rejects it: the matcher is then
         dead (`error` says why) and its request must end."""
+
+    @abstractmethod
+    def valid_prefix(self, tokens: Sequence[int]) -> int:
+        """How many of `tokens`, in order, the grammar accepts from here; nothing moves."""
+
+    @abstractmethod
+    def fork(self, tokens: Sequence[int]) -> GrammarMatcher:
+        """A copy advanced over `tokens` (a prefix `valid_prefix` accepts whole); this
+        matcher does not move. Raises ValueError when the grammar rejects one of them."""
 
     @property
     @abstractmethod

@@ -92,6 +92,15 @@ class LLGuidanceMatcher(GrammarMatcher):
     def accept(self, token_id: int) -> bool:
         return self.inner.consume_token(token_id)
 
+    def valid_prefix(self, tokens: Sequence[int]) -> int:
+        return self.inner.validate_tokens(list(tokens))
+
+    def fork(self, tokens: Sequence[int]) -> LLGuidanceMatcher:
+        inner = self.inner.deep_copy()
+        if not inner.consume_tokens(list(tokens)):
+            raise ValueError(f"the grammar rejects {list(tokens)}: {inner.get_error()}")
+        return LLGuidanceMatcher(cast(LLGuidanceBackend, self.backend), inner)
+
     @property
     def is_terminated(self) -> bool:
         return self.inner.is_stopped()

@@ -1,8 +1,8 @@
 """Speculative decoding (`engine.spec`, n-gram prompt lookup) on the bundled model: with and
 without it, greedy tokens, their logprobs, texts and finish reasons are identical — in one
 batch with chat prompts, through stop ids, stop strings and max_tokens inside an accepted
-run, preemption by recompute, prefix-cache hits and structured (unspeculated) requests —
-and guesses are accepted; seeded sampled requests speculate and stay reproducible, and
+run, preemption by recompute, prefix-cache hits and structured outputs (guesses checked
+against the grammar) — and guesses are accepted; seeded sampled requests speculate and stay reproducible, and
 rejection sampling keeps every position's distribution the target's (a chi-squared test
 against plain sampling). Both engines run deterministic bf16, so the logprobs
 of a token verified in a chunk equal the ones a decode step gives, bit for bit."""
@@ -106,13 +106,58 @@ def test_seeded_sampled_requests_speculate_reproducibly(spec, prompts):
     _same(first, spec.generate(prompts[:2], seeded, use_tqdm=False))
 
 
-def test_structured_requests_are_served_unchanged(plain, spec, prompts):
-    schema = {"type": "object", "properties": {"name": {"type": "string"}},
-              "required": ["name"]}
-    guided = _greedy(structured=StructuredOutput("json_schema", json.dumps(schema)),
-                     max_tokens=40)
-    _same(plain.generate(prompts[0], guided, use_tqdm=False),
-          spec.generate(prompts[0], guided, use_tqdm=False))
+RECORD = {"type": "object", "additionalProperties": False,
+          "required": ["name", "city", "zip"],
+          "properties": {"name": {"type": "string"}, "city": {"type": "string"},
+                         "zip": {"type": "string", "pattern": "^[0-9]{5}$"}}}
+
+
+def _copy_prompt(plain) -> dict:
+    tok = plain.get_tokenizer()
+    ask = ('Copy this customer record exactly, as JSON: {"name": "Ada Lovelace", '
+           '"city": "London", "zip": "10001"}. Then copy it again.')
+    text = tok.apply_chat_template([{"role": "user", "content": ask}],
+                                   add_generation_prompt=True, tokenize=False)
+    return {"prompt_token_ids": tok.encode(text, add_special_tokens=False)}
+
+
+def test_structured_requests_guess_under_their_grammar(plain, spec, prompts):
+    """Guesses of a constrained request are cut where its grammar rejects them and each
+    verification row is masked as the grammar stands after the guesses before it: the
+    output is the plain one, token for token (the grammar completing inside an accepted
+    run ends it there, "stop"), and the requests did guess."""
+    structured = [StructuredOutput("json_schema", json.dumps(RECORD)),
+                  StructuredOutput("json_object"),
+                  StructuredOutput("regex", r"[A-Z][a-z]+ [A-Z][a-z]+, [A-Za-z ]{1,40}\.")]
+    counters = spec.engine.speculator.counters
+    for so in structured:
+        for prompt in (_copy_prompt(plain), prompts[0]):
+            before = counters.verified_requests
+            ref = plain.generate(prompt, _greedy(structured=so, max_tokens=60), use_tqdm=False)
+            got = spec.generate(prompt, _greedy(structured=so, max_tokens=60), use_tqdm=False)
+            _same(ref, got)
+            if prompt is not prompts[0]:
+                assert counters.verified_requests > before, so  # it guessed
+    done = spec.generate(_copy_prompt(plain), _greedy(
+        structured=structured[0], max_tokens=60), use_tqdm=False)[0].outputs[0]
+    assert done.finish_reason == "stop" and json.loads(done.text)["zip"] == "10001"
+
+
+def test_sampled_structured_requests_guess_and_keep_to_the_schema(spec, plain):
+    """Rejection sampling over masked rows: every seeded sampled output is a document of
+    the schema, and the same seed gives the same document."""
+    import jsonschema
+
+    params = [SamplingParams(temperature=0.7, seed=s, max_tokens=80, structured=StructuredOutput(
+        "json_schema", json.dumps(RECORD))) for s in range(6)]
+    counters = spec.engine.speculator.counters
+    before = counters.accepted_tokens
+    first = spec.generate([_copy_prompt(plain)] * 6, params, use_tqdm=False)
+    assert counters.accepted_tokens > before
+    for out in first:
+        if out.outputs[0].finish_reason == "stop":
+            jsonschema.validate(json.loads(out.outputs[0].text), RECORD)
+    _same(first, spec.generate([_copy_prompt(plain)] * 6, params, use_tqdm=False))
 
 
 def test_live_tuning_turns_it_off_and_on(spec, prompts):
