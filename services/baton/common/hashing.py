@@ -27,3 +27,12 @@ def hash_token_blocks(token_ids: Sequence[int], block_size: int,
         parent_hash = hash_block(parent_hash, token_ids[start:start + block_size])
         hashes.append(parent_hash)
     return hashes
+
+
+def lora_root_hash(adapter_digest: str) -> int:
+    """The root a LoRA adapter's requests chain their block hashes from (the base model's
+    is ROOT_HASH): the adapter's content digest hashed, so blocks never cross adapters, two
+    names for the same files share them, and an adapter reloaded with other weights under
+    its old name never hits its old blocks."""
+    payload = b"lora:" + adapter_digest.encode()
+    return int.from_bytes(hashlib.blake2b(payload, digest_size=8).digest(), "little")

@@ -14,6 +14,7 @@ from functools import reduce
 from typing import Any
 
 from baton.common.auth import MIN_TOKEN_CHARS
+from baton.engine.lora.config import LoRAConfig
 from baton.engine.spec.config import SpeculativeConfig
 from baton.kv_transfer import TRANSPORTS
 
@@ -295,6 +296,9 @@ ARGS: dict[str, tuple[str, ...]] = {
     "kv_lease_ttl_s": ("kv_transfer", "live", "lease_ttl_s"),
     "kv_transfer_timeout_s": ("kv_transfer", "live", "transfer_timeout_s"),
     "kv_failure_policy": ("kv_transfer", "live", "failure_policy"),
+    "enable_lora": ("lora", "enable"),
+    **{name: ("lora", name.removeprefix("lora_")) for name in (
+        "lora_modules", "max_loras", "max_lora_rank", "max_cpu_loras")},
 }
 # The flat arguments live tuning may change on a running engine
 LIVE_ARGS = ("max_num_seqs", "max_num_batched_tokens", "kv_lease_ttl_s",
@@ -311,6 +315,7 @@ class EngineConfig:
     scheduler: SchedulerConfig = SchedulerConfig()
     parallel: ParallelConfig = ParallelConfig()
     kv_transfer: KVTransferConfig = KVTransferConfig()
+    lora: LoRAConfig = LoRAConfig()  # `engine.lora`
 
     def __post_init__(self) -> None:
         transport = self.kv_transfer.transport
@@ -322,6 +327,8 @@ class EngineConfig:
                "tensor_parallel_size", self.parallel.tensor_parallel_size,
                "must be 1 with deterministic=True: the all-reduce of more ranks sums in an "
                "order that depends on the batch's size")
+        self.lora.check_with(self.parallel.tensor_parallel_size, self.compute.deterministic,
+                             self.scheduler.speculative.method)
 
     @classmethod
     def from_args(cls, **args: Any) -> EngineConfig:
@@ -341,7 +348,8 @@ class EngineConfig:
                    CacheConfig(**groups.get("cache", {})),
                    SchedulerConfig(**groups.get("scheduler", {})),
                    ParallelConfig(**groups.get("parallel", {})),
-                   KVTransferConfig(live=LiveKVSettings(**live), **groups.get("kv_transfer", {})))
+                   KVTransferConfig(live=LiveKVSettings(**live), **groups.get("kv_transfer", {})),
+                   LoRAConfig(**groups.get("lora", {})))
 
     def args(self) -> dict[str, Any]:
         """The flat arguments that rebuild this config (`from_args(**c.args()) == c`)."""
@@ -353,6 +361,8 @@ class EngineConfig:
         value = reduce(getattr, ARGS[name], self)
         if isinstance(value, SpeculativeConfig):
             return value.to_json()
+        if name == "lora_modules":  # as the CLI takes them (and JSON keeps them)
+            return [f"{n}={p}" for n, p in value]
         return value.value if isinstance(value, StrEnum) else value
 
     def with_args(self, **args: Any) -> EngineConfig:

@@ -19,3 +19,8 @@ class ContextLengthError(InvalidRequestError):
     """Prompt + output tokens do not fit the context window (`context_window.check_context`)."""
 
     code = "context_length_exceeded"
+
+
+class EngineStepError(RuntimeError):
+    """Steps kept failing with nobody's request to blame: the engine itself is broken (a
+    device fault, a bug). Raised out of `EngineCore.step`; the loop that runs it dies."""

@@ -15,6 +15,8 @@ from typing import cast
 from baton.common.sampling_params import SamplingParams, child_params
 from baton.engine.config import EngineConfig
 from baton.engine.core import EngineCore
+from baton.engine.lora.registry import AdapterRegistry
+from baton.engine.lora.requests import lora_registry
 from baton.engine.outputs import CompletionOutput, EngineOutput, RequestOutput
 from baton.engine.tokenizer import apply_chat_template, require_tokenizer
 
@@ -32,11 +34,14 @@ class LLM:
 
     def generate(self, prompts: PromptType | Sequence[PromptType],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = True, priority: Sequence[int] | None = None
+                 use_tqdm: bool = True, priority: Sequence[int] | None = None,
+                 lora_request: str | Sequence[str | None] | None = None
                  ) -> list[RequestOutput]:
         """Generate for every prompt (a string, a list of token ids, or a dict with
         `prompt` / `prompt_token_ids`); outputs come back in prompt order. All prompts are
-        validated before any is queued, so a bad one raises ValueError and runs nothing."""
+        validated before any is queued, so a bad one raises ValueError and runs nothing.
+        `lora_request`: the LoRA adapter (its name) every prompt runs with, or one per
+        prompt (None: the base model)."""
         single = isinstance(prompts, (str, dict)) or (prompts and isinstance(prompts[0], int))
         # one prompt (a string, a dict, or token ids) is a batch of one
         batch = cast("Sequence[PromptType]", [prompts] if single else prompts)
@@ -44,7 +49,19 @@ class LLM:
         prio = list(priority) if priority is not None else [0] * len(batch)
         if len(prio) != len(batch):
             raise ValueError(f"priority has {len(prio)} entries for {len(batch)} prompts")
-        return self._run([self._tokenize(p) for p in batch], params, prio, use_tqdm)
+        loras: list[str | None] = (
+            [lora_request] * len(batch) if lora_request is None or isinstance(lora_request, str)
+            else list(lora_request))
+        if len(loras) != len(batch):
+            raise ValueError(f"lora_request has {len(loras)} entries for {len(batch)} prompts")
+        adapters = [None if name is None else self.lora_registry.get(name) for name in loras]
+        return self._run([self._tokenize(p) for p in batch], params, prio, use_tqdm, adapters)
+
+    @property
+    def lora_registry(self) -> AdapterRegistry:
+        """The adapters this engine serves (`add` / `remove` load and unload them);
+        ValueError when it was not started with enable_lora / lora_modules."""
+        return lora_registry(self.engine.runner.lora)
 
     def chat(self, messages: list[dict] | list[list[dict]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -68,11 +85,11 @@ class LLM:
             return self._tokenize(prompt["prompt"])
         return None, list(prompt)
 
-    def _run(self, prompts, params, prio, use_tqdm) -> list[RequestOutput]:
+    def _run(self, prompts, params, prio, use_tqdm, adapters) -> list[RequestOutput]:
         engine = self.engine
         results: list[RequestOutput] = []
         pending = []
-        for (text, ids), p, pr in zip(prompts, params, prio):
+        for (text, ids), p, pr, lora in zip(prompts, params, prio, adapters):
             out = RequestOutput(str(self._counter), text, ids,
                                 [CompletionOutput(i) for i in range(p.n)])
             self._counter += 1
@@ -80,7 +97,8 @@ class LLM:
             for i, child in enumerate(child_params(p)):
                 if i:  # one sample's prompt logprobs serve them all; the rest hit the cache
                     child = replace(child, prompt_logprobs=None)
-                pending.append(engine.make_request(f"{out.request_id}-{i}", ids, child, pr))
+                pending.append(engine.make_request(f"{out.request_id}-{i}", ids, child, pr,
+                                                   lora=lora))
         for req in pending:
             engine.add(req)
         by_id = {f"{r.request_id}-{i}": (r, c) for r in results for i, c in enumerate(r.outputs)}

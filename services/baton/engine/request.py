@@ -5,11 +5,16 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
+from baton.common.hashing import ROOT_HASH
 from baton.common.internal import KVTransferParams
 from baton.common.sampling_params import SamplingParams
 from baton.engine.kv_connector.handoff import KVHandoff
 from baton.engine.structured.base import GrammarMatcher
+
+if TYPE_CHECKING:
+    from baton.engine.lora.adapter import LoRAAdapter
 
 
 class RequestStatus(enum.IntEnum):
@@ -84,6 +89,8 @@ class Request:
     # Speculative decoding (`engine.spec`): the guesses to verify in the coming step, set
     # before each schedule; never part of the tokens until the target model accepts them.
     spec_token_ids: list[int] = field(default_factory=list)
+    # The LoRA adapter it runs with (`engine.lora`: its host copy), None: the base model.
+    lora: LoRAAdapter | None = None
 
     def __post_init__(self) -> None:
         if self.sampling_params.prompt_logprobs is not None:
@@ -118,6 +125,11 @@ class Request:
         """Its prompt must be computed whole: prompt logprobs come from the prompt's own
         logits, which a prefix-cache hit never produces (vLLM skips the cache likewise)."""
         return self.sampling_params.prompt_logprobs is not None
+
+    @property
+    def hash_root(self) -> int:
+        """Where its KV block hashes chain from: an adapter's KV never serves another's."""
+        return ROOT_HASH if self.lora is None else self.lora.root_hash
 
     @property
     def num_prompt_tokens(self) -> int:

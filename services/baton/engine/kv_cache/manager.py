@@ -20,7 +20,7 @@ layer group (vLLM's hybrid KV manager).
 
 from __future__ import annotations
 
-from baton.common.hashing import ROOT_HASH, hash_block
+from baton.common.hashing import hash_block
 from baton.engine.kv_cache.block_pool import BlockPool, KVBlock
 from baton.engine.request import Request
 
@@ -163,7 +163,7 @@ class KVCacheManager:
         bs = self.block_size
         while (len(hashes) + 1) * bs <= num_tokens:
             start = len(hashes) * bs
-            parent = hashes[-1] if hashes else ROOT_HASH
+            parent = hashes[-1] if hashes else request.hash_root
             hashes.append(hash_block(parent, request.token_ids(start, start + bs)))
 
     def _cache_full_blocks(self, request: Request, blocks: list[KVBlock | None],

@@ -90,6 +90,9 @@ def column_linear(in_features: int, parts: Sequence[tuple[object, int, int]], bi
         layout[shard] = (offset, first * unit, count * unit)
         offset += count * unit
     linear = nn.Linear(in_features, offset, bias=bias)
+    # each shard's (first row, rows) of the output, read by engine.lora
+    shard_rows = {s: (dst, rows) for s, (dst, _, rows) in layout.items()}
+    linear.shard_rows = shard_rows  # type: ignore[assignment]  # a dynamic attribute
 
     def loader(param: nn.Parameter, loaded: torch.Tensor, shard: object = None) -> None:
         dst, src, rows = layout[shard]

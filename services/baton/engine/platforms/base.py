@@ -49,9 +49,11 @@ class Platform:
         """For the start-up log line."""
         return f"platform {self.name}, fast decode {'on' if self.fast_decode else 'off'}"
 
-    def forward(self, runner: ModelRunner, batch: FlatBatch) -> torch.Tensor:
-        """The last hidden states (T, h) of every row of the batch."""
-        if self.fast_decode is not None and self.fast_decode.can_run(batch):
+    def forward(self, runner: ModelRunner, batch: FlatBatch, fast: bool = True) -> torch.Tensor:
+        """The last hidden states (T, h) of every row of the batch; `fast=False` runs the
+        model's own modules even where the fast path could (it computes the base model's
+        linears only: a step with LoRA adapter rows)."""
+        if fast and self.fast_decode is not None and self.fast_decode.can_run(batch):
             return self.fast_decode.run(batch)
         ctx = ForwardContext(runner.backend, runner.backend.build_metadata(batch.layout),
                              runner.kv_caches)

@@ -44,6 +44,11 @@ class FlatBatch:
     # predict, span after span
     prompt_targets: torch.Tensor | None = None
 
+    @property
+    def seq_requests(self) -> list[Request]:
+        """The request of each sequence of `layout`, in its order (`engine.lora` reads it)."""
+        return [s.request for s, _, _ in _pieces(self.entries)]
+
 
 def build_batch(scheduled: list[ScheduledRequest], block_ids_of: Callable[[str], list[int]],
                 block_size: int, device: torch.device, staging: HostStaging | None = None

@@ -15,7 +15,7 @@ from baton.engine.config import EngineConfig
 from baton.engine.distributed import TPGroup
 from baton.engine.logprobs import TokenLogprobs, prompt_logprob_table, read_prompt_logprobs
 from baton.engine.lora.manager import LoRAManager
-from baton.engine.lora.targets import lora_targets as _lora_targets
+from baton.engine.lora.targets import LoRATarget, lora_targets
 from baton.engine.models.layers import local_heads
 from baton.engine.models.loader import default_cache_dir, load_model
 from baton.engine.platforms import make_platform
@@ -124,17 +124,7 @@ class ModelRunner:
         self.platform = make_platform(self.device, cache_dir,
                                       cuda_graphs=not config.compute.enforce_eager,
                                       deterministic=config.compute.deterministic)
-        with building_in(self.tp):  # this rank's slice of every weight
-            self.model, self.model_config = load_model(model_dir, self.dtype, self.device,
-                                                       max_model_len, config.checkpoint.load_format)
-        # the adaptable linears' layout, read before the platform swaps them (`engine.lora`)
-        lora_targets = _lora_targets(self.model) if config.lora.enabled else None
-        if config.checkpoint.quantization == "auto":
-            from baton.engine.platforms.cpu_quant import keep_quantized
-
-            keep_quantized(self.model, config.checkpoint.model, self.device, self.dtype,
-                           self.tp.size, cache_dir)
-        self.platform.prepare(self.model)  # e.g. packed weights and fused kernels on CPU
+        lora_targets = self._load_model(model_dir, max_model_len, cache_dir)
         self.kv_scales = apply_kv_scales(self.model, self.kv_dtype)  # (k, v) by layer
         self.block_size = config.cache.block_size
         cfg = self.model_config
@@ -165,6 +155,24 @@ class ModelRunner:
                  self.backend.name, self.platform.describe())
         if self.tp_leader is not None:
             self.tp_leader.wait_ready(self.num_blocks)
+
+    def _load_model(self, model_dir: Path, max_model_len: int, cache_dir: Path
+                    ) -> dict[str, LoRATarget] | None:
+        """Load this rank's weights, keep a GGUF's linears quantized (`--quantization
+        auto`) and prepare the model for the platform; returns, when LoRA is on, the
+        adaptable linears' layout, read before the platform swaps them (`engine.lora`)."""
+        config = self.config
+        with building_in(self.tp):  # this rank's slice of every weight
+            self.model, self.model_config = load_model(model_dir, self.dtype, self.device,
+                                                       max_model_len, config.checkpoint.load_format)
+        targets = lora_targets(self.model) if config.lora.enabled else None
+        if config.checkpoint.quantization == "auto":
+            from baton.engine.platforms.cpu_quant import keep_quantized
+
+            keep_quantized(self.model, config.checkpoint.model, self.device, self.dtype,
+                           self.tp.size, cache_dir)
+        self.platform.prepare(self.model)  # e.g. packed weights and fused kernels on CPU
+        return targets
 
     def make_decode_graphs(self, use_graphs: bool) -> DecodeGraphs:
         """Static-buffer decode replays for batch sizes up to max_num_seqs (not captured

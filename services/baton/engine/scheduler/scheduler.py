@@ -27,6 +27,7 @@ class SchedulerLimits:
     max_num_seqs: int
     max_model_len: int
     policy: str = "fcfs"
+    max_loras: int | None = None  # distinct LoRA adapters a step may hold (None: no LoRA)
 
 
 class Scheduler:
@@ -174,6 +175,8 @@ class Scheduler:
         while (self.waiting and budget > 0
                and len(self.running) + self._num_loading < self.limits.max_num_seqs):
             req = self.waiting.peek()
+            if not self._fits_loras(req):
+                return
             computed, num_cached = self.kv.get_computed_blocks(req)
             if self.connector is not None and self.connector.num_remote_tokens(req, num_cached):
                 if not self._admit_remote(req, computed, num_cached):
@@ -192,6 +195,14 @@ class Scheduler:
             self._admit(req, num_cached)
             out.scheduled.append(ScheduledRequest(req, num_new))
             budget -= num_new
+
+    def _fits_loras(self, req: Request) -> bool:
+        """A step holds at most `max_loras` distinct adapters (`engine.lora`'s resident
+        slots): a request of another adapter waits until a running one ends."""
+        if req.lora is None or self.limits.max_loras is None:
+            return True
+        running = {r.lora.load_id for r in self.running if r.lora is not None}
+        return req.lora.load_id in running or len(running) < self.limits.max_loras
 
     @property
     def _num_loading(self) -> int:

@@ -1,0 +1,89 @@
+"""`LoRAManager`: the model runner's one handle on LoRA. At start it wraps every adaptable
+linear of the prepared model in a `LoRALinear` and loads `--lora-modules`; before each
+forward it makes the step's adapters resident and sets the rows -> slots mask, and says
+whether the step has adapter rows (then the runner takes the layer-by-layer path: fast
+decode paths — the CPU's one-call step, CUDA graphs — compute the base model only).
+
+Call `begin_step` / `end_step` from the engine thread; `registry` from any thread.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import TYPE_CHECKING
+
+import torch
+
+from baton.engine.lora.adapter import LoRAAdapter, build_adapter
+from baton.engine.lora.config import LoRAConfig
+from baton.engine.lora.layer import LoRALinear, LoRAStepState
+from baton.engine.lora.peft_files import read_peft_adapter
+from baton.engine.lora.registry import AdapterRegistry
+from baton.engine.lora.slots import LoRASlots
+from baton.engine.lora.stats import LoRACounters
+from baton.engine.lora.targets import LoRATarget
+from baton.engine.models.base import CausalLM
+
+if TYPE_CHECKING:
+    from baton.engine.runner.batch import FlatBatch
+
+
+class LoRAManager:
+    def __init__(self, model: CausalLM, targets: dict[str, LoRATarget], config: LoRAConfig,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        """`targets`: `lora_targets` of the model as loaded; `model`: prepared (its
+        linears as the platform runs them), wrapped here in place."""
+        self.config, self.dtype, self.device = config, dtype, device
+        self.counters = LoRACounters()
+        self.state = LoRAStepState()
+        layers = {name: _wrap(model, name, spec, config, dtype, device, self.state)
+                  for name, spec in targets.items()}
+        self.slots = LoRASlots(layers, config.max_loras, self.counters)
+        build = partial(_load_adapter, model=model, targets=targets, config=config,
+                        dtype=dtype)
+        self.registry = AdapterRegistry(build, config.host_capacity, self.counters)
+        for name, path in config.modules:
+            self.registry.add(name, path)
+
+    def begin_step(self, batch: FlatBatch) -> bool:
+        """Make the step's adapters resident and set the mask; False (mask None) when no
+        row of `batch` uses an adapter."""
+        loras = [req.lora for req in batch.seq_requests]
+        distinct = list({a.load_id: a for a in loras if a is not None}.values())
+        if not distinct:
+            self.state.mask = None
+            return False
+        slot_of = self.slots.activate(distinct)
+        seq_slots = [-1 if a is None else slot_of[a.load_id] for a in loras]
+        qsl = batch.layout.query_start_loc
+        counts = [qsl[i + 1] - qsl[i] for i in range(len(seq_slots))]
+        row_slots = torch.repeat_interleave(torch.tensor(seq_slots), torch.tensor(counts))  # (T,)
+        used = torch.arange(max(seq_slots) + 1)  # (n,)
+        mask = (row_slots.unsqueeze(1) == used).to(self.dtype).unsqueeze(-1)  # (T, n, 1)
+        self.state.mask = mask.to(self.device, non_blocking=True)
+        return True
+
+    def end_step(self) -> None:
+        self.state.mask = None
+
+
+def _wrap(model: CausalLM, name: str, spec: LoRATarget, config: LoRAConfig,
+          dtype: torch.dtype, device: torch.device, state: LoRAStepState) -> LoRALinear:
+    """Replace linear `name` of `model` by a LoRALinear over it, with empty slots."""
+    parent_name, _, leaf = name.rpartition(".")
+    parent = model.get_submodule(parent_name)
+    rank = spec.num_parts * config.max_lora_rank
+    layer = LoRALinear(getattr(parent, leaf),
+                       torch.zeros(config.max_loras, rank, spec.in_features, dtype=dtype,
+                                   device=device),
+                       torch.zeros(config.max_loras, rank, spec.out_features, dtype=dtype,
+                                   device=device), state)
+    setattr(parent, leaf, layer)
+    return layer
+
+
+def _load_adapter(name: str, path: str, load_id: int, *, model: CausalLM,
+                  targets: dict[str, LoRATarget], config: LoRAConfig,
+                  dtype: torch.dtype) -> LoRAAdapter:
+    peft = read_peft_adapter(name, path, config.max_lora_rank)
+    return build_adapter(name, path, load_id, peft, model, targets, config.max_lora_rank, dtype)
