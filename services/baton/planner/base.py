@@ -11,6 +11,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 
+from baton.planner.speculation import Speculation
+
 
 class MetricsError(RuntimeError):
     """The metrics page could not be read or holds no request counter."""
@@ -33,6 +35,9 @@ class WorkloadEstimate:
     prompt_mean: float | None = None  # prompt tokens computed per served request
     output_mean: float | None = None  # output tokens generated per served request
     source: str = "router"  # "router": baton:router_requests_total; "worker": baton:requests_total
+    # what speculative decoding did on the decode pods over the window (None: the page has
+    # no spec_decode counters, or no decode step ran)
+    speculation: Speculation | None = None
 
 
 class MetricsSource(ABC):

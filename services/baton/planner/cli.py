@@ -107,6 +107,12 @@ def _workload_args(p: argparse.ArgumentParser) -> None:
                    help="seconds of KV hand-off per request, added to TTFT")
     g.add_argument("--max-num-seqs", type=int, default=None,
                    help="decode pods' largest batch (default: the profile's)")
+    g.add_argument("--spec-tokens-per-step", type=float, default=1.0,
+                   help="speculative decoding: tokens a decoding sequence gains per step "
+                        "(1 + accepted guesses; `baton planner` learns it from the pods)")
+    g.add_argument("--spec-rows-per-step", type=float, default=1.0,
+                   help="speculative decoding: rows a decoding sequence costs a step "
+                        "(1 + its guesses)")
 
 
 def _plan_parser(sub) -> None:
@@ -132,10 +138,13 @@ def _workload(args, rate: float):
 
 def _plan_settings(args, max_replicas: int):
     from baton.planner.plan import SLO, PlanSettings
+    from baton.planner.speculation import Speculation
 
     return PlanSettings(SLO(args.ttft_slo, args.itl_slo, args.percentile),
                         max_replicas=max_replicas, transfer_s=args.transfer_overhead,
-                        max_num_seqs=args.max_num_seqs)
+                        max_num_seqs=args.max_num_seqs,
+                        speculation=Speculation(args.spec_tokens_per_step,
+                                                args.spec_rows_per_step))
 
 
 def _plan(args) -> int:

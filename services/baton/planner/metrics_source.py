@@ -39,11 +39,14 @@ from dataclasses import dataclass
 from typing import cast
 
 from baton.planner.base import MetricsError, MetricsSource, WorkloadEstimate
+from baton.planner.speculation import Speculation
 
 ROUTER_REQUESTS = "baton:router_requests_total"
 WORKER_REQUESTS = "baton:requests_total"
 PROMPT_TOKENS = "baton:prompt_tokens_total"
 GENERATION_TOKENS = "baton:generation_tokens_total"
+SPEC_ACCEPTED = "baton:spec_decode_accepted_tokens_total"
+SPEC_PROPOSED = "baton:spec_decode_proposed_tokens_total"
 
 Resolver = Callable[[str, int], list[str]]  # (host, port) -> addresses
 
@@ -57,6 +60,8 @@ class Counters:
     prompt_tokens: float | None  # None: the page has no such series
     generation_tokens: float | None
     source: str  # "router" or "worker"
+    spec_accepted: float | None = None  # None: no speculative decoding series
+    spec_proposed: float | None = None
 
 
 def parse_counters(text: str) -> Counters:
@@ -69,7 +74,7 @@ def parse_counters(text: str) -> Counters:
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name in (ROUTER_REQUESTS, WORKER_REQUESTS, PROMPT_TOKENS,
-                               GENERATION_TOKENS):
+                               GENERATION_TOKENS, SPEC_ACCEPTED, SPEC_PROPOSED):
                 sums[sample.name] = sums.get(sample.name, 0.0) + sample.value
                 if sample.name == ROUTER_REQUESTS and sample.labels.get("code", "")[:1] == "2":
                     served_router += sample.value
@@ -82,7 +87,7 @@ def parse_counters(text: str) -> Counters:
         raise MetricsError(f"the page has neither {ROUTER_REQUESTS} nor {WORKER_REQUESTS}: "
                            "is the URL the router's (or a worker's) /metrics?")
     return Counters(requests, served, sums.get(PROMPT_TOKENS), sums.get(GENERATION_TOKENS),
-                    source)
+                    source, sums.get(SPEC_ACCEPTED), sums.get(SPEC_PROPOSED))
 
 
 @dataclass(frozen=True)
@@ -95,6 +100,8 @@ class Delta:
     generation_tokens: float | None
     window_s: float
     source: str
+    spec_accepted: float | None = None
+    spec_proposed: float | None = None
 
 
 def delta(before: Counters, after: Counters, window_s: float) -> Delta:
@@ -107,7 +114,8 @@ def delta(before: Counters, after: Counters, window_s: float) -> Delta:
     return Delta(_delta(before.requests, after.requests), _delta(before.served, after.served),
                  tokens(before.prompt_tokens, after.prompt_tokens),
                  tokens(before.generation_tokens, after.generation_tokens), window_s,
-                 after.source)
+                 after.source, tokens(before.spec_accepted, after.spec_accepted),
+                 tokens(before.spec_proposed, after.spec_proposed))
 
 
 def combine(deltas: list[Delta]) -> WorkloadEstimate:
@@ -129,7 +137,22 @@ def combine(deltas: list[Delta]) -> WorkloadEstimate:
                             window_s=max(d.window_s for d in deltas),
                             prompt_mean=mean([d.prompt_tokens for d in deltas]),
                             output_mean=mean([d.generation_tokens for d in deltas]),
-                            source=deltas[0].source)
+                            source=deltas[0].source, speculation=_speculation(deltas))
+
+
+def _speculation(deltas: list[Delta]) -> Speculation | None:
+    """What speculation did over the window, from the pages that have its counters: decode
+    tokens are the generated ones less each served request's first (its prefill's)."""
+    decode = accepted = proposed = 0.0
+    seen = False
+    for d in deltas:
+        if d.spec_accepted is None or d.spec_proposed is None or d.generation_tokens is None:
+            continue
+        seen = True
+        decode += d.generation_tokens - d.served
+        accepted += d.spec_accepted
+        proposed += d.spec_proposed
+    return Speculation.from_counters(decode, accepted, proposed) if seen else None
 
 
 def estimate(before: Counters, after: Counters, window_s: float) -> WorkloadEstimate:

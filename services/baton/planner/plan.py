@@ -31,6 +31,7 @@ from baton.planner.simulate import (
     simulate,
     simulate_prefill,
 )
+from baton.planner.speculation import NO_SPECULATION, Speculation
 
 
 @dataclass(frozen=True)
@@ -60,6 +61,9 @@ class PlanSettings:
     max_decode: int | None = None  # None: max_replicas - 1
     transfer_s: float = 0.005  # KV hand-off per request, added to TTFT
     max_num_seqs: int | None = None  # decode pods' largest batch; None: the profile's
+    # speculative decoding on the decode pods: given, or learnt from their counters by
+    # the live planner (planner.speculation)
+    speculation: Speculation = NO_SPECULATION
 
     def __post_init__(self) -> None:
         if self.max_replicas < 2:
@@ -134,7 +138,8 @@ class _Search:
         self.trace = trace if trace is not None else draw_trace(
             workload, profile.limits.max_model_len)
         self.sim = SimSettings.for_profile(profile, settings.transfer_s,
-                                           settings.slo.percentile, settings.max_num_seqs)
+                                           settings.slo.percentile, settings.max_num_seqs,
+                                           settings.speculation)
         self.rows: list[PlanRow] = []
         self._joint: dict[tuple[int, int], JointResult] = {}
 
@@ -165,11 +170,15 @@ class _Search:
 
     # -- step 2 ----------------------------------------------------------------------------
     def decode_pool(self, p: int) -> int:
-        slo = self.slo
-        floor = self.profile.decode.seconds(1, int(self.trace.prompt.min()) + 1)
+        slo, cost, spec = self.slo, self.profile.decode, self.sim.speculation
+        # a token's ITL at batch 1: one step (its guesses are rows) over the tokens it gives
+        floor = (cost.batch_seconds(spec.rows_per_step)
+                 + cost.e * (int(self.trace.prompt.min()) + 1)) / spec.tokens_per_step
         if floor > slo.itl_s:
+            per = " per token (with its speculation)" if spec.is_on else ""
             raise self.fail(f"ITL {slo.label} <= {slo.itl_s:g} s cannot be met: a decode step "
-                            f"takes at least {floor:.4f} s on this profile, even at batch 1")
+                            f"takes at least {floor:.4f} s{per} on this profile, even at "
+                            "batch 1")
         best: JointResult | None = None
         for d in range(1, min(self.settings.decode_cap, self.settings.max_replicas - p) + 1):
             r = self.joint(p, d)

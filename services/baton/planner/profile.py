@@ -107,8 +107,9 @@ class DecodeCost:
     def seconds(self, batch: int, ctx_tokens_total: int) -> float:
         return self.batch_seconds(batch) + self.e * ctx_tokens_total
 
-    def batch_seconds(self, batch: int) -> float:
-        """g(batch): the step's cost over no context."""
+    def batch_seconds(self, batch: float) -> float:
+        """g(batch): the step's cost over no context (`batch` in rows: with speculation a
+        sequence's guesses are rows too, so it need not be whole)."""
         if not self.knots:
             return self.c + self.d * batch
         k = bisect.bisect_left(self.knots, (batch, -math.inf))

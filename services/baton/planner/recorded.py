@@ -18,6 +18,7 @@ import numpy as np
 
 from baton.planner.profile import Profile
 from baton.planner.simulate import JointResult, SimSettings, Trace, simulate
+from baton.planner.speculation import Speculation
 
 RECORD_VERSION = 1
 
@@ -71,8 +72,10 @@ class RecordedRun:
         measured = Measured(**raw["measured"])
         if not all(math.isfinite(v) and v > 0 for v in asdict(measured).values()):
             raise ValueError(f"recorded run: measured={asdict(measured)} must be > 0 seconds")
+        settings = dict(raw["settings"])  # runs recorded before speculation have none
+        settings["speculation"] = Speculation(**settings.get("speculation", {}))
         return cls(raw["name"], Profile.from_dict(raw["profile"], "recorded run profile"),
-                   SimSettings(**raw["settings"]), int(raw["prefill"]), int(raw["decode"]),
+                   SimSettings(**settings), int(raw["prefill"]), int(raw["decode"]),
                    trace, measured, raw.get("notes", ""))
 
     def save(self, path: str | Path) -> None:

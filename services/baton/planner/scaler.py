@@ -178,8 +178,10 @@ def profile_plan_fn(profile: Profile, defaults: Workload, settings: PlanSettings
         workload = replace(defaults, rate=est.rate,
                            prompt=_with_mean(defaults.prompt, est.prompt_mean),
                            output=_with_mean(defaults.output, est.output_mean))
+        learnt = settings if est.speculation is None else replace(
+            settings, speculation=est.speculation)  # the pods' own accepted lengths
         try:
-            result = plan(profile, workload, settings)
+            result = plan(profile, workload, learnt)
         except PlanError as err:
             log.warning("no replica count within the bounds meets the SLO, asking for the "
                         "maximum: %s", err)

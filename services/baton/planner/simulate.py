@@ -15,8 +15,10 @@ The model (documented choices, all conservative or neutral):
 - After prefill, the KV hand-off costs `transfer_s`, then the request waits for the decode
   pod with the fewest sequences (running + waiting). A decode pod runs continuous batching:
   each step takes `decode_step_s(batch, sum of contexts)` (piecewise linear in the batch,
-  see planner.profile), every running sequence gains one
-  token, sequences join at step boundaries (at most `max_num_seqs` run) and leave when done.
+  see planner.profile), every running sequence gains one token (with speculative decoding,
+  `planner.speculation`: a step of b sequences costs the rows b x rows_per_step and each
+  gains tokens_per_step), sequences join at step boundaries (at most `max_num_seqs` run) and
+  leave when done.
 - TTFT = prefill queue + prefill + transfer + decode queue (the breakdown of docs/design.md §2):
   the decode pod streams the prefill's first token when its engine takes the request in, at
   its next step boundary (it pulls the KV after that, off the TTFT path); `transfer_s` is the
@@ -40,6 +42,7 @@ from typing import Protocol, cast
 import numpy as np
 
 from baton.planner.profile import DecodeCost, PrefillCost, Profile
+from baton.planner.speculation import NO_SPECULATION, Speculation
 
 
 @dataclass(frozen=True)
@@ -108,6 +111,8 @@ class SimSettings:
     # run-queue accounting. Every step of that pool then takes cost / share.
     prefill_cpu_share: float = 1.0
     decode_cpu_share: float = 1.0
+    # speculative decoding on the decode pods (planner.speculation); off by default
+    speculation: Speculation = NO_SPECULATION
 
     def __post_init__(self) -> None:
         if self.chunk_tokens < 1 or self.max_num_seqs < 1:
@@ -122,9 +127,11 @@ class SimSettings:
 
     @classmethod
     def for_profile(cls, profile: Profile, transfer_s: float = 0.005,
-                    percentile: float = 90.0, max_num_seqs: int | None = None) -> SimSettings:
+                    percentile: float = 90.0, max_num_seqs: int | None = None,
+                    speculation: Speculation = NO_SPECULATION) -> SimSettings:
         return cls(profile.limits.max_num_batched_tokens,
-                   max_num_seqs or profile.limits.max_num_seqs, transfer_s, percentile)
+                   max_num_seqs or profile.limits.max_num_seqs, transfer_s, percentile,
+                   speculation=speculation)
 
 
 @dataclass(frozen=True)
@@ -165,7 +172,8 @@ def simulate(trace: Trace, prefill: int, decode: int, profile: Profile, s: SimSe
     admitted = ready.copy()  # requests with one output token never reach decode
     log = _StepLog()
     cost = _scaled(profile.decode, s.decode_cpu_share)
-    pods = [_DecodePod(cost, s.max_num_seqs, admitted, log) for _ in range(decode)]
+    pods = [_DecodePod(cost, s.max_num_seqs, admitted, log, s.speculation)
+            for _ in range(decode)]
     for i in np.argsort(ready, kind="stable"):
         if trace.output[i] < 2:
             continue
@@ -278,16 +286,21 @@ def weighted_percentile(values: np.ndarray, weights: np.ndarray, q: float) -> fl
 
 
 class _DecodePod:
-    """One decode pod's continuous batching, advanced by whole runs of identical batches."""
+    """One decode pod's continuous batching, advanced by whole runs of identical batches.
+    Every running sequence gains `spec.tokens_per_step` tokens a step (1 without
+    speculation): `progress` counts them, and a sequence leaves once the progress since it
+    joined covers its output."""
 
     def __init__(self, cost: DecodeCost, max_seqs: int, admitted: np.ndarray,
-                 log: _StepLog) -> None:
+                 log: _StepLog, spec: Speculation = NO_SPECULATION) -> None:
         self.cost, self.max_seqs, self.admitted, self.log = cost, max_seqs, admitted, log
+        self.spec = spec
         self.batch = 0  # running sequences
-        self.ctx = 0  # sum of their contexts
-        self.steps = 0  # steps run so far
+        self.ctx = 0.0  # sum of their contexts
+        self.progress = 0.0  # tokens each running sequence gained in the steps so far
         self.start: float | None = None  # start of the step in progress; None when idle
-        self.leaving: list[tuple[int, int]] = []  # heap of (last step, final context)
+        # heap of (progress it leaves at, progress when it joined, its prompt)
+        self.leaving: list[tuple[float, float, int]] = []
         self.waiting: deque[tuple[int, int, int]] = deque()  # (request, prompt, output)
 
     @property
@@ -318,11 +331,16 @@ class _DecodePod:
     def _steps_until_change(self) -> int:
         if self.waiting and self.batch < self.max_seqs:
             return 1  # someone joins at the next boundary
-        return self.leaving[0][0] - self.steps
+        left = (self.leaving[0][0] - self.progress) / self.spec.tokens_per_step
+        return max(1, math.ceil(left - EPS))
 
     def _coefficients(self) -> tuple[float, float]:
-        c = self.cost
-        return c.batch_seconds(self.batch) + c.e * self.ctx, c.e * self.batch
+        """(alpha, beta): the next step's seconds, and what each later one adds (the
+        contexts grow); verification rows are rows of the batch."""
+        c, spec = self.cost, self.spec
+        rows = self.batch * spec.rows_per_step
+        return (c.batch_seconds(rows) + c.e * self.ctx,
+                c.e * self.batch * spec.tokens_per_step)
 
     def _steps_ending_within(self, span: float, k: int) -> int:
         """The largest n <= k with n * alpha + beta * n (n - 1) / 2 <= span."""
@@ -343,27 +361,31 @@ class _DecodePod:
 
     def _run(self, n: int) -> None:
         alpha, beta = self._coefficients()
-        self.log.add(alpha, beta, n, self.batch)
+        per_token = self.spec.tokens_per_step  # ITL: a step's time over the tokens it gave
+        self.log.add(alpha / per_token, beta / per_token, n, self.batch)
         assert self.start is not None  # advance runs steps only while busy
         self.start += _elapsed(n, alpha, beta)
-        self.ctx += self.batch * n
-        self.steps += n
+        self.ctx += self.batch * n * per_token
+        self.progress += n * per_token
 
     def _leave(self) -> None:
-        while self.leaving and self.leaving[0][0] <= self.steps:
-            _, final_ctx = heapq.heappop(self.leaving)
+        while self.leaving and self.leaving[0][0] <= self.progress + EPS:
+            _, joined, prompt = heapq.heappop(self.leaving)
             self.batch -= 1
-            self.ctx -= final_ctx
+            self.ctx -= prompt + 1 + (self.progress - joined)
 
     def _admit(self) -> None:
         while self.waiting and self.batch < self.max_seqs:
             i, prompt, output = self.waiting.popleft()
             self.admitted[i] = self.start
-            # output - 1 decode steps (the first token came from prefill); the context
-            # starts at prompt + 1 and ends at prompt + output.
-            heapq.heappush(self.leaving, (self.steps + output - 1, prompt + output))
+            # output - 1 decode tokens (the first came from prefill); the context starts
+            # at prompt + 1 and grows with every token gained.
+            heapq.heappush(self.leaving, (self.progress + output - 1, self.progress, prompt))
             self.batch += 1
             self.ctx += prompt + 1
+
+
+EPS = 1e-9  # progress is a sum of floats: a sequence whose tokens are covered leaves
 
 
 def _elapsed(n: int, alpha: float, beta: float) -> float:
