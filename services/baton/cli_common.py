@@ -84,6 +84,7 @@ def add_worker_flags(p: argparse.ArgumentParser) -> None:
     _checkpoint_flags(g)
     _batching_flags(g)
     _parallel_flags(g)
+    _lora_flags(g)
     # None: WorkerSettings' defaults, applied where the settings are built (reading them
     # here would import the worker, and torch, into every `baton` command)
     g.add_argument("--max-waiting", type=int, default=None,
@@ -204,6 +205,22 @@ def _parallel_flags(g) -> None:
                         "failed (a stopped or hung rank); the worker then exits non-zero")
 
 
+def _lora_flags(g) -> None:
+    """Multi-LoRA serving (`engine.lora`), vLLM's flags."""
+    g.add_argument("--enable-lora", action="store_true", default=engine_default("enable_lora"),
+                   help="serve LoRA adapters (implied by --lora-modules; loaded at run time "
+                        "with POST /v1/load_lora_adapter)")
+    g.add_argument("--lora-modules", nargs="+", default=None, metavar="NAME=PATH",
+                   help="PEFT adapters served at start: a request's model NAME runs the one "
+                        "at PATH (a directory, a hub cache repo or hf://ORG/NAME)")
+    g.add_argument("--max-loras", type=int, default=engine_default("max_loras"),
+                   help="adapters resident at once (a step holds at most this many)")
+    g.add_argument("--max-lora-rank", type=int, default=engine_default("max_lora_rank"),
+                   help="adapters of a higher rank are refused")
+    g.add_argument("--max-cpu-loras", type=int, default=engine_default("max_cpu_loras"),
+                   help="host copies of adapters kept (default: --max-loras)")
+
+
 def _kv_transfer_flags(g) -> None:
     g.add_argument("--kv-transport", "--transport", default=None,
                    choices=["auto", *TRANSPORTS, "none"],
@@ -228,7 +245,7 @@ _ENGINE_FIELDS = {dest: dest for dest in (
     "num_kv_blocks", "gpu_memory_utilization", "kv_cache_dtype", "scheduling_policy",
     "speculative_config",
     "num_threads", "device", "attention_backend", "enforce_eager", "deterministic",
-    "tensor_parallel_size",
+    "tensor_parallel_size", "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras",
     "kv_host", "kv_port", "kv_failure_policy")} | {
     "kv_lease_ttl": "kv_lease_ttl_s", "kv_transfer_timeout": "kv_transfer_timeout_s",
     "tp_step_timeout": "tp_step_timeout_s"}
@@ -247,6 +264,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         kv_cache_memory_bytes=(None if args.kv_cache_gib is None
                                else int(args.kv_cache_gib * _GIB)),
         enable_prefix_caching=not args.no_prefix_caching,
+        lora_modules=args.lora_modules or (),
         kv_secret=internal_token())  # the deployment's internal token keys the KV port
 
 

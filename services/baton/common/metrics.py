@@ -55,7 +55,10 @@ class ConfigMetrics:
 class WorkerMetrics(ConfigMetrics):
     """Per-request latencies and outcomes, plus the engine's own state via `snapshot`."""
 
-    def __init__(self, snapshot: Callable[[], EngineStats | None] | None = None) -> None:
+    def __init__(self, snapshot: Callable[[], EngineStats | None] | None = None,
+                 lora: Callable[[], LoRACounts | None] | None = None) -> None:
+        """`snapshot`: the engine's stats; `lora`: its LoRA adapters' counters (None
+        before the engine loads, or without LoRA)."""
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         super().__init__(r)
@@ -83,6 +86,8 @@ class WorkerMetrics(ConfigMetrics):
             buckets=HOP_BUCKETS, registry=r)
         if snapshot is not None:
             r.register(EngineCollector(snapshot))
+        if lora is not None:
+            r.register(LoRACollector(lora))
 
 
 # name -> (kind, help); `EngineStats.series()` gives a value for each name.
@@ -133,6 +138,44 @@ class EngineCollector(Collector):
                 yield GaugeMetricFamily(name, doc, value=values[name])
             else:
                 yield CounterMetricFamily(name.removesuffix("_total"), doc, value=values[name])
+
+
+# kind -> adapter -> count (`engine.lora.stats.LoRACounters.snapshot`)
+LoRACounts = dict[str, dict[str, int]]
+# the counters' series: name -> (the counters' kinds by tier label, or one kind; help)
+LORA_SERIES: dict[str, tuple[dict[str, str], str]] = {
+    "baton:lora_requests": ({"": "requests"}, "Requests served with each LoRA adapter."),
+    "baton:lora_loads": ({"host": "host_loads", "device": "loads"},
+                         "LoRA adapter copies made: read from disk into host memory (host), "
+                         "copied into a resident slot (device)."),
+    "baton:lora_evictions": ({"host": "host_evictions", "device": "evictions"},
+                             "LoRA adapter copies dropped: host copies beyond "
+                             "--max-cpu-loras (host), resident slots beyond --max-loras "
+                             "(device)."),
+}
+
+
+class LoRACollector(Collector):
+    """Per-adapter counters at each scrape (none before the engine loads or without LoRA)."""
+
+    def __init__(self, snapshot: Callable[[], LoRACounts | None]) -> None:
+        self._snapshot = snapshot
+
+    def describe(self) -> Iterable[Metric]:
+        return []
+
+    def collect(self) -> Iterable[Metric]:
+        counts = self._snapshot()
+        if counts is None:
+            return
+        for name, (kinds, doc) in LORA_SERIES.items():
+            tiered = "" not in kinds
+            family = CounterMetricFamily(name, doc, labels=["adapter", "tier"] if tiered
+                                         else ["adapter"])
+            for tier, kind in kinds.items():
+                for adapter, value in sorted(counts.get(kind, {}).items()):
+                    family.add_metric([adapter, tier] if tiered else [adapter], value)
+            yield family
 
 
 def _spec_families(spec: SpecStats) -> Iterable[Metric]:

@@ -31,6 +31,8 @@ from baton.engine.config import EngineConfig, LiveSettings
 from baton.engine.core import EngineCore
 from baton.engine.errors import InvalidRequestError
 from baton.engine.kv_connector.handoff import KVHandoff
+from baton.engine.lora.adapter import LoRAAdapter
+from baton.engine.lora.registry import AdapterRegistry
 from baton.engine.outputs import CompletionOutput, EngineOutput, RequestOutput
 from baton.engine.request import Request
 from baton.engine.structured.base import CompiledGrammar, GrammarCompileError
@@ -137,11 +139,18 @@ class AsyncEngine:
     def make_request(self, request_id: str, prompt_token_ids: list[int],
                      params: SamplingParams, priority: int = 0, *,
                      kv: KVHandoff | None = None, presampled: int = 0,
-                     grammar: CompiledGrammar | None = None) -> Request:
+                     grammar: CompiledGrammar | None = None,
+                     lora: LoRAAdapter | None = None) -> Request:
         """Validate and build a request (raises InvalidRequestError); `submit` queues it.
-        `kv` / `presampled` / `grammar`: see `EngineCore.make_request`."""
+        `kv` / `presampled` / `grammar` / `lora`: see `EngineCore.make_request`."""
         return self.core.make_request(request_id, prompt_token_ids, params, priority, kv=kv,
-                                      presampled=presampled, grammar=grammar)
+                                      presampled=presampled, grammar=grammar, lora=lora)
+
+    @property
+    def lora_registry(self) -> AdapterRegistry | None:
+        """The LoRA adapters the engine serves (any thread); None without LoRA."""
+        lora = self.core.runner.lora
+        return None if lora is None else lora.registry
 
     async def compile_grammar(self, structured: StructuredOutput | None
                               ) -> CompiledGrammar | None:

@@ -362,7 +362,7 @@ class EngineConfig:
         if isinstance(value, SpeculativeConfig):
             return value.to_json()
         if name == "lora_modules":  # as the CLI takes them (and JSON keeps them)
-            return [f"{n}={p}" for n, p in value]
+            return [f"{n}={p}" for n, p in self.lora.modules]
         return value.value if isinstance(value, StrEnum) else value
 
     def with_args(self, **args: Any) -> EngineConfig:

@@ -5,7 +5,7 @@ during the load and `/ready` turns 200 when the engine can take requests. A load
 stops the server (and `baton serve` exits non-zero).
 
 Endpoints: the OpenAI surface (`/v1/models`, `/v1/completions`, `/v1/chat/completions`,
-served by `pipeline.py`; `/v1/responses`, as chat, by `responses.py`; and vLLM's `/tokenize` and `/detokenize`), `/health` (liveness: the process and its engine loop are alive),
+served by `pipeline.py`; `/v1/responses`, as chat, by `responses.py`; vLLM's `/tokenize` and `/detokenize`, and its `/v1/load_lora_adapter` and `/v1/unload_lora_adapter`, by `lora.py`), `/health` (liveness: the process and its engine loop are alive),
 `/ready` (model loaded, engine loop alive), `/metrics` (Prometheus), `/load` (JSON load
 report for routers), `/internal/tokenizer` (for routers that tokenise), and the prefill and
 decode roles' internal endpoints (`internal.py`).
@@ -24,11 +24,12 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
 from starlette.datastructures import Headers
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, PlainTextResponse, Response
 
 from baton.common.auth import TENANT_HEADER, TOKEN_HEADER, bearer, token_matches
 from baton.common.errors import OpenAIError, install_error_handlers
 from baton.common.internal import WORKER_HEADER, worker_header
+from baton.common.lora_protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from baton.common.metrics import CONTENT_TYPE, render
 from baton.common.parsing import parse_off_loop, parse_request_off_loop
 from baton.common.protocol import (
@@ -202,10 +203,21 @@ def _install_openai_routes(app: FastAPI, state: WorkerState) -> None:
     @app.get("/v1/models")
     async def models():
         pipeline = state.require_pipeline()
+        created, max_len = int(state.started), pipeline.serving.max_model_len
         return {"object": "list", "data": [{  # every served name, the primary first (vLLM's)
-            "id": name, "object": "model", "created": int(state.started),
-            "owned_by": "baton", "max_model_len": pipeline.serving.max_model_len}
-            for name in pipeline.model_names]}
+            "id": name, "object": "model", "created": created,
+            "owned_by": "baton", "max_model_len": max_len}
+            for name in pipeline.model_names] + pipeline.lora.model_cards(created, max_len)}
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(request: Request):
+        req = parse_request(LoadLoRAAdapterRequest, await request.body())
+        return PlainTextResponse(await state.require_pipeline().lora.load(req))
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(request: Request):
+        req = parse_request(UnloadLoRAAdapterRequest, await request.body())
+        return PlainTextResponse(await state.require_pipeline().lora.unload(req))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):

@@ -41,6 +41,7 @@ from baton.engine.kv_connector import PullKV
 from baton.engine.tokenizer import encode_rendered, render_conversation, require_tokenizer
 from baton.worker import openai_api, traces
 from baton.worker.fair_share import DEFAULT_TENANT
+from baton.worker.lora import WorkerLoRA
 from baton.worker.openai_api import PUBLIC, Internal, OpenAIFormat
 from baton.worker.serving import Job, Serving, engine_error, new_id
 
@@ -63,14 +64,17 @@ class Pipeline:
     request's non-zero `priority` is a 400)."""
 
     def __init__(self, serving: Serving, fmt: OpenAIFormat, tracing: Tracing | None = None,
-                 priority_scheduling: bool = False, model_names: tuple[str, ...] = ()) -> None:
-        """`model_names`: every name requests may use (`--served-model-name`); responses
-        report `fmt.model_name`, the primary."""
+                 priority_scheduling: bool = False, model_names: tuple[str, ...] = (),
+                 lora: WorkerLoRA | None = None) -> None:
+        """`model_names`: every name requests may use for the base model
+        (`--served-model-name`); responses report `fmt.model_name`, the primary. `lora`:
+        the LoRA adapters requests may name instead (none when None)."""
         self.serving = serving
         self.format = fmt
         self.tracing = tracing or Tracing()
         self.model_name = fmt.model_name
         self.model_names = model_names or (fmt.model_name,)
+        self.lora = lora or WorkerLoRA(None, self.model_names)
         self.tokenizer = fmt.tokenizer
         self.priority_scheduling = priority_scheduling
         # a prompt longer than this cannot fit: refused before it is tokenised (None: no
@@ -80,11 +84,10 @@ class Pipeline:
             if hasattr(self.tokenizer, "backend_tokenizer") else None)
 
     def check_model(self, name: str) -> None:
-        """A 404 OpenAIError unless `name` is one of the names this worker serves."""
-        if name not in self.model_names:
-            served = ", ".join(repr(n) for n in self.model_names)
-            raise OpenAIError(404, f"the model {name!r} does not exist; this server serves "
-                                   f"{served}", param="model", code="model_not_found")
+        """A 404 OpenAIError unless `name` is one of the names this worker serves (the base
+        model's or a LoRA adapter's)."""
+        if not self.lora.served(name):
+            raise self.lora.not_found(name)
 
     def require_tokenizer(self, what: str, param: str = "prompt"):
         """The tokenizer, or a 400 OpenAIError when the worker runs without one."""
@@ -142,7 +145,7 @@ class Pipeline:
         queued, 429 when the waiting queue is full, 5xx when the engine fails before a
         whole answer is ready); a stream reports later errors in-band."""
         req, internal = call.request, call.internal
-        self.check_model(req.model)
+        lora = await self.lora.adapter_for(req.model)  # None: the base model
         timing = http.headers.get("x-baton-timing")
         if timing is not None:
             internal = replace(internal, timing=parse_timing(timing))
@@ -157,7 +160,8 @@ class Pipeline:
             new_id(prefix), prompts, params,
             "messages" if call.api == "chat" else "prompt", kv=call.kv,
             presampled=resume.completion_tokens if resume is not None else 0,
-            priority=req.priority, grammar=grammar)  # an fcfs worker takes 0 only (sampling_params checks)
+            priority=req.priority, grammar=grammar,  # an fcfs worker takes 0 only (sampling_params checks)
+            lora=lora)
         if internal.return_token_ids and len(jobs) != 1:
             raise OpenAIError(400, "return_token_ids needs one prompt and n = 1",
                               param="return_token_ids")

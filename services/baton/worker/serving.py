@@ -27,6 +27,7 @@ from baton.engine.async_engine import AsyncEngine, EngineDeadError
 from baton.engine.context_window import check_context
 from baton.engine.errors import InvalidRequestError
 from baton.engine.kv_connector import KVHandoff
+from baton.engine.lora.adapter import LoRAAdapter
 from baton.engine.outputs import EngineOutput
 from baton.engine.request import Request
 from baton.engine.structured.base import CompiledGrammar
@@ -75,16 +76,17 @@ class Serving:
     # -- before the engine -----------------------------------------------------------------
     def make_jobs(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
                   param: str, *, kv: KVHandoff | None = None, presampled: int = 0,
-                  priority: int = 0, grammar: CompiledGrammar | None = None) -> list[Job]:
+                  priority: int = 0, grammar: CompiledGrammar | None = None,
+                  lora: LoRAAdapter | None = None) -> list[Job]:
         """Validate every prompt against the context window and build one job per prompt
-        and sample (`kv` / `presampled` / `priority` / `grammar`: see
+        and sample (`kv` / `presampled` / `priority` / `grammar` / `lora`: see
         `AsyncEngine.make_request`; `grammar` from `compile_grammar`).
         Raises a 400 OpenAIError naming `param` for a bad prompt; nothing is queued yet."""
         try:
             for ids in prompts:  # every prompt before any job is made
                 check_context(len(ids), params.max_tokens, self.max_model_len)
             return self._make_jobs(request_id, prompts, params, priority, kv, presampled,
-                                   grammar)
+                                   grammar, lora)
         except InvalidRequestError as err:
             raise OpenAIError(400, str(err), param=err.param or param, code=err.code) from None
 
@@ -100,7 +102,7 @@ class Serving:
 
     def _make_jobs(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
                    priority: int, kv: KVHandoff | None, presampled: int,
-                   grammar: CompiledGrammar | None) -> list[Job]:
+                   grammar: CompiledGrammar | None, lora: LoRAAdapter | None) -> list[Job]:
         children = child_params(params)
         jobs = []
         for p, ids in enumerate(prompts):
@@ -108,7 +110,8 @@ class Serving:
                 index = p * len(children) + i
                 rid = f"{request_id}-{index}"
                 req = self.engine.make_request(rid, ids, child, priority, kv=kv,
-                                               presampled=presampled, grammar=grammar)
+                                               presampled=presampled, grammar=grammar,
+                                               lora=lora)
                 jobs.append(Job(index, rid, ids, req))
         return jobs
 

@@ -9,13 +9,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from baton.common.errors import OpenAIError
-from baton.common.metrics import WorkerMetrics
+from baton.common.metrics import LoRACounts, WorkerMetrics
 from baton.common.registry import LoadReport
 from baton.common.roles import ROLE_NAMES, Role
 from baton.common.stats import EngineStats
 from baton.common.tracing import setup_tracing
 from baton.engine.config import EngineConfig
 from baton.engine.models.hub import SCHEME, HubRef, is_repo_id
+from baton.worker.lora import WorkerLoRA
 from baton.worker.openai_api import OpenAIFormat
 from baton.worker.pipeline import Pipeline
 from baton.worker.reasoning import REASONING_PARSER_CHOICES
@@ -112,7 +113,7 @@ class WorkerState:
         self.engine: AsyncEngine | None = None
         self.pipeline: Pipeline | None = None
         self.load_error: BaseException | None = None
-        self.metrics = WorkerMetrics(self._stats)
+        self.metrics = WorkerMetrics(self._stats, self._lora_counts)
         self.started = time.time()
         self.watcher = watcher
         self.tracing = setup_tracing(f"baton-{settings.role.value}", settings.otlp_endpoint)
@@ -133,6 +134,10 @@ class WorkerState:
     def _stats(self) -> EngineStats | None:
         return self.engine.stats() if self.engine is not None else None
 
+    def _lora_counts(self) -> LoRACounts | None:
+        registry = self.engine.lora_registry if self.engine is not None else None
+        return registry.counters.snapshot() if registry is not None else None
+
     def load(self) -> None:
         """Build and start the engine (blocking: minutes for a large model)."""
         from baton.engine.async_engine import AsyncEngine
@@ -145,7 +150,8 @@ class WorkerState:
         fmt = OpenAIFormat(engine.tokenizer, settings.model_name, settings.tool_call_parser,
                            settings.reasoning_parser)
         self.pipeline = Pipeline(serving, fmt, self.tracing, priority_scheduling=(
-            settings.engine.scheduler.policy == "priority"), model_names=settings.model_names)
+            settings.engine.scheduler.policy == "priority"), model_names=settings.model_names,
+            lora=WorkerLoRA(engine.lora_registry, settings.model_names))
 
     def load_report(self) -> LoadReport:
         """Role, model and load (the KV pool: blocks used, total, tokens a block): what

@@ -103,7 +103,7 @@ class FakeEngine:
     aborted: list[str] = field(default_factory=list)
 
     def make_request(self, request_id, prompt_token_ids, params, priority=0, *, kv=None,
-                     presampled=0, grammar=None) -> FakeRequest:
+                     presampled=0, grammar=None, lora=None) -> FakeRequest:
         if not prompt_token_ids:
             raise InvalidRequestError("the prompt is empty")
         req = FakeRequest(request_id, list(prompt_token_ids), params, kv, presampled, priority)

@@ -30,6 +30,11 @@ class AdapterRegistry:
         with self._lock:
             return list(self._paths)
 
+    def paths(self) -> dict[str, str]:
+        """name -> the path it was loaded from, every adapter served."""
+        with self._lock:
+            return dict(self._paths)
+
     def host_names(self) -> list[str]:
         with self._lock:
             return list(self._host)
