@@ -26,16 +26,13 @@ def lora_registry(manager: LoRAManager | None) -> AdapterRegistry:
 def check_lora_request(lora: LoRAAdapter | None, kv: KVHandoff | None,
                        manager: LoRAManager | None) -> LoRAAdapter | None:
     """`lora` if this engine can run a request with it; InvalidRequestError (param `model`)
-    when the engine serves no adapters, or for a prefill / decode hand-over (P/D does not
-    carry adapters yet)."""
+    when the engine serves no adapters. A prefill / decode hand-over (`kv`) needs nothing
+    more: both pods apply the adapter the request names, and the pulled blocks' hashes
+    chain from its root on the decode pod too."""
     if lora is None:
         return None
     if manager is None:
         raise InvalidRequestError(f"this engine serves no LoRA adapters (asked for "
                                   f"{lora.name!r}); start it with --enable-lora",
                                   param="model")
-    if kv is not None:
-        raise InvalidRequestError(f"LoRA adapter {lora.name!r}: prefill / decode hand-overs "
-                                  "of adapter requests are not served yet; send it to a "
-                                  "colocated worker", param="model")
     return lora

@@ -76,3 +76,18 @@ def test_prefixes_never_cross_adapters(models):
         assert out.outputs[0].token_ids == ref, name
         assert (out.num_cached_tokens > 0) == hits, (name, out.num_cached_tokens)
     llm.engine.check_integrity()
+
+
+def test_preempted_adapter_requests_recompute_with_their_adapter(models):
+    root, base, adapters = models
+    prompts = prompts_for(1000, lengths=(60, 45, 70, 52), seed=11)
+    names = ["all", None, "attn", "rs"]
+    refs = [hf_greedy(base if n is None else adapters[n][1], [p], 24)[0]
+            for p, n in zip(prompts, names)]
+    # 8 blocks of 16 hold the longest prompt and its output, not all four at once
+    llm = make_llm(root, adapters, num_kv_blocks=8, enable_prefix_caching=False,
+                   max_num_batched_tokens=64)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True),
+                        use_tqdm=False, lora_request=names)
+    assert [o.outputs[0].token_ids for o in outs] == refs
+    assert llm.engine.scheduler.num_preemptions > 0
