@@ -3,12 +3,12 @@ a GGUF-quantized kernel — plus the deltas of the step's adapters, row by row:
 
     y = base(x) + sum over slots s of mask[:, s] * (x @ A_s^T) @ B_s^T
 
-computed for every resident slot at once as two matmuls over the slots' stacked buffers
-(`adapter.py`'s layout): the shrink (T, in) @ (in, n R) -> (T, n R), each row's columns of
-the slots it does not use zeroed by the step's mask, then the expand (T, n R) @ (n R, out)
-added onto the base output. A row of the base model gets exact zeros added: its output is
-the base linear's, bit for bit. Without adapter rows in the step (`mask` None) it is the
-base linear alone.
+computed for every resident slot at once over the slots' stacked buffers: the shrink
+(T, in) @ (in, n P R) -> (T, n P R), each row's columns of the slots it does not use zeroed
+by the step's mask, then, per part of a fused linear (q / k / v, gate / up; one part
+otherwise), the expand (T, n R) @ (n R, cols) added onto that part's columns of the base
+output. A row of the base model gets exact zeros added: its output is the base linear's,
+bit for bit. Without adapter rows in the step (`mask` None) it is the base linear alone.
 """
 
 from __future__ import annotations
@@ -28,25 +28,31 @@ class LoRAStepState:
 
 
 class LoRALinear(nn.Module):
-    """`base` with the step's LoRA deltas. `a` (slots, P R, in) and `b` (slots, P R, out)
-    are the resident adapters' buffers (`slots.py` fills them)."""
+    """`base` with the step's LoRA deltas. `a` (slots, P R, in): every part's A stacked;
+    `b[p]` (slots, R, cols_p): part p's B^T, scaled, for output columns `parts[p]` =
+    (first, count). `slots.py` fills them."""
 
     a: torch.Tensor
-    b: torch.Tensor
 
-    def __init__(self, base: nn.Module, a: torch.Tensor, b: torch.Tensor,
-                 state: LoRAStepState) -> None:
+    def __init__(self, base: nn.Module, a: torch.Tensor, b: list[torch.Tensor],
+                 parts: list[tuple[int, int]], state: LoRAStepState) -> None:
         super().__init__()
-        self.base, self.state = base, state
+        self.base, self.state, self.parts = base, state, parts
         self.register_buffer("a", a, persistent=False)
-        self.register_buffer("b", b, persistent=False)
+        self.b = b
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)  # (T, out)
         mask = self.state.mask
         if mask is None:
             return y
-        n, rank = mask.shape[1], self.a.shape[1]
-        shrunk = x @ self.a[:n].reshape(n * rank, -1).t()  # (T, n R)
-        shrunk = (shrunk.view(-1, n, rank) * mask).view(-1, n * rank)  # (T, n R)
-        return torch.addmm(y, shrunk, self.b[:n].reshape(n * rank, -1))  # (T, out)
+        T, n, rank = x.shape[0], mask.shape[1], self.b[0].shape[1]
+        shrunk = x @ self.a[:n].reshape(n * self.a.shape[1], -1).t()  # (T, n P R)
+        shrunk = shrunk.view(T, n, -1) * mask  # (T, n, P R)
+        if len(self.parts) == 1:
+            return torch.addmm(y, shrunk.view(T, -1), self.b[0][:n].reshape(n * rank, -1))
+        by_part = shrunk.view(T, n, len(self.parts), rank)  # (T, n, P, R)
+        for p, (first, cols) in enumerate(self.parts):
+            y[:, first:first + cols].addmm_(by_part[:, :, p].reshape(T, n * rank),
+                                            self.b[p][:n].reshape(n * rank, cols))
+        return y

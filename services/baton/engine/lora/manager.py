@@ -72,12 +72,13 @@ def _wrap(model: CausalLM, name: str, spec: LoRATarget, config: LoRAConfig,
     """Replace linear `name` of `model` by a LoRALinear over it, with empty slots."""
     parent_name, _, leaf = name.rpartition(".")
     parent = model.get_submodule(parent_name)
-    rank = spec.num_parts * config.max_lora_rank
+    slots, rank = config.max_loras, config.max_lora_rank
+    parts = list(spec.parts.values())  # (first output row, rows) of each part, in order
     layer = LoRALinear(getattr(parent, leaf),
-                       torch.zeros(config.max_loras, rank, spec.in_features, dtype=dtype,
+                       torch.zeros(slots, len(parts) * rank, spec.in_features, dtype=dtype,
                                    device=device),
-                       torch.zeros(config.max_loras, rank, spec.out_features, dtype=dtype,
-                                   device=device), state)
+                       [torch.zeros(slots, rank, cols, dtype=dtype, device=device)
+                        for _, cols in parts], parts, state)
     setattr(parent, leaf, layer)
     return layer
 

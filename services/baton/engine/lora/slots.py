@@ -55,9 +55,13 @@ class LoRASlots:
             weights = adapter.weights.get(target)
             if weights is None:
                 layer.a[slot].zero_()
-                layer.b[slot].zero_()
-            else:
-                layer.a[slot].copy_(weights[0])
-                layer.b[slot].copy_(weights[1])
+                for b in layer.b:
+                    b[slot].zero_()
+                continue
+            a, bt = weights  # (P R, in), (P R, out)
+            layer.a[slot].copy_(a)
+            rank = layer.b[0].shape[1]
+            for p, ((first, cols), b) in enumerate(zip(layer.parts, layer.b)):
+                b[slot].copy_(bt[p * rank:(p + 1) * rank, first:first + cols])
         self._resident[adapter.load_id] = (slot, adapter)
         self.counters.count("loads", adapter.name)
