@@ -45,7 +45,8 @@ class LlamaStack(ctypes.Structure):
                     "input_norm", "qkv", "qkv_bias", "o_proj", "post_norm", "gate_up", "down",
                     "k_cache", "v_cache")]
                 + [(n, _P) for n in ("final_norm", "cos", "sin", "workspace", "linear", "norm",
-                                     "silu", "rotary", "attn")])
+                                     "silu", "rotary", "attn", "lora")]
+                + [("lora_linears", ctypes.POINTER(_P)), ("row_slot", _P)])
 
 
 Linear = PackedLinear | QuantLinear
@@ -154,12 +155,26 @@ class LlamaDecodeStep:
             self._workspace = torch.empty(rows * self._row_elems, dtype=torch.bfloat16)
             self._stack.workspace, self._stack.workspace_rows = self._workspace.data_ptr(), rows
 
+    def attach_lora(self, kernel_address: int | None, linears: list[list[object]]) -> None:
+        """Add LoRA deltas after the linears: `linears[l]` holds layer l's (qkv, o, gate_up,
+        down) `lora.LoRALinearDesc` or None, kept alive here; `kernel_address` is
+        `lora.NativeLoRA.address`. Each call's `row_slots` then says which rows use which."""
+        flat = [d for layer in linears for d in layer]
+        arr = (_P * len(flat))(*[None if d is None else ctypes.addressof(d)  # type: ignore[arg-type]  # ctypes.Structure
+                                 for d in flat])
+        self._keep += [flat, arr]
+        self._stack.lora_linears = ctypes.cast(arr, ctypes.POINTER(_P))
+        self._stack.lora = kernel_address
+
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                 block_tables: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
+                 block_tables: torch.Tensor, seq_lens: torch.Tensor,
+                 row_slots: torch.Tensor | None = None) -> torch.Tensor:
         """x (M, h) embedded tokens; positions, slots (-1: not written), seq_lens (M,) int64;
-        block_tables (M, m) int64 -> (M, h). Raises RuntimeError (nothing written) for a
-        position past the rotary tables or a slot past the caches."""
+        block_tables (M, m) int64; row_slots (M,) int64: each row's LoRA slot (-1: none; None:
+        no adapter rows) -> (M, h). Raises RuntimeError (nothing written) for a position past
+        the rotary tables or a slot past the caches."""
         M = x.shape[0]
+        self._stack.row_slot = None if row_slots is None else row_slots.data_ptr()
         positions, slots = positions.contiguous(), slots.contiguous()
         block_tables = block_tables.contiguous()
         out = torch.empty(M, self.hidden_size, dtype=torch.bfloat16)

@@ -44,3 +44,19 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> 
     """x (M, K), weight (N, K) -> (M, N) in float32 (the kernels' tests allow their rounding)."""
     y = x.float() @ weight.float().T
     return y if bias is None else y + bias.float()
+
+
+def lora_add(x: torch.Tensor, y: torch.Tensor, row_slots: torch.Tensor, a: torch.Tensor,
+             b: list[torch.Tensor], parts: list[tuple[int, int]]) -> torch.Tensor:
+    """`lora.NativeLoRA.add`'s result: y (M, out) plus, for each row m with slot s >= 0 and
+    each part p, (A_s[p R:(p + 1) R] x[m]) @ B_p[s] on columns parts[p], in float32, rounded
+    to y's dtype once; a (slots, P R, in), b[p] (slots, R, cols_p)."""
+    out = y.float().clone()
+    rank = b[0].shape[1]
+    for m, s in enumerate(row_slots.tolist()):
+        if s < 0:
+            continue
+        t = a[s].float() @ x[m].float()  # (P R,)
+        for p, (first, cols) in enumerate(parts):
+            out[m, first:first + cols] += t[p * rank:(p + 1) * rank] @ b[p][s].float()
+    return out.to(y.dtype)

@@ -14,6 +14,10 @@
  * [num_blocks, block_size, KVH, D]; weights as the linear kernel takes them (qkv: q outputs,
  * then k, then v; gate_up: gate outputs, then up). The workspace holds `workspace_rows` rows
  * of every intermediate.
+ *
+ * LoRA (`lora_bf16.c`): with `row_slot` set, each linear `lora_linears[4 l + i]` (i: qkv, o,
+ * gate_up, down; NULL: not adapted) gets each row's adapter delta added after it, by the
+ * kernel the Python path's LoRALinear calls.
  */
 #include <stdint.h>
 #include <string.h>
@@ -26,6 +30,8 @@ typedef int (*silu_fn)(const uint16_t *gate_up, uint16_t *out, int64_t rows, int
 typedef int (*rotary_fn)(const uint16_t *qkv, int64_t stride, const int64_t *positions,
                          const uint16_t *cos, const uint16_t *sin, int64_t P, uint16_t *q_out,
                          uint16_t *k_out, int64_t rows, int64_t H, int64_t KVH, int64_t D);
+typedef int (*lora_fn)(const void *linear, const uint16_t *x, const int64_t *row_slot,
+                       uint16_t *y, int64_t M);
 typedef int (*attn_fn)(const uint16_t *q, const uint16_t *kc, const uint16_t *vc,
                        const int64_t *bt, int64_t bt_stride, const int64_t *seq_lens,
                        uint16_t *out, int64_t n, int64_t H, int64_t KVH, int64_t D, int64_t bs,
@@ -47,6 +53,9 @@ typedef struct {
     silu_fn silu;
     rotary_fn rotary;
     attn_fn attn;
+    lora_fn lora;                      /* NULL: no LoRA */
+    const void *const *lora_linears;   /* layers * 4 (qkv, o, gate_up, down); NULL entries */
+    const int64_t *row_slot;           /* [M] this step's adapter slot per row; NULL: none */
 } llama_stack;
 
 /* Per-row widths of the intermediates, in elements. */
@@ -64,6 +73,13 @@ int64_t llama_decode_row_elems(const llama_stack *s) {
         const int rc_ = (call);  \
         if (rc_ != 0) return rc_; \
     } while (0)
+
+/* Linear `i` of layer `l`'s LoRA deltas onto y, when the step has adapter rows. */
+static int lora_after(const llama_stack *s, int64_t l, int i, const uint16_t *x, uint16_t *y,
+                      int64_t M) {
+    if (s->lora == NULL || s->row_slot == NULL || s->lora_linears[4 * l + i] == NULL) return 0;
+    return s->lora(s->lora_linears[4 * l + i], x, s->row_slot, y, M);
+}
 
 /* Returns 0, -1 for bad arguments (nothing written), or the failing kernel's code (the KV
  * cache may then hold some of this step's rows, as after a failed torch step). */
@@ -92,6 +108,7 @@ int llama_decode_step(const llama_stack *s, const uint16_t *x_in, const int64_t 
                       M, h, s->eps));
         residual = residual ? res_next : hidden;
         CHECK(s->linear(normed, s->qkv[l], s->qkv_bias[l], qkv, M, W, h));
+        CHECK(lora_after(s, l, 0, normed, qkv, M));
         CHECK(s->rotary(qkv, W, positions, s->cos, s->sin, s->rope_positions, q, k, M, H, KVH,
                         D));
         for (int64_t m = 0; m < M; m++) {
@@ -103,12 +120,15 @@ int llama_decode_step(const llama_stack *s, const uint16_t *x_in, const int64_t 
         CHECK(s->attn(q, s->k_cache[l], s->v_cache[l], block_tables, bt_stride, seq_lens, attn,
                       M, H, KVH, D, s->block_size, s->scale));
         CHECK(s->linear(attn, s->o_proj[l], NULL, x, M, h, H * D));
+        CHECK(lora_after(s, l, 1, attn, x, M));
         res_next = residual == res_a ? res_b : res_a;
         CHECK(s->norm(x, residual, s->post_norm[l], normed, res_next, M, h, s->eps));
         residual = res_next;
         CHECK(s->linear(normed, s->gate_up[l], NULL, gate_up, M, 2 * I, h));
+        CHECK(lora_after(s, l, 2, normed, gate_up, M));
         CHECK(s->silu(gate_up, act, M, I));
         CHECK(s->linear(act, s->down[l], NULL, x, M, h, I));
+        CHECK(lora_after(s, l, 3, act, x, M));
         hidden = x;
     }
     uint16_t *res_next = residual == res_a ? res_b : res_a;

@@ -9,6 +9,10 @@ by the step's mask, then, per part of a fused linear (q / k / v, gate / up; one 
 otherwise), the expand (T, n R) @ (n R, cols) added onto that part's columns of the base
 output. A row of the base model gets exact zeros added: its output is the base linear's,
 bit for bit. Without adapter rows in the step (`mask` None) it is the base linear alone.
+
+On CPU in bf16 the delta is `baton_cpu.lora`'s kernel instead (each row its own adapter's
+shrink and expand, float32 between them), the one the one-call decode step calls after
+each linear: a step's adapter rows get the same bits whichever path runs them.
 """
 
 from __future__ import annotations
@@ -16,35 +20,48 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from baton_cpu.lora import NativeLoRA
+
 
 class LoRAStepState:
     """The step's rows -> slots, shared by every LoRALinear of a model and set by the
     runner's `LoRAManager` before each forward (the engine thread): `mask` (T, n, 1) in the
     model's dtype, 1 where row t uses slot s (n: the highest slot in use + 1), or None
-    when no row of the step uses an adapter."""
+    when no row of the step uses an adapter; `row_slots` (T,) int64 on the CPU, each row's
+    slot (-1: the base model), set with it."""
 
     def __init__(self) -> None:
         self.mask: torch.Tensor | None = None
+        self.row_slots: torch.Tensor | None = None
 
 
 class LoRALinear(nn.Module):
     """`base` with the step's LoRA deltas. `a` (slots, P R, in): every part's A stacked;
     `b[p]` (slots, R, cols_p): part p's B^T, scaled, for output columns `parts[p]` =
-    (first, count). `slots.py` fills them."""
+    (first, count). `slots.py` fills them. `native`: the bf16 CPU kernel, when it runs."""
 
     a: torch.Tensor
 
     def __init__(self, base: nn.Module, a: torch.Tensor, b: list[torch.Tensor],
-                 parts: list[tuple[int, int]], state: LoRAStepState) -> None:
+                 parts: list[tuple[int, int]], state: LoRAStepState,
+                 native: NativeLoRA | None = None) -> None:
         super().__init__()
         self.base, self.state, self.parts = base, state, parts
         self.register_buffer("a", a, persistent=False)
         self.b = b
+        self.native = native
+        self.desc = (None if native is None else
+                     native.describe(a, b, parts, sum(cols for _, cols in parts)))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)  # (T, out)
         mask = self.state.mask
         if mask is None:
+            return y
+        if self.native is not None and self.desc is not None:
+            assert self.state.row_slots is not None  # set with the mask
+            y = y.contiguous()
+            self.native.add(self.desc, x.contiguous(), self.state.row_slots, y)
             return y
         T, n, rank = x.shape[0], mask.shape[1], self.b[0].shape[1]
         shrunk = x @ self.a[:n].reshape(n * self.a.shape[1], -1).t()  # (T, n P R)

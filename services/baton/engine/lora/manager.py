@@ -1,8 +1,9 @@
 """`LoRAManager`: the model runner's one handle on LoRA. At start it wraps every adaptable
 linear of the prepared model in a `LoRALinear` and loads `--lora-modules`; before each
 forward it makes the step's adapters resident and sets the rows -> slots mask, and says
-whether the step has adapter rows (then the runner takes the layer-by-layer path: fast
-decode paths — the CPU's one-call step, CUDA graphs — compute the base model only).
+whether the step has adapter rows. Such a step takes the layer-by-layer path, unless the
+fast decode path applies the adapters too (`fast_path_ready`: the CPU's one-call step in
+bf16, given the LoRA kernel by `attach_fast_path`); CUDA graphs compute the base only.
 
 Call `begin_step` / `end_step` from the engine thread; `registry` from any thread.
 """
@@ -10,6 +11,7 @@ Call `begin_step` / `end_step` from the engine thread; `registry` from any threa
 from __future__ import annotations
 
 from functools import partial
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -23,22 +25,30 @@ from baton.engine.lora.slots import LoRASlots
 from baton.engine.lora.stats import LoRACounters
 from baton.engine.lora.targets import LoRATarget
 from baton.engine.models.base import CausalLM
+from baton_cpu.lora import NativeLoRA, load_lora_kernel
 
 if TYPE_CHECKING:
     from baton.engine.runner.batch import FlatBatch
 
+# A Llama layer's linears in the order the one-call step runs them (`llama_decode.c`)
+FAST_PATH_LINEARS = ("attn.qkv_proj", "attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj")
+
 
 class LoRAManager:
     def __init__(self, model: CausalLM, targets: dict[str, LoRATarget], config: LoRAConfig,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device, cache_dir: Path) -> None:
         """`targets`: `lora_targets` of the model as loaded; `model`: prepared (its
-        linears as the platform runs them), wrapped here in place."""
+        linears as the platform runs them), wrapped here in place; `cache_dir`: where the
+        CPU kernel is built."""
         self.config, self.dtype, self.device = config, dtype, device
         self.counters = LoRACounters()
         self.state = LoRAStepState()
-        layers = {name: _wrap(model, name, spec, config, dtype, device, self.state)
-                  for name, spec in targets.items()}
-        self.slots = LoRASlots(layers, config.max_loras, self.counters)
+        native = (load_lora_kernel(cache_dir)
+                  if device.type == "cpu" and dtype == torch.bfloat16 else None)
+        self.layers = {name: _wrap(model, name, spec, config, dtype, device, self.state, native)
+                       for name, spec in targets.items()}
+        self.fast_path_ready = False
+        self.slots = LoRASlots(self.layers, config.max_loras, self.counters)
         build = partial(_load_adapter, model=model, targets=targets, config=config,
                         dtype=dtype)
         self.registry = AdapterRegistry(build, config.host_capacity, self.counters)
@@ -61,14 +71,31 @@ class LoRAManager:
         used = torch.arange(max(seq_slots) + 1)  # (n,)
         mask = (row_slots.unsqueeze(1) == used).to(self.dtype).unsqueeze(-1)  # (T, n, 1)
         self.state.mask = mask.to(self.device, non_blocking=True)
+        self.state.row_slots = row_slots
         return True
 
     def end_step(self) -> None:
-        self.state.mask = None
+        self.state.mask = self.state.row_slots = None
+
+    def attach_fast_path(self, fast_decode: object, num_layers: int) -> None:
+        """Give the platform's fast decode path the adapters' buffers and the step's row
+        slots, when it can apply them (the CPU one-call step, every linear on the LoRA
+        kernel); else steps with adapter rows keep off it."""
+        attach = getattr(fast_decode, "attach_lora", None)
+        names = [[f"layers.{i}.{leaf}" for leaf in FAST_PATH_LINEARS]
+                 for i in range(num_layers)]
+        descs = [[self.layers[n].desc if n in self.layers else None for n in layer]
+                 for layer in names]
+        kernel = next((ly.native for ly in self.layers.values()), None)
+        if attach is None or kernel is None or any(
+                n in self.layers and self.layers[n].desc is None for ly in names for n in ly):
+            return
+        self.fast_path_ready = bool(attach(kernel, descs, self.state))
 
 
 def _wrap(model: CausalLM, name: str, spec: LoRATarget, config: LoRAConfig,
-          dtype: torch.dtype, device: torch.device, state: LoRAStepState) -> LoRALinear:
+          dtype: torch.dtype, device: torch.device, state: LoRAStepState,
+          native: NativeLoRA | None) -> LoRALinear:
     """Replace linear `name` of `model` by a LoRALinear over it, with empty slots."""
     parent_name, _, leaf = name.rpartition(".")
     parent = model.get_submodule(parent_name)
@@ -78,7 +105,7 @@ def _wrap(model: CausalLM, name: str, spec: LoRATarget, config: LoRAConfig,
                        torch.zeros(slots, len(parts) * rank, spec.in_features, dtype=dtype,
                                    device=device),
                        [torch.zeros(slots, rank, cols, dtype=dtype, device=device)
-                        for _, cols in parts], parts, state)
+                        for _, cols in parts], parts, state, native)
     setattr(parent, leaf, layer)
     return layer
 

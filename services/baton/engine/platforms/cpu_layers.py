@@ -24,7 +24,9 @@ from baton_cpu.ops import CpuOps
 from baton_cpu.quant_linear import QuantLinear
 
 if TYPE_CHECKING:
+    from baton.engine.lora.layer import LoRAStepState
     from baton.engine.runner.batch import FlatBatch
+    from baton_cpu.lora import NativeLoRA
 
 
 class NativeRMSNorm(RMSNorm):
@@ -93,6 +95,15 @@ class NativeLlamaDecode:
     def __init__(self, step: decode_step.LlamaDecodeStep, embed: nn.Module) -> None:
         self.step, self.embed = step, embed
         self.max_rows = step.max_rows  # None: any batch
+        self.lora_state: LoRAStepState | None = None  # the step's adapter rows, attached
+
+    def attach_lora(self, kernel: NativeLoRA, linears: list[list[object]],
+                    state: LoRAStepState) -> bool:
+        """Apply LoRA deltas after the linears (`LoRAManager.attach_fast_path`): each
+        step's row slots are read from `state`. True: attached."""
+        self.step.attach_lora(kernel.address, linears)
+        self.lora_state = state
+        return True
 
     def can_run(self, batch: FlatBatch) -> bool:
         layout = batch.layout
@@ -102,8 +113,9 @@ class NativeLlamaDecode:
     def run(self, batch: FlatBatch) -> torch.Tensor:
         layout = batch.layout
         seq_lens = torch.tensor(layout.seq_lens, dtype=torch.int64)  # (T,)
+        row_slots = None if self.lora_state is None else self.lora_state.row_slots
         return self.step(self.embed(batch.input_ids), batch.positions, layout.slot_mapping,
-                         layout.block_tables, seq_lens)  # (T, h)
+                         layout.block_tables, seq_lens, row_slots)  # (T, h)
 
 
 def _all_packed(linears: tuple[nn.Module, ...]

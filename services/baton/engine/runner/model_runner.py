@@ -148,7 +148,9 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.platform.warm_up(self)
         self.lora = None if lora_targets is None else LoRAManager(
-            self.model, lora_targets, config.lora, self.dtype, self.device)
+            self.model, lora_targets, config.lora, self.dtype, self.device, cache_dir)
+        if self.lora is not None:
+            self.lora.attach_fast_path(self.platform.fast_decode, cfg.num_layers)
         log.info("model %s (%s), %d KV blocks of %d tokens (%s), attention=%s, %s",
                  cfg.architecture, config.checkpoint.dtype, self.num_blocks, self.block_size,
                  str(self.kv_dtype).removeprefix("torch."),
@@ -279,11 +281,12 @@ class ModelRunner:
 
     def _forward(self, batch: FlatBatch) -> torch.Tensor:
         """The last hidden states of every row of the batch, (T, h). A step with LoRA
-        adapter rows runs the model's modules (`LoRALinear`), never the fast decode path."""
+        adapter rows runs the model's modules (`LoRALinear`), or the fast decode path only
+        where that applies the adapters too."""
         if self.lora is None or not self.lora.begin_step(batch):
             return self.platform.forward(self, batch)  # (T, h)
         try:
-            return self.platform.forward(self, batch, fast=False)  # (T, h)
+            return self.platform.forward(self, batch, fast=self.lora.fast_path_ready)
         finally:
             self.lora.end_step()
 

@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from baton import LLM, SamplingParams
+from baton.engine.attention import ForwardContext
 from baton.engine.lora.layer import LoRALinear
+from baton.engine.runner.batch import build_batch
 from baton_cpu.quant_linear import QuantLinear
 from benchmarks.lora_adapters import write_random_adapter
 from tests.conftest import make_text
@@ -57,6 +59,43 @@ def test_bf16_decode_steps_with_adapter_rows_apply_the_delta(tiny):
     # base-only steps: the same bits as an engine without LoRA (the one-call step)
     plain = LLM(str(root / "base"), **args)
     assert run(llm, prompts, None) == run(plain, prompts, None)
+
+
+def test_one_call_step_applies_the_adapters_as_the_python_path(tiny):
+    """A decode step of adapter and base rows through the one-call step (the LoRA kernel
+    after each linear) equals the layer-by-layer path bit for bit, KV cache included."""
+    root, base, _ = tiny
+    save_adapter(base, root / "b", seed=2, r=4, targets=["q_proj", "down_proj"])
+    llm = LLM(str(root / "base"), skip_tokenizer_init=True, dtype="bfloat16", block_size=16,
+              max_loras=2, lora_modules=[f"a={root / 'a'}", f"b={root / 'b'}"])
+    engine, runner = llm.engine, llm.engine.runner
+    assert runner.lora.fast_path_ready
+    registry = runner.lora.registry
+    for i, (n, lora) in enumerate([(5, "a"), (17, None), (40, "b"), (9, "a")]):
+        engine.add(engine.make_request(f"r{i}", [(37 * i + 11 * j) % 900 + 10 for j in range(n)],
+                                       SamplingParams(temperature=0, max_tokens=4,
+                                                      ignore_eos=True),
+                                       lora=None if lora is None else registry.get(lora)))
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in
+              list(engine.scheduler.running) + list(engine.scheduler.waiting)):
+        engine.step()
+    sched = engine.scheduler.schedule()
+    batch = build_batch(sched.scheduled, engine.kv.get_block_ids, runner.block_size,
+                        runner.device)
+    assert runner.platform.fast_decode.can_run(batch) and runner.lora.begin_step(batch)
+    try:
+        before = runner.kv_cache.clone()
+        native = runner.platform.fast_decode.run(batch)
+        native_cache, _ = runner.kv_cache.clone(), runner.kv_cache.copy_(before)
+        ctx = ForwardContext(runner.backend, runner.backend.build_metadata(batch.layout),
+                             runner.kv_caches)
+        with torch.inference_mode():
+            python = runner.model(batch.input_ids, batch.positions, ctx)
+        base_rows = runner.lora.state.row_slots < 0
+    finally:
+        runner.lora.end_step()
+    assert torch.equal(native, python) and torch.equal(native_cache, runner.kv_cache)
+    assert 0 < int(base_rows.sum()) < len(base_rows)
 
 
 @pytest.fixture(scope="module")
