@@ -53,6 +53,10 @@ class LoadReport(BaseModel):
     kv_blocks_total: int = 0
     block_size: int = 16  # tokens per KV block: the unit of the published hashes
     max_model_len: int | None = None
+    # LoRA adapters (`engine.lora`): every one it serves (a request may name it as its
+    # model), and those it holds a host copy of (no disk read before serving them)
+    lora_adapters: list[str] = Field(default_factory=list)
+    lora_loaded: list[str] = Field(default_factory=list)
 
 
 class WorkerRecord(LoadReport):

@@ -169,8 +169,8 @@ class Router:
             "exact_prefix_models": self.tokenizers.models() if self.tokenizers else [],
             "workers": [{
                 "url": e.url, "healthy": e.healthy, "role": e.role, "model": e.model,
-                "models": list(e.names),
-                "running": e.running, "waiting": e.waiting, "inflight": e.inflight,
+                "models": list(e.names), "lora_adapters": list(e.lora_adapters),
+                "lora_loaded": list(e.lora_loaded), "running": e.running, "waiting": e.waiting, "inflight": e.inflight,
                 "kv_usage": round(e.kv_usage, 4), "circuit_open": e.circuit_open(),
                 **({"worker_id": e.worker_id, "cached_blocks": index.blocks_held(e)}
                    if index is not None else {})}
@@ -183,6 +183,10 @@ class Router:
                 seen.setdefault(name, {"id": name, "object": "model",
                                        "created": int(time.time()), "owned_by": "baton",
                                        "max_model_len": e.max_model_len})
+            for name in e.lora_adapters if e.healthy else ():  # LoRA adapters (vLLM's card)
+                seen.setdefault(name, {"id": name, "object": "model",
+                                       "created": int(time.time()), "owned_by": "baton",
+                                       "parent": e.model, "max_model_len": e.max_model_len})
         return web.json_response({"object": "list", "data": list(seen.values())})
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
@@ -300,7 +304,7 @@ class Router:
                     if e.max_model_len is not None and e.serves(model)), default=None)
 
     def _check_model(self, model: str) -> None:
-        known = {name for e in self.discovery.all() for name in e.names}
+        known = {name for e in self.discovery.all() for name in (*e.names, *e.lora_adapters)}
         if known and model not in known:
             raise OpenAIError(404, f"the model {model!r} does not exist; served: "
                                    f"{sorted(known)}", param="model", code="model_not_found")

@@ -34,6 +34,8 @@ class Upstream:
     role: str = Role.BOTH  # as the worker reports it (a `Role` name)
     model: str | None = None  # the primary served name
     models: tuple[str, ...] = ()  # every name it serves, the primary first
+    lora_adapters: tuple[str, ...] = ()  # LoRA adapters it serves (requests may name them)
+    lora_loaded: tuple[str, ...] = ()  # of those, the ones it holds a host copy of
     max_model_len: int | None = None
     healthy: bool = False
     running: int = 0
@@ -56,8 +58,9 @@ class Upstream:
         return self.models or ((self.model,) if self.model else ())
 
     def serves(self, name: str) -> bool:
-        """Whether a request for model `name` may go here (any of its served names)."""
-        return name in self.names
+        """Whether a request for model `name` may go here (any of its served names, or one
+        of its LoRA adapters)."""
+        return name in self.names or name in self.lora_adapters
 
     @property
     def kv_usage(self) -> float:
@@ -204,6 +207,7 @@ def update(ep: Upstream, report: LoadReport) -> None:
     ep.last_seen = time.monotonic()
     ep.role, ep.model = report.role, report.model
     ep.models = tuple(report.models or [ep.model])  # older workers: one name
+    ep.lora_adapters, ep.lora_loaded = tuple(report.lora_adapters), tuple(report.lora_loaded)
     ep.max_model_len = report.max_model_len
     ep.running, ep.waiting = report.running, report.waiting
     ep.kv_blocks_used = report.kv_blocks_used

@@ -154,10 +154,13 @@ class WorkerState:
             lora=WorkerLoRA(engine.lora_registry, settings.model_names))
 
     def load_report(self) -> LoadReport:
-        """Role, model and load (the KV pool: blocks used, total, tokens a block): what
-        `/load` answers and the registry's heartbeat says."""
+        """Role, model and load (the KV pool: blocks used, total, tokens a block), and its
+        LoRA adapters: what `/load` answers and the registry's heartbeat says."""
         stats, engine = self._stats() or EngineStats(), self.engine
+        loras = engine.lora_registry if engine is not None else None
         return LoadReport(
+            lora_adapters=loras.names() if loras is not None else [],
+            lora_loaded=loras.host_names() if loras is not None else [],
             role=self.settings.role, model=self.settings.model_name,
             models=list(self.settings.model_names), ready=self.ready,
             running=stats.running, waiting=engine.num_waiting if engine is not None else 0,

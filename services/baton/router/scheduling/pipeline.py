@@ -20,7 +20,10 @@ from baton.router.scheduling.scorers import SCORERS
 DEFAULT_FILTERS = ("healthy", "circuit", "model", "role", "not_tried")
 PREFILL_FILTERS = ("healthy", "circuit", "model", "role", "not_saturated")
 POLICIES = {
-    "load": ({"queue": 1.0, "kv_usage": 1.0, "prefix": 1.0, "session": 1.0}, "max_score"),
+    # lora 0.75: a worker holding the request's adapter keeps its traffic while it has
+    # fewer than 3 requests queued against an idle worker that would load it (queue scorer)
+    "load": ({"queue": 1.0, "kv_usage": 1.0, "prefix": 1.0, "session": 1.0, "lora": 0.75},
+             "max_score"),
     "round_robin": ({}, "round_robin"),
     "random": ({}, "random"),
 }

@@ -59,3 +59,15 @@ def session(endpoints: list[Upstream], ctx: RoutingContext) -> list[float]:
 
     best = max(endpoints, key=weight)
     return [1.0 if e is best else 0.0 for e in endpoints]
+
+
+@register("lora")
+def lora(endpoints: list[Upstream], ctx: RoutingContext) -> list[float]:
+    """A request naming a LoRA adapter: 1 where the worker holds its host copy, 0 where it
+    would read it from disk first — affinity to the pods that have it, which the load
+    scorers outweigh once those are busy (spill-over). The same for every worker for a
+    base model request."""
+    if ctx.model is None:
+        return [1.0] * len(endpoints)
+    return [0.0 if ctx.model in e.lora_adapters and ctx.model not in e.lora_loaded else 1.0
+            for e in endpoints]
