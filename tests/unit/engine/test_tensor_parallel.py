@@ -56,3 +56,26 @@ def test_tp2_equals_tp1_with_prompt_logprobs(tmp_path, model_dir):
         assert len(two.prompt_logprobs) == len(one.prompt_logprobs)
         for a, b in zip(one.prompt_logprobs[1:], two.prompt_logprobs[1:]):
             assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < 1e-4
+
+
+def test_tp2_speculates_exactly(tmp_path, model_dir):
+    """n-gram speculation on two ranks: each verify chunk runs on both (the followers see
+    the same rows), greedy tokens equal the same engine's without it, and guesses were
+    verified."""
+    tiny_llama(tmp_path, model_dir, 2)
+    loop = [7, 8, 9, 10, 11, 12] * 12  # a prompt whose continuation lookup can guess
+    prompts = [{"prompt_token_ids": loop}, {"prompt_token_ids": loop[3:] + [5, 6]}]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    kwargs = dict(dtype="float32", tensor_parallel_size=2, num_threads=1, num_kv_blocks=256)
+    spec = '{"method": "ngram", "num_speculative_tokens": 3, "disable_by_batch_size": 4}'
+    outs, verified = {}, 0
+    for name, extra in (("plain", {}), ("spec", {"speculative_config": spec})):
+        llm = LLM(str(tmp_path), **kwargs, **extra)
+        try:
+            outs[name] = [o.outputs[0].token_ids
+                          for o in llm.generate(prompts, params, use_tqdm=False)]
+            verified = llm.engine.speculator.counters.verified_requests
+        finally:
+            llm.engine.close()
+    assert outs["spec"] == outs["plain"]
+    assert verified > 0

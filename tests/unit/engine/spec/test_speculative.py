@@ -106,6 +106,21 @@ def test_seeded_sampled_requests_speculate_reproducibly(spec, prompts):
     _same(first, spec.generate(prompts[:2], seeded, use_tqdm=False))
 
 
+def test_n_choices_each_speculate(plain, spec, prompts):
+    """n > 1: every choice is a request of its own that guesses; greedy choices equal plain
+    decoding's, seeded sampled ones are reproducible."""
+    greedy = _greedy(n=3, max_tokens=40)
+    ref = plain.generate(prompts[0], greedy, use_tqdm=False)[0].outputs
+    before = spec.engine.speculator.counters.verified_requests
+    got = spec.generate(prompts[0], greedy, use_tqdm=False)[0].outputs
+    assert spec.engine.speculator.counters.verified_requests - before >= 3
+    assert [o.token_ids for o in got] == [o.token_ids for o in ref] and len(got) == 3
+    sampled = SamplingParams(n=3, temperature=0.8, seed=11, max_tokens=30)
+    once, again = (spec.generate(prompts[1], sampled, use_tqdm=False)[0].outputs
+                   for _ in range(2))
+    assert [o.token_ids for o in once] == [o.token_ids for o in again]
+
+
 RECORD = {"type": "object", "additionalProperties": False,
           "required": ["name", "city", "zip"],
           "properties": {"name": {"type": "string"}, "city": {"type": "string"},
