@@ -19,6 +19,7 @@ section; every field is optional (absent = keep the service's own value):
       kv_transfer_timeout_s: 30
       kv_failure_policy: recompute
       speculative_config: {method: ngram, num_speculative_tokens: 4}   # live; {method: null}: off
+      lora_modules: {sql: /models/adapters/sql}   # live: LoRA adapters loaded / unloaded
       restart: {dtype: bfloat16, num_kv_blocks: 4096, block_size: 16, max_model_len: 8192}
 
 `restart` holds knobs read only at start; a reload that changes one says so in the log and
@@ -78,6 +79,11 @@ class WorkerTuning(BaseModel):
     kv_failure_policy: Literal["recompute", "fail"] | None = None
     # `--speculative-config` as a mapping (`{method: null}` turns it off); the engine checks it
     speculative_config: dict[str, Any] | None = None
+    # LoRA adapters this file serves, name -> path (a directory, a hub cache repo, hf://):
+    # at start beside `--lora-modules`; on a reload the ones it adds load and the ones it
+    # drops unload (`worker/tuning.py`); {} turns LoRA on with none
+    lora_modules: dict[Annotated[str, Field(min_length=1, max_length=128)],
+                       Annotated[str, Field(min_length=1)]] | None = None
     restart: RestartKnobs = Field(default_factory=RestartKnobs)
 
 
