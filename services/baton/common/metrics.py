@@ -142,13 +142,17 @@ class EngineCollector(Collector):
 
 # kind -> adapter -> count (`engine.lora.stats.LoRACounters.snapshot`)
 LoRACounts = dict[str, dict[str, int]]
-# the counters' series: name -> (the counters' kinds by tier label, or one kind; help)
-LORA_SERIES: dict[str, tuple[dict[str, str], str]] = {
-    "baton:lora_requests": ({"": "requests"}, "Requests served with each LoRA adapter."),
-    "baton:lora_loads": ({"host": "host_loads", "device": "loads"},
+# the counters' series: name -> (its second label, the counters' kinds by that label's
+# value; or no second label and one kind), help
+LORA_SERIES: dict[str, tuple[str | None, dict[str, str], str]] = {
+    "baton:lora_requests": (None, {"": "requests"}, "Requests served with each LoRA adapter."),
+    "baton:lora_tokens": ("kind", {"prompt": "prompt_tokens", "generation": "generation_tokens"},
+                          "Prompt tokens of finished requests and generated tokens, by LoRA "
+                          "adapter."),
+    "baton:lora_loads": ("tier", {"host": "host_loads", "device": "loads"},
                          "LoRA adapter copies made: read from disk into host memory (host), "
                          "copied into a resident slot (device)."),
-    "baton:lora_evictions": ({"host": "host_evictions", "device": "evictions"},
+    "baton:lora_evictions": ("tier", {"host": "host_evictions", "device": "evictions"},
                              "LoRA adapter copies dropped: host copies beyond "
                              "--max-cpu-loras (host), resident slots beyond --max-loras "
                              "(device)."),
@@ -168,13 +172,12 @@ class LoRACollector(Collector):
         counts = self._snapshot()
         if counts is None:
             return
-        for name, (kinds, doc) in LORA_SERIES.items():
-            tiered = "" not in kinds
-            family = CounterMetricFamily(name, doc, labels=["adapter", "tier"] if tiered
-                                         else ["adapter"])
-            for tier, kind in kinds.items():
-                for adapter, value in sorted(counts.get(kind, {}).items()):
-                    family.add_metric([adapter, tier] if tiered else [adapter], value)
+        for name, (label, kinds, doc) in LORA_SERIES.items():
+            family = CounterMetricFamily(name, doc, labels=["adapter"] + ([label] if label
+                                                                          else []))
+            for value, kind in kinds.items():
+                for adapter, count in sorted(counts.get(kind, {}).items()):
+                    family.add_metric([adapter] + ([value] if label else []), count)
             yield family
 
 

@@ -28,6 +28,7 @@ from baton.engine.context_window import check_context
 from baton.engine.errors import InvalidRequestError
 from baton.engine.kv_connector import KVHandoff
 from baton.engine.lora.adapter import LoRAAdapter
+from baton.engine.lora.stats import LoRACounters
 from baton.engine.outputs import EngineOutput
 from baton.engine.request import Request
 from baton.engine.structured.base import CompiledGrammar
@@ -66,9 +67,12 @@ Update = tuple[Job, list[EngineOutput]]
 
 
 class Serving:
-    def __init__(self, engine: AsyncEngine, metrics: WorkerMetrics, max_waiting: int) -> None:
+    def __init__(self, engine: AsyncEngine, metrics: WorkerMetrics, max_waiting: int,
+                 lora_counters: LoRACounters | None = None) -> None:
+        """`lora_counters`: where tokens of LoRA adapters' requests are counted."""
         self.engine = engine
         self.metrics = metrics
+        self.lora_counters = lora_counters
         self.max_waiting = max_waiting
         self.max_model_len = engine.max_model_len
         self.fair_share = FairShare(max_waiting)
@@ -217,12 +221,23 @@ class Serving:
                     m.itl.observe(0.0)
             job.last_token_at = now
         finish = batch[-1].finish_reason
+        self._count_lora_tokens(job, num_tokens, finish is not None)
         if finish is not None:
             job.finish_reason = finish
             m.e2e.observe(now - job.arrival)
             m.requests.labels(finish).inc()
             if job.queue_s is not None:
                 m.queue_time.observe(job.queue_s)
+
+
+    def _count_lora_tokens(self, job: Job, generated: int, finished: bool) -> None:
+        if self.lora_counters is None or job.request.lora is None:
+            return
+        lora = job.request.lora
+        if generated:
+            self.lora_counters.count("generation_tokens", lora.name, generated)
+        if finished:
+            self.lora_counters.count("prompt_tokens", lora.name, len(job.prompt_ids))
 
 
 class RequestFailedError(RuntimeError):

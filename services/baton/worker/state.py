@@ -146,12 +146,14 @@ class WorkerState:
         engine.start()
         self.engine = engine
         settings = self.settings
-        serving = Serving(engine, self.metrics, settings.max_waiting)
+        loras = engine.lora_registry
+        serving = Serving(engine, self.metrics, settings.max_waiting,
+                          loras.counters if loras is not None else None)
         fmt = OpenAIFormat(engine.tokenizer, settings.model_name, settings.tool_call_parser,
                            settings.reasoning_parser)
         self.pipeline = Pipeline(serving, fmt, self.tracing, priority_scheduling=(
             settings.engine.scheduler.policy == "priority"), model_names=settings.model_names,
-            lora=WorkerLoRA(engine.lora_registry, settings.model_names))
+            lora=WorkerLoRA(loras, settings.model_names))
 
     def load_report(self) -> LoadReport:
         """Role, model and load (the KV pool: blocks used, total, tokens a block), and its

@@ -100,6 +100,8 @@ def test_metrics_count_each_adapter(setup):
     series = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
               for line in text.splitlines() if line.startswith("baton:lora_")}
     assert series['baton:lora_requests_total{adapter="m1"}'] == 1
+    assert series['baton:lora_tokens_total{adapter="m1",kind="generation"}'] == 5
+    assert series['baton:lora_tokens_total{adapter="m1",kind="prompt"}'] == len(PROMPT)
     assert series['baton:lora_loads_total{adapter="m1",tier="host"}'] == 2
     assert series['baton:lora_evictions_total{adapter="m1",tier="host"}'] == 2
     assert series['baton:lora_loads_total{adapter="m1",tier="device"}'] == 1

@@ -7,9 +7,11 @@ from __future__ import annotations
 import threading
 from collections import Counter
 
-# the counters' names: requests served; host copies read from disk and dropped
-# (`--max-cpu-loras`); resident copies made and evicted (`--max-loras`)
-KINDS = ("requests", "host_loads", "host_evictions", "loads", "evictions")
+# the counters' names: requests served, their prompt tokens and generated tokens (the
+# worker's count); host copies read from disk and dropped (`--max-cpu-loras`); resident
+# copies made and evicted (`--max-loras`)
+KINDS = ("requests", "prompt_tokens", "generation_tokens", "host_loads", "host_evictions",
+         "loads", "evictions")
 
 
 class LoRACounters:
