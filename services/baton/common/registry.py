@@ -57,6 +57,9 @@ class LoadReport(BaseModel):
     # model), and those it holds a host copy of (no disk read before serving them)
     lora_adapters: list[str] = Field(default_factory=list)
     lora_loaded: list[str] = Field(default_factory=list)
+    # each adapter's KV hash root (`hashing.lora_root_hash`, hex): its requests' block
+    # hashes chain from it, so the router hashes their prompts as the engine does
+    lora_roots: dict[str, str] = Field(default_factory=dict)
 
 
 class WorkerRecord(LoadReport):

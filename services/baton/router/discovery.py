@@ -36,6 +36,7 @@ class Upstream:
     models: tuple[str, ...] = ()  # every name it serves, the primary first
     lora_adapters: tuple[str, ...] = ()  # LoRA adapters it serves (requests may name them)
     lora_loaded: tuple[str, ...] = ()  # of those, the ones it holds a host copy of
+    lora_roots: dict[str, str] = field(default_factory=dict)  # adapter -> KV hash root (hex)
     max_model_len: int | None = None
     healthy: bool = False
     running: int = 0
@@ -208,6 +209,7 @@ def update(ep: Upstream, report: LoadReport) -> None:
     ep.role, ep.model = report.role, report.model
     ep.models = tuple(report.models or [ep.model])  # older workers: one name
     ep.lora_adapters, ep.lora_loaded = tuple(report.lora_adapters), tuple(report.lora_loaded)
+    ep.lora_roots = dict(report.lora_roots)
     ep.max_model_len = report.max_model_len
     ep.running, ep.waiting = report.running, report.waiting
     ep.kv_blocks_used = report.kv_blocks_used

@@ -73,11 +73,12 @@ def prompt_of(api: str, req: OpenAIBody) -> str | list[int] | None:
     return prompts[0] if len(prompts) == 1 else None
 
 
-def block_hashes(prompt: str | list[int]) -> list[str]:
+def block_hashes(prompt: str | list[int], seed: int = 0) -> list[str]:
     """The chained hashes of the prompt's whole blocks (valid within this process only:
-    Python salts string hashes per process)."""
+    Python salts string hashes per process); `seed`: where the chain starts (a LoRA
+    adapter's KV hash root: its prompts never match the base model's)."""
     step = CHARS_PER_BLOCK if isinstance(prompt, str) else TOKENS_PER_BLOCK
-    out, prev = [], 0
+    out, prev = [], seed
     for i in range(0, len(prompt) - step + 1, step):  # whole blocks only
         prev = hash((prev, prompt[i:i + step] if isinstance(prompt, str)
                      else tuple(prompt[i:i + step])))

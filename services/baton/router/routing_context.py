@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 
+from baton.common.hashing import ROOT_HASH
 from baton.common.internal import OpenAIBody
 from baton.common.protocol import ChatCompletionRequest, CompletionRequest
 from baton.router.discovery import Discovery
@@ -74,10 +75,20 @@ class ContextBuilder:
             if ctx is not None:
                 return ctx
         prompt = prompt_of(api, req)
+        root = self.hash_root(req.model)
         return RoutingContext(model=req.model, prefix_index=self.approximate,
-                              prefix_hashes=block_hashes(prompt) if prompt else (),
+                              prefix_hashes=block_hashes(prompt, root) if prompt else (),
                               block_tokens=TOKENS_PER_BLOCK,
                               prompt_tokens=estimate_prompt_tokens(api, req), session=session)
+
+    def hash_root(self, model: str) -> int:
+        """Where `model`'s block hashes chain from: a LoRA adapter's root as a worker serving
+        it reports it, else the base model's (ROOT_HASH)."""
+        for e in self.discovery.all():
+            root = e.lora_roots.get(model)
+            if root is not None and e.healthy:
+                return int(root, 16)
+        return ROOT_HASH
 
     async def _exact(self, api: str, req: OpenAIBody, body_bytes: int,
                      session: str | None) -> RoutingContext | None:
@@ -89,7 +100,9 @@ class ContextBuilder:
                if body_bytes > INLINE_TOKENIZE_BYTES else tok.prompt_ids(api, req))
         if ids is None:
             return None
+        root = self.hash_root(req.model)
         return RoutingContext(model=req.model, prefix_index=self.exact,
-                              prefix_hashes=tok.block_hashes(ids), block_tokens=tok.block_size,
+                              prefix_hashes=tok.block_hashes(ids, root),
+                              block_tokens=tok.block_size,
                               prompt_tokens=len(ids) if splittable(api, req) else None,
                               session=session)

@@ -24,7 +24,7 @@ from typing import Any, NoReturn
 
 import aiohttp
 
-from baton.common.hashing import hash_token_blocks
+from baton.common.hashing import ROOT_HASH, hash_token_blocks
 from baton.common.internal import OpenAIBody
 from baton.common.prompt_bound import max_prompt_chars
 from baton.common.protocol import ChatCompletionRequest, CompletionRequest
@@ -97,9 +97,10 @@ class RouterTokenizer:
     def _too_long(self, text: str) -> bool:
         return self._max_chars is not None and len(text) > self._max_chars
 
-    def block_hashes(self, ids: list[int]) -> list[str]:
-        """The engine's hashes of the prompt's full blocks, as the registry spells them."""
-        return [hash_hex(h) for h in hash_token_blocks(ids, self.block_size)]
+    def block_hashes(self, ids: list[int], root: int = ROOT_HASH) -> list[str]:
+        """The engine's hashes of the prompt's full blocks, as the registry spells them;
+        `root`: a LoRA adapter's (`LoadReport.lora_roots`), the base model's by default."""
+        return [hash_hex(h) for h in hash_token_blocks(ids, self.block_size, root)]
 
 
 class TokenizerCache:

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 
 from baton.common.errors import OpenAIError
 from baton.common.metrics import LoRACounts, WorkerMetrics
-from baton.common.registry import LoadReport
+from baton.common.registry import LoadReport, hash_hex
 from baton.common.roles import ROLE_NAMES, Role
 from baton.common.stats import EngineStats
 from baton.common.tracing import setup_tracing
@@ -163,6 +163,8 @@ class WorkerState:
         return LoadReport(
             lora_adapters=loras.names() if loras is not None else [],
             lora_loaded=loras.host_names() if loras is not None else [],
+            lora_roots=({n: hash_hex(r) for n, r in loras.roots().items()}
+                        if loras is not None else {}),
             role=self.settings.role, model=self.settings.model_name,
             models=list(self.settings.model_names), ready=self.ready,
             running=stats.running, waiting=engine.num_waiting if engine is not None else 0,

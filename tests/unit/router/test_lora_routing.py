@@ -11,8 +11,12 @@ import json
 import aiohttp
 from aiohttp import web
 
-from baton.common.registry import LoadReport
-from baton.router.discovery import Upstream, update
+from baton.common.hashing import ROOT_HASH, hash_token_blocks, lora_root_hash
+from baton.common.protocol import CompletionRequest, parse_request
+from baton.common.registry import LoadReport, hash_hex
+from baton.router.discovery import StaticDiscovery, Upstream, update
+from baton.router.prefix import BlockIndex
+from baton.router.routing_context import ContextBuilder
 from baton.router.scheduling.context import RoutingContext
 from baton.router.scheduling.pipeline import RoutingPipeline
 from tests.unit.router.fakes import FakePod, chat, content, post, start, stop, stream
@@ -73,3 +77,40 @@ def test_workers_holding_the_adapter_are_preferred_until_they_are_busy():
     assert pipeline.pick([cold, busy], RoutingContext(model="sql")) is cold  # spill-over
     # a base model request: the adapters change nothing
     assert pipeline.pick([busy, cold], RoutingContext(model="base")) is cold
+
+
+class RootTokenizer:
+    block_size = 16
+
+    def prompt_ids(self, api: str, req) -> list[int]:
+        return list(range(100, 150))
+
+    def block_hashes(self, ids: list[int], root: int = ROOT_HASH) -> list[str]:
+        return [hash_hex(h) for h in hash_token_blocks(ids, self.block_size, root)]
+
+
+class Tokenizers:
+    def get(self, model: str, urls: list[str]) -> RootTokenizer:
+        return RootTokenizer()
+
+
+def test_adapter_prompts_hash_from_the_adapters_root():
+    """The exact hashes of an adapter's prompt chain from the root its workers report
+    (what the engine hashes, `tests/unit/engine/lora/test_hashes.py`); the estimated ones
+    differ from the base model's too."""
+    discovery = StaticDiscovery(["http://w"])
+    ep = discovery.all()[0]
+    root = lora_root_hash("digest")
+    update(ep, LoadReport(role="both", model="base", lora_adapters=["sql"],
+                          lora_roots={"sql": hash_hex(root)}))
+    body = {"model": "sql", "prompt": list(range(100, 150))}
+    sql = parse_request(CompletionRequest, json.dumps(body).encode())
+    base = parse_request(CompletionRequest, json.dumps(body | {"model": "base"}).encode())
+    exact = ContextBuilder(discovery, BlockIndex(), Tokenizers())
+    assert list(asyncio.run(exact.build("completions", sql)).prefix_hashes) == [
+        hash_hex(h) for h in hash_token_blocks(list(range(100, 150)), 16, root)]
+    assert list(asyncio.run(exact.build("completions", base)).prefix_hashes) == [
+        hash_hex(h) for h in hash_token_blocks(list(range(100, 150)), 16)]
+    estimate = ContextBuilder(discovery, None, Tokenizers())
+    a, b = (asyncio.run(estimate.build("completions", r)).prefix_hashes for r in (sql, base))
+    assert a and b and not set(a) & set(b)

@@ -19,8 +19,8 @@ class FakeTokenizer:
         prompts = req.prompts() if api == "completions" else ["chat"]
         return list(range(10)) if len(prompts) == 1 else None
 
-    def block_hashes(self, ids: list[int]) -> list[str]:
-        return [f"{i:x}" for i in range(len(ids) // self.block_size)]
+    def block_hashes(self, ids: list[int], root: int = 0) -> list[str]:
+        return [f"{i + root:x}" for i in range(len(ids) // self.block_size)]
 
 
 class FakeTokenizers:

@@ -67,6 +67,10 @@ def test_models_lists_adapters_with_their_parent(setup):
     assert code == 200 and list(cards) == ["tiny", "a0"]
     assert cards["a0"]["parent"] == "tiny" and cards["a0"]["root"] == str(root / "a0")
     assert "parent" not in cards["tiny"]
+    code, raw = call(app, "GET", "/load")  # what routers and the registry read
+    load = json.loads(raw)
+    assert load["lora_adapters"] == ["a0"] and "a0" in load["lora_loaded"]
+    assert set(load["lora_roots"]) == {"a0"}
 
 
 def test_load_and_unload_at_run_time(setup):

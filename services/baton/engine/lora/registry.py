@@ -23,6 +23,7 @@ class AdapterRegistry:
         self._build, self.host_capacity, self.counters = build, host_capacity, counters
         self._lock = threading.Lock()
         self._paths: dict[str, str] = {}
+        self._roots: dict[str, int] = {}  # name -> its KV hash root (`LoRAAdapter.root_hash`)
         self._host: OrderedDict[str, LoRAAdapter] = OrderedDict()  # least recent first
         self._next_id = 1
 
@@ -34,6 +35,11 @@ class AdapterRegistry:
         """name -> the path it was loaded from, every adapter served."""
         with self._lock:
             return dict(self._paths)
+
+    def roots(self) -> dict[str, int]:
+        """name -> the KV hash root its requests' block hashes chain from (as loaded)."""
+        with self._lock:
+            return dict(self._roots)
 
     def host_names(self) -> list[str]:
         with self._lock:
@@ -55,6 +61,7 @@ class AdapterRegistry:
             if name in self._paths:  # another thread added it meanwhile
                 raise LoRAError(f"the name {name!r} is already served")
             self._paths[name] = path
+            self._roots[name] = adapter.root_hash
             self._keep(adapter)
         return adapter
 
@@ -65,6 +72,7 @@ class AdapterRegistry:
             if self._paths.pop(name, None) is None:
                 raise UnknownLoRAError(name, list(self._paths))
             self._host.pop(name, None)
+            self._roots.pop(name, None)
 
     def get(self, name: str) -> LoRAAdapter:
         """The host copy of `name` for a request (read again if it was dropped), counted as
