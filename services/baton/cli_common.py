@@ -169,6 +169,10 @@ def _batching_flags(g) -> None:
                    help="KV cache storage: auto = the model's dtype; fp8 (= fp8_e4m3) or "
                         "fp8_e5m2 halve bf16's bytes per block, with the checkpoint's "
                         "k/v scales (1.0 without)")
+    g.add_argument("--kv-offload-gib", type=float, default=engine_default("kv_offload_gib"),
+                   help="host memory for the KV offload tier under the pool: blocks the "
+                        "pool evicts are kept there and loaded back on a prefix hit "
+                        "(default 0: none)")
     g.add_argument("--no-prefix-caching", action="store_true",
                    default=not engine_default("enable_prefix_caching"))
     g.add_argument("--scheduling-policy", default=engine_default("scheduling_policy"),
@@ -242,7 +246,8 @@ _ENGINE_FIELDS = {dest: dest for dest in (
     "model", "revision", "skip_tokenizer_init", "dtype", "quantization", "block_size",
     "max_num_seqs",
     "max_num_batched_tokens", "max_model_len",
-    "num_kv_blocks", "gpu_memory_utilization", "kv_cache_dtype", "scheduling_policy",
+    "num_kv_blocks", "gpu_memory_utilization", "kv_cache_dtype", "kv_offload_gib",
+    "scheduling_policy",
     "speculative_config",
     "num_threads", "device", "attention_backend", "enforce_eager", "deterministic",
     "tensor_parallel_size", "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras",

@@ -106,6 +106,20 @@ ENGINE_SERIES = {
     "baton:kv_transfer_bytes_total": ("counter", "KV bytes pulled from prefill workers."),
     "baton:kv_transfer_failures_total": ("counter", "KV pulls that failed."),
     "baton:kv_leases_held": ("gauge", "Prefilled requests whose blocks wait for a pull."),
+    "baton:kv_offload_hit_blocks_total": ("counter", "KV blocks of prompts loaded back from "
+                                          "the host offload tier."),
+    "baton:kv_offload_hit_tokens_total": ("counter", "Prompt tokens served from the host "
+                                          "offload tier (not recomputed)."),
+    "baton:kv_offload_bytes_total": ("counter", "KV bytes copied from the device pool to "
+                                     "the host offload tier."),
+    "baton:kv_offload_loaded_bytes_total": ("counter", "KV bytes copied from the host "
+                                            "offload tier back to the device pool."),
+    "baton:kv_offload_skipped_total": ("counter", "Evicted KV blocks not offloaded: past "
+                                       "the per-step bound on offload copies."),
+    "baton:kv_offload_blocks_held": ("gauge", "KV blocks held by the host offload tier."),
+    "baton:kv_offload_blocks_total": ("gauge", "KV blocks the host offload tier can hold."),
+    "baton:kv_offload_queue_depth": ("gauge", "Offload copies the last step's evictions "
+                                     "queued."),
 }
 
 

@@ -19,6 +19,32 @@ class KVTransferStats:
 
 
 @dataclass(frozen=True)
+class KVTierStats:
+    """The host offload tier under the KV pool (`engine.kv_tier`): prefix hits served from
+    it, bytes copied each way, blocks it holds, and the offload copies of the last step
+    (the queue a step's evictions fill; `offload_skipped_total` went past its bound)."""
+
+    hit_blocks_total: int = 0
+    hit_tokens_total: int = 0
+    offloaded_bytes_total: int = 0
+    loaded_bytes_total: int = 0
+    offload_skipped_total: int = 0
+    blocks_held: int = 0
+    blocks_total: int = 0
+    offload_queue_depth: int = 0
+
+    def series(self) -> dict[str, float]:
+        return {"baton:kv_offload_hit_blocks_total": self.hit_blocks_total,
+                "baton:kv_offload_hit_tokens_total": self.hit_tokens_total,
+                "baton:kv_offload_bytes_total": self.offloaded_bytes_total,
+                "baton:kv_offload_loaded_bytes_total": self.loaded_bytes_total,
+                "baton:kv_offload_skipped_total": self.offload_skipped_total,
+                "baton:kv_offload_blocks_held": self.blocks_held,
+                "baton:kv_offload_blocks_total": self.blocks_total,
+                "baton:kv_offload_queue_depth": self.offload_queue_depth}
+
+
+@dataclass(frozen=True)
 class SpecStats:
     """Speculative decoding (`engine.spec`): guesses proposed and accepted, the (request,
     step) pairs that verified guesses, and how often the guess at each position was
@@ -48,6 +74,7 @@ class EngineStats:
     preemptions_total: int = 0
     kv_transfer: KVTransferStats | None = None  # None: no KV connector
     spec: SpecStats | None = None  # None: no speculative decoding
+    kv_tier: KVTierStats | None = None  # None: no host offload tier
 
     @property
     def kv_cache_usage_ratio(self) -> float:
@@ -74,4 +101,6 @@ class EngineStats:
             out |= {"baton:kv_transfer_bytes_total": self.kv_transfer.bytes_total,
                     "baton:kv_transfer_failures_total": self.kv_transfer.failures_total,
                     "baton:kv_leases_held": self.kv_transfer.leases_held}
+        if self.kv_tier is not None:
+            out |= self.kv_tier.series()
         return out

@@ -160,6 +160,7 @@ class CacheConfig:
     # None: DEFAULT_GPU_MEMORY_UTILIZATION). Two engines on one GPU each take their own.
     gpu_memory_utilization: float | None = None
     kv_cache_dtype: KVCacheDType = KVCacheDType.AUTO  # fp8 holds 2x bf16's blocks
+    kv_offload_gib: float = 0.0  # the host tier under the pool (`engine.kv_tier`); 0: none
 
     def __post_init__(self) -> None:
         _check(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), "block_size", self.block_size,
@@ -169,9 +170,9 @@ class CacheConfig:
         _check(self.kv_cache_memory_bytes is None or self.kv_cache_memory_bytes > 0,
                "kv_cache_memory_bytes", self.kv_cache_memory_bytes, "must be None or > 0")
         _check(self.gpu_memory_utilization is None or 0 < self.gpu_memory_utilization <= 1,
-               "gpu_memory_utilization", self.gpu_memory_utilization,
-               "must be None or in (0, 1]")
+               "gpu_memory_utilization", self.gpu_memory_utilization, "must be None or in (0, 1]")
         _coerce(self, "kv_cache_dtype", KVCacheDType, "kv_cache_dtype")
+        _check(self.kv_offload_gib >= 0, "kv_offload_gib", self.kv_offload_gib, "must be >= 0")
 
     @property
     def budget_bytes(self) -> int:
@@ -281,7 +282,7 @@ ARGS: dict[str, tuple[str, ...]] = {
         "deterministic")},
     **{name: ("cache", name) for name in (
         "block_size", "enable_prefix_caching", "num_kv_blocks", "kv_cache_memory_bytes",
-        "gpu_memory_utilization", "kv_cache_dtype")},
+        "gpu_memory_utilization", "kv_cache_dtype", "kv_offload_gib")},
     "max_num_batched_tokens": ("scheduler", "max_num_batched_tokens"),
     "max_num_seqs": ("scheduler", "max_num_seqs"),
     "scheduling_policy": ("scheduler", "policy"),

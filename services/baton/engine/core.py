@@ -19,7 +19,7 @@ from baton.engine.config import EngineConfig, LiveSettings
 from baton.engine.context_window import check_context, fit_kv_pool
 from baton.engine.errors import EngineStepError, InvalidRequestError
 from baton.engine.kv_cache import KVCacheManager
-from baton.engine.kv_connector.base import KVConnector
+from baton.engine.kv_connector.factory import make_connector
 from baton.engine.kv_connector.handoff import KVHandoff, PullKV
 from baton.engine.lora.requests import LoRAAdapter, check_lora_request
 from baton.engine.models.loader import resolve_model_dir
@@ -66,7 +66,7 @@ class EngineCore:
         window = self.model_config.sliding_window if self.model_config.all_sliding else None
         self.kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size,
                                  config.cache.enable_prefix_caching, sliding_window=window)
-        self.connector = _make_connector(config, self.runner)
+        self.connector = make_connector(config, self.runner, self.kv)
         limits = config.scheduler
         self.scheduler = make_scheduler(SchedulerLimits(
             limits.max_num_batched_tokens, limits.max_num_seqs, max_len, limits.policy,
@@ -345,7 +345,8 @@ class EngineCore:
             prefix_cache_hit_tokens_total=self.scheduler.prefix_hit_tokens,
             preemptions_total=self.stats.preemptions_total,
             kv_transfer=self.connector.kv_stats() if self.connector is not None else None,
-            spec=self.speculator.stats())
+            spec=self.speculator.stats(),
+            kv_tier=self.connector.tier_stats() if self.connector is not None else None)
 
     def take_kv_transfer_durations(self) -> list[float]:
         """Seconds each KV load took since the last call (thread-safe)."""
@@ -385,16 +386,3 @@ def _arrived_logprobs(req: Request) -> TokenLogprobs | None:
     return TokenLogprobs(handoff.params.first_token, lp.logprob, lp.rank,
                          [(t, v) for t, v in lp.top[:k]])
 
-
-def _make_connector(config: EngineConfig, runner) -> KVConnector | None:
-    kv = config.kv_transfer
-    if kv.transport is None:
-        return None
-    from baton.engine.kv_connector.tp_ranks import TensorParallelKV
-    from baton.engine.kv_connector.transport import TransportKVConnector
-
-    size = config.parallel.tensor_parallel_size
-    tp = None if size == 1 else TensorParallelKV(runner.tp_leader, 0,
-                                                 runner.model_config.num_kv_heads, size)
-    return TransportKVConnector(kv.transport, runner.kv_cache, kv.engine_id, kv.live, kv.host,
-                                kv.port, secret=kv.secret, tp=tp)

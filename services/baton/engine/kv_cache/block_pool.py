@@ -9,11 +9,15 @@ routing), every change to the set of findable hashes is appended to `events` as
 whole cache. The engine thread appends; the publisher on another thread pops (a deque is
 safe for one appender and one popper). The deque is bounded: a publisher that fell behind
 sees `events_appended` run ahead of what it popped and resends a snapshot instead.
+
+An eviction listener (`on_evict`, the host offload tier) hears of each cached block handed
+out again while its KV is still intact: the next forward overwrites it.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 
@@ -36,6 +40,7 @@ class BlockPool:
         self._cached: dict[int, KVBlock] = {}  # block hash -> block
         self.events: deque[tuple[bool, int | None]] | None = None
         self.events_appended = 0
+        self._on_evict: Callable[[int, int], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -94,11 +99,19 @@ class BlockPool:
         self._cached.clear()
         self._event(False, None)
 
+    def on_evict(self, listener: Callable[[int, int], None]) -> None:
+        """Call `listener(block_id, block_hash)` (engine thread) each time a findable block
+        is taken by `allocate`: its KV stays intact until the next forward writes the
+        block, so the listener may copy it away now."""
+        self._on_evict = listener
+
     def _evict(self, block: KVBlock) -> None:
         if block.block_hash is not None:
             if self._cached.get(block.block_hash) is block:
                 del self._cached[block.block_hash]
                 self._event(False, block.block_hash)
+                if self._on_evict is not None:
+                    self._on_evict(block.block_id, block.block_hash)
             block.block_hash = None
 
     def record_events(self, capacity: int = 1 << 16) -> None:

@@ -136,6 +136,10 @@ class KVCacheManager:
     def reset_prefix_cache(self) -> None:
         self.pool.reset_prefix_cache()
 
+    def on_evict(self, listener) -> None:
+        """`BlockPool.on_evict`: hear of cached blocks handed out again (the offload tier)."""
+        self.pool.on_evict(listener)
+
     # -- internals -------------------------------------------------------------------------
     def _num_out_of_window(self, request: Request, num_computed: int) -> int:
         """Leading blocks no query from position `num_computed` on can see: those wholly

@@ -12,6 +12,10 @@ the scheduler which requests' blocks to keep and, through `poll()`, when they ca
     any end     request_finished(req, block_ids) -> (keep_blocks, params): a prefill held
                 under a lease (params for the puller), or an aborted request whose pull is
                 still writing into its blocks; its blocks come back later in `freeable`
+
+`num_remote_tokens` may count fewer tokens than the rest of the prompt (an offload tier holds
+only some of its blocks): a loaded request joins the running batch with those tokens
+computed and prefills the rest; `loads_locally` says whether they count as cached.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 
 from baton.common.internal import KVTransferParams
-from baton.common.stats import KVTransferStats
+from baton.common.stats import KVTierStats, KVTransferStats
 from baton.engine.config import LiveKVSettings
 from baton.engine.request import Request
 
@@ -54,14 +58,23 @@ class KVConnector(ABC):
     # -- admission -------------------------------------------------------------------------
     @abstractmethod
     def num_remote_tokens(self, req: Request, num_cached: int) -> int:
-        """Prompt tokens of a waiting request whose KV arrives from elsewhere, past its
-        `num_cached` locally cached ones; 0 computes the prompt here."""
+        """Tokens of a waiting request whose KV arrives from elsewhere, right after its
+        `num_cached` locally cached ones, in whole blocks unless they end the prompt; 0:
+        compute them here. At least one of its known tokens is left to compute unless the
+        load brings its first output (a P/D pull)."""
 
     @abstractmethod
     def start_load(self, req: Request, block_ids: list[int]) -> None:
-        """Blocks for `req`'s whole prompt are allocated (`block_ids`, the first
-        `req.num_cached_tokens` tokens' ones already hold its KV): start filling the rest.
-        Never blocks; a load that cannot start is reported failed by the next `poll()`."""
+        """Blocks for the cached and the `num_remote_tokens` tokens are allocated
+        (`block_ids`; those of the `num_cached` ones already hold their KV): start filling
+        the rest. Called in the same `schedule()` as the `num_remote_tokens` that counted
+        them. Never blocks; a load that cannot start is reported failed by `poll()`."""
+
+    def loads_locally(self, req: Request) -> bool:
+        """True when the tokens `num_remote_tokens` just counted for `req` were computed
+        on this engine before (an offload tier's copy): usage reports them as cached.
+        False (the default): they come from another pod's prefill."""
+        return False
 
     @property
     @abstractmethod
@@ -106,11 +119,15 @@ class KVConnector(ABC):
         holds no such lease or its pull has begun. Connectors without leases: False."""
         return False
 
-    def kv_stats(self) -> KVTransferStats:
-        """The connector's part of the engine's stats (any thread)."""
+    def kv_stats(self) -> KVTransferStats | None:
+        """The connector's transfer stats (any thread); None: it transfers nothing."""
         return KVTransferStats(bytes_total=self.stats.bytes, failures_total=self.stats.failures,
                                leases_held=self.num_leases_held,
                                fallbacks=dict(self.stats.fallbacks))
+
+    def tier_stats(self) -> KVTierStats | None:
+        """The offload tier's stats (any thread); None: no tier (the default)."""
+        return None
 
     @abstractmethod
     def close(self) -> None:

@@ -44,6 +44,8 @@ class Scheduler:
         # `fail` policy): the engine reports them with `drain_ended`.
         self._ended: list[Request] = []
         self.connector = connector  # None: this engine neither holds nor pulls KV
+        # Requests loading KV through the connector -> their computed tokens once loaded
+        self._load_ends: dict[str, int] = {}
 
     # -- bookkeeping -----------------------------------------------------------------------
     @property
@@ -94,14 +96,15 @@ class Scheduler:
     def _apply_kv_updates(self, updates: KVUpdates) -> None:
         for req in updates.freeable:
             self.kv.free(req)
-        for req in updates.loaded:  # the prompt's KV is in place: run
+        for req in updates.loaded:  # the loaded KV is in place: run (the rest computes)
             req.kv_handoff = None
-            req.num_computed_tokens = req.num_prompt_tokens
-            self.kv.publish(req, req.num_prompt_tokens)
+            req.num_computed_tokens = self._load_ends.pop(req.request_id)
+            self.kv.publish(req, req.num_computed_tokens)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
         for req in updates.recompute:  # prefill locally, first in line, keeping its token
             req.kv_handoff = None
+            self._load_ends.pop(req.request_id, None)
             self.kv.free(req)
             req.num_computed_tokens = 0
             req.status = RequestStatus.WAITING
@@ -178,14 +181,17 @@ class Scheduler:
             if not self._fits_loras(req):
                 return
             computed, num_cached = self.kv.get_computed_blocks(req)
-            if self.connector is not None and self.connector.num_remote_tokens(req, num_cached):
-                if not self._admit_remote(req, computed, num_cached):
+            num_remote = 0 if self.connector is None else \
+                self.connector.num_remote_tokens(req, num_cached)
+            if num_remote:
+                if not self._admit_remote(req, computed, num_cached, num_remote):
                     return
                 continue
             num_new = min(req.num_tokens - num_cached, budget)
             if self.kv.allocate_slots(req, num_new, computed) is None:
-                if not self.running:
-                    # The pool is all ours and still too small: it can never run.
+                if not self.running and not self._num_loading:
+                    # The pool is all ours and still too small: it can never run (blocks
+                    # of loads in flight come back once they run or end).
                     self.waiting.pop()
                     self._finish(req, RequestStatus.FINISHED_LENGTH_CAPPED)
                     self._ended.append(req)
@@ -208,12 +214,12 @@ class Scheduler:
     def _num_loading(self) -> int:
         return self.connector.num_loading if self.connector is not None else 0
 
-    def _admit_remote(self, req: Request, computed, num_cached: int) -> bool:
-        """Allocate blocks for a prompt whose KV arrives from elsewhere (local prefix hits
-        are kept and not loaded) and start the load; no token budget is spent. False: no
-        room now."""
-        n = req.num_prompt_tokens
-        if self.kv.allocate_slots(req, n - num_cached, computed, publish=False) is None:
+    def _admit_remote(self, req: Request, computed, num_cached: int, num_remote: int) -> bool:
+        """Allocate blocks for the `num_remote` tokens whose KV arrives from elsewhere, past
+        the `num_cached` local prefix hits (kept, not loaded), and start the load; no token
+        budget is spent. False: no room now."""
+        assert self.connector is not None  # _schedule_waiting admits remote KV only with one
+        if self.kv.allocate_slots(req, num_remote, computed, publish=False) is None:
             if not self.running and not self._num_loading:
                 self.waiting.pop()
                 self._finish(req, RequestStatus.FINISHED_LENGTH_CAPPED)
@@ -222,11 +228,13 @@ class Scheduler:
             return False
         self.waiting.pop()
         self.prefix_hit_tokens += num_cached
-        req.num_cached_tokens = num_cached
+        if req.status == RequestStatus.WAITING:  # a preempted one keeps its first count
+            req.num_cached_tokens = num_cached + (
+                num_remote if self.connector.loads_locally(req) else 0)
         req.status = RequestStatus.WAITING_FOR_REMOTE_KV
+        self._load_ends[req.request_id] = num_cached + num_remote
         if req.first_scheduled_time is None:
             req.first_scheduled_time = time.monotonic()
-        assert self.connector is not None  # _schedule_waiting admits remote KV only with one
         self.connector.start_load(req, self.kv.get_block_ids(req.request_id))
         return True
 
@@ -316,6 +324,7 @@ class Scheduler:
         """`req` has ended: its blocks are freed, unless the KV connector keeps them (a
         prefill's blocks leased to a puller, a pull still writing into them)."""
         del self.requests[req.request_id]
+        self._load_ends.pop(req.request_id, None)
         if self.connector is not None:
             keep, req.kv_transfer_params = self.connector.request_finished(
                 req, self.kv.get_block_ids(req.request_id))

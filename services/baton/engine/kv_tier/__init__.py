@@ -1,0 +1,8 @@
+"""The KV cache's host offload tier under the device pool (`--kv-offload-gib`): blocks the
+pool evicts are copied to host memory and loaded back on a later prefix hit, through the
+engine's KV connector seam (`connector.py`), so the scheduler needs no special case."""
+
+from baton.engine.kv_tier.connector import TierConnector
+from baton.engine.kv_tier.host_pool import HostKVPool
+
+__all__ = ["HostKVPool", "TierConnector"]
