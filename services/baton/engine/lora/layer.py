@@ -12,15 +12,27 @@ bit for bit. Without adapter rows in the step (`mask` None) it is the base linea
 
 On CPU in bf16 the delta is `baton_cpu.lora`'s kernel instead (each row its own adapter's
 shrink and expand, float32 between them), the one the one-call decode step calls after
-each linear: a step's adapter rows get the same bits whichever path runs them.
+each linear: a step's adapter rows get the same bits whichever path runs them. On CUDA it
+is `baton_kernels.lora`'s Triton kernels, computing the same.
 """
 
 from __future__ import annotations
 
+from typing import Any, Protocol
+
 import torch
 from torch import nn
 
-from baton_cpu.lora import NativeLoRA
+
+class DeltaKernel(Protocol):
+    """A kernel for the deltas (`baton_cpu.lora.NativeLoRA`, `baton_kernels.lora.TritonLoRA`):
+    `describe` a linear's buffers once; `add` adds each row's delta onto y in place."""
+
+    def describe(self, a: torch.Tensor, b: list[torch.Tensor], parts: list[tuple[int, int]],
+                 out_features: int) -> Any: ...
+
+    def add(self, desc: Any, x: torch.Tensor, row_slots: torch.Tensor,
+            y: torch.Tensor) -> None: ...
 
 
 class LoRAStepState:
@@ -38,13 +50,14 @@ class LoRAStepState:
 class LoRALinear(nn.Module):
     """`base` with the step's LoRA deltas. `a` (slots, P R, in): every part's A stacked;
     `b[p]` (slots, R, cols_p): part p's B^T, scaled, for output columns `parts[p]` =
-    (first, count). `slots.py` fills them. `native`: the bf16 CPU kernel, when it runs."""
+    (first, count). `slots.py` fills them. `native`: the device's delta kernel, where one
+    runs (else two torch matmuls)."""
 
     a: torch.Tensor
 
     def __init__(self, base: nn.Module, a: torch.Tensor, b: list[torch.Tensor],
                  parts: list[tuple[int, int]], state: LoRAStepState,
-                 native: NativeLoRA | None = None) -> None:
+                 native: DeltaKernel | None = None) -> None:
         super().__init__()
         self.base, self.state, self.parts = base, state, parts
         self.register_buffer("a", a, persistent=False)

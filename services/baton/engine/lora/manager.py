@@ -18,7 +18,7 @@ import torch
 
 from baton.engine.lora.adapter import LoRAAdapter, build_adapter
 from baton.engine.lora.config import LoRAConfig
-from baton.engine.lora.layer import LoRALinear, LoRAStepState
+from baton.engine.lora.layer import DeltaKernel, LoRALinear, LoRAStepState
 from baton.engine.lora.peft_files import read_peft_adapter
 from baton.engine.lora.registry import AdapterRegistry
 from baton.engine.lora.slots import LoRASlots
@@ -43,8 +43,7 @@ class LoRAManager:
         self.config, self.dtype, self.device = config, dtype, device
         self.counters = LoRACounters()
         self.state = LoRAStepState()
-        native = (load_lora_kernel(cache_dir)
-                  if device.type == "cpu" and dtype == torch.bfloat16 else None)
+        native = _delta_kernel(device, dtype, cache_dir)
         self.layers = {name: _wrap(model, name, spec, config, dtype, device, self.state, native)
                        for name, spec in targets.items()}
         self.fast_path_ready = False
@@ -71,7 +70,7 @@ class LoRAManager:
         used = torch.arange(max(seq_slots) + 1)  # (n,)
         mask = (row_slots.unsqueeze(1) == used).to(self.dtype).unsqueeze(-1)  # (T, n, 1)
         self.state.mask = mask.to(self.device, non_blocking=True)
-        self.state.row_slots = row_slots
+        self.state.row_slots = row_slots.to(self.device, non_blocking=True)
         return True
 
     def end_step(self) -> None:
@@ -87,7 +86,7 @@ class LoRAManager:
         descs = [[self.layers[n].desc if n in self.layers else None for n in layer]
                  for layer in names]
         kernel = next((ly.native for ly in self.layers.values()), None)
-        if attach is None or kernel is None or any(
+        if attach is None or not isinstance(kernel, NativeLoRA) or any(
                 n in self.layers and self.layers[n].desc is None for ly in names for n in ly):
             return
         self.fast_path_ready = bool(attach(kernel, descs, self.state))
@@ -95,7 +94,7 @@ class LoRAManager:
 
 def _wrap(model: CausalLM, name: str, spec: LoRATarget, config: LoRAConfig,
           dtype: torch.dtype, device: torch.device, state: LoRAStepState,
-          native: NativeLoRA | None) -> LoRALinear:
+          native: DeltaKernel | None) -> LoRALinear:
     """Replace linear `name` of `model` by a LoRALinear over it, with empty slots."""
     parent_name, _, leaf = name.rpartition(".")
     parent = model.get_submodule(parent_name)
@@ -108,6 +107,21 @@ def _wrap(model: CausalLM, name: str, spec: LoRATarget, config: LoRAConfig,
                         for _, cols in parts], parts, state, native)
     setattr(parent, leaf, layer)
     return layer
+
+
+def _delta_kernel(device: torch.device, dtype: torch.dtype,
+                  cache_dir: Path) -> DeltaKernel | None:
+    """The device's kernel for the deltas: the C kernel on CPU in bf16, the Triton kernels
+    on CUDA; None (torch matmuls) elsewhere, or where it cannot be built or imported."""
+    if device.type == "cpu" and dtype == torch.bfloat16:
+        return load_lora_kernel(cache_dir)
+    if device.type == "cuda":
+        try:
+            from baton_kernels.lora import TritonLoRA
+        except ImportError:  # no triton: the torch path
+            return None
+        return TritonLoRA()
+    return None
 
 
 def _load_adapter(name: str, path: str, load_id: int, *, model: CausalLM,
