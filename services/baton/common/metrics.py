@@ -117,7 +117,7 @@ ENGINE_SERIES = {
     "baton:kv_offload_skipped_total": ("counter", "Evicted KV blocks not offloaded: past "
                                        "the per-step bound on offload copies."),
     "baton:kv_offload_blocks_held": ("gauge", "KV blocks held by the host offload tier."),
-    "baton:kv_offload_blocks_total": ("gauge", "KV blocks the host offload tier can hold."),
+    "baton:kv_offload_capacity_blocks": ("gauge", "KV blocks the host offload tier can hold."),
     "baton:kv_offload_queue_depth": ("gauge", "Offload copies the last step's evictions "
                                      "queued."),
 }

@@ -40,7 +40,7 @@ class KVTierStats:
                 "baton:kv_offload_loaded_bytes_total": self.loaded_bytes_total,
                 "baton:kv_offload_skipped_total": self.offload_skipped_total,
                 "baton:kv_offload_blocks_held": self.blocks_held,
-                "baton:kv_offload_blocks_total": self.blocks_total,
+                "baton:kv_offload_capacity_blocks": self.blocks_total,
                 "baton:kv_offload_queue_depth": self.offload_queue_depth}
 
 
