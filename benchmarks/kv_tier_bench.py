@@ -100,6 +100,17 @@ def run(convs: list[list[list[int]]], max_tokens: int, **engine_args) -> RunResu
     return result
 
 
+def cpu_model() -> str:
+    """The CPU's model name (Linux), else the machine type."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.machine()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--sessions", type=int, default=8)
@@ -125,7 +136,7 @@ def main() -> None:
     plain = run(convs, args.max_tokens, **engine)
     tier = run(convs, args.max_tokens, **engine, kv_offload_gib=args.offload_gib)
     report = {
-        "cpu": platform.processor() or platform.machine(), "sessions": args.sessions,
+        "cpu": cpu_model(), "sessions": args.sessions,
         "turns": args.turns, "working_set_tokens": working_set, "device_blocks": blocks,
         "offload_gib": args.offload_gib, "without_tier": plain.summary(),
         "with_tier": tier.summary(), "same_tokens": plain.tokens == tier.tokens,
