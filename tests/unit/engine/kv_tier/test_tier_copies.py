@@ -131,3 +131,22 @@ class CopyRecorder(Recorder):
             self.copy_calls += 1
             self.blocking += not (kwargs or {}).get("non_blocking", False)
         return super().__torch_function__(func, types, args, kwargs)
+
+
+def test_a_step_offloads_at_most_its_bound_and_the_next_step_starts_afresh():
+    cache = torch.zeros(SHAPE)
+    kv = KVCacheManager(SHAPE[2], BS)
+    tier = TierConnector(kv, HostKVPool(cache, 16), max_offloads_per_step=2)
+    a = make_request("a", list(range(4 * BS)))
+    kv.allocate_slots(a, 4 * BS)  # four full blocks, published
+    kv.free(a)
+    b = make_request("b", list(range(100, 100 + 5 * BS)))
+    kv.allocate_slots(b, 5 * BS)  # takes the whole pool: evicts a's four
+    stats = tier.tier_stats()
+    assert len(tier.host) == 2 and stats.offload_skipped_total == 2
+    kv.free(b)
+    tier.poll()  # a new step
+    assert tier.tier_stats().offload_queue_depth == 2  # what the last step queued
+    c = make_request("c", list(range(200, 200 + 2 * BS)))
+    kv.allocate_slots(c, 2 * BS)  # evicts two of b's five: within the new step's bound
+    assert len(tier.host) == 4 and tier.tier_stats().offload_skipped_total == 2
