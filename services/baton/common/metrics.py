@@ -144,6 +144,8 @@ class EngineCollector(Collector):
             yield family
         if stats.spec is not None:
             yield from _spec_families(stats.spec)
+        if stats.timing is not None:
+            yield from stats.timing.families()
         values = stats.series()
         for name, (kind, doc) in ENGINE_SERIES.items():
             if name not in values:

@@ -5,6 +5,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from baton.common.step_timing import StepTiming
 
 
 @dataclass(frozen=True)
@@ -75,6 +79,7 @@ class EngineStats:
     kv_transfer: KVTransferStats | None = None  # None: no KV connector
     spec: SpecStats | None = None  # None: no speculative decoding
     kv_tier: KVTierStats | None = None  # None: no host offload tier
+    timing: StepTiming | None = None  # device-busy and host seconds of the steps
 
     @property
     def kv_cache_usage_ratio(self) -> float:

@@ -14,59 +14,28 @@ from functools import reduce
 from typing import Any
 
 from baton.common.auth import MIN_TOKEN_CHARS
+from baton.engine.config_values import (  # noqa: F401 - re-exported: the accepted values
+    ATTENTION_BACKENDS,
+    DEVICES,
+    DTYPES,
+    KV_CACHE_DTYPES,
+    KV_FAILURE_POLICIES,
+    LOAD_FORMATS,
+    QUANTIZATIONS,
+    SCHEDULING_POLICIES,
+    AttentionBackendName,
+    Device,
+    DType,
+    KVCacheDType,
+    KVFailurePolicy,
+    LoadFormat,
+    Quantization,
+    SchedulingPolicy,
+    accepted,
+)
 from baton.engine.lora.config import LoRAConfig
 from baton.engine.spec.config import SpeculativeConfig
 from baton.kv_transfer import TRANSPORTS
-
-
-class DType(StrEnum):
-    FLOAT32 = "float32"
-    BFLOAT16 = "bfloat16"
-    FLOAT16 = "float16"
-
-
-class Device(StrEnum):
-    AUTO = "auto"
-    CPU = "cpu"
-    CUDA = "cuda"
-
-
-class LoadFormat(StrEnum):
-    AUTO = "auto"
-    DUMMY = "dummy"  # config.json only, random weights (benchmarks)
-
-
-class Quantization(StrEnum):
-    NONE = "none"  # quantized checkpoints are de-quantized to `dtype` at load
-    AUTO = "auto"  # a GGUF's Q8_0 / Q4_0 / Q4_1 / Q4_K / Q6_K linears kept as stored (CPU, bf16)
-
-
-class AttentionBackendName(StrEnum):
-    AUTO = "auto"  # triton on CUDA, torch elsewhere
-    TORCH = "torch"
-    TRITON = "triton"
-
-
-class KVCacheDType(StrEnum):
-    AUTO = "auto"  # the model's dtype
-    FP8 = "fp8"  # = fp8_e4m3 (as vLLM), stored with per-layer scales
-    FP8_E4M3 = "fp8_e4m3"
-    FP8_E5M2 = "fp8_e5m2"
-
-
-class SchedulingPolicy(StrEnum):
-    FCFS = "fcfs"
-    PRIORITY = "priority"
-    STATIC = "static"
-
-
-class KVFailurePolicy(StrEnum):
-    RECOMPUTE = "recompute"  # a failed pull prefills the request locally
-    FAIL = "fail"  # a failed pull ends the request
-
-
-def _values(enum: type[StrEnum]) -> tuple[str, ...]:
-    return tuple(member.value for member in enum)
 
 
 def _check(ok: bool, name: str, value: object, rule: str) -> None:
@@ -78,19 +47,10 @@ def _coerce(config: object, name: str, enum: type[StrEnum], arg: str) -> None:
     """Turn field `name` of the frozen `config` into its `enum` member; ValueError naming the
     flat argument `arg` for a value outside it."""
     value = getattr(config, name)
-    _check(value in _values(enum), arg, value, f"must be one of {_values(enum)}")
+    _check(value in accepted(enum), arg, value, f"must be one of {accepted(enum)}")
     object.__setattr__(config, name, enum(value))
 
 
-# The accepted strings, for CLI choices and messages
-DTYPES = _values(DType)
-DEVICES = _values(Device)
-LOAD_FORMATS = _values(LoadFormat)
-QUANTIZATIONS = _values(Quantization)
-ATTENTION_BACKENDS = _values(AttentionBackendName)
-KV_CACHE_DTYPES = _values(KVCacheDType)
-SCHEDULING_POLICIES = _values(SchedulingPolicy)
-KV_FAILURE_POLICIES = _values(KVFailurePolicy)
 # The KV pool's size when nothing sizes it: a fixed budget off CUDA; on CUDA this fraction of
 # the device (vLLM's default), the pool taking what the weights and activations leave.
 DEFAULT_KV_CACHE_BYTES = 2 << 30
@@ -133,13 +93,15 @@ class ComputeConfig:
     enforce_eager: bool = False  # True: no CUDA graphs for decode steps (CUDA only)
     num_threads: int | None = None  # torch's CPU threads (None: every core)
     seed: int = 0  # the sampler's
-    # True: batch-invariant forward passes (CPU only): a token's logits are the same bits
-    # whatever else is in its step and whether its KV came from a prefill chunk or a decode
-    # step, so resumed streams and P/D hand-overs stay exact in bf16 (platforms/cpu.py)
+    # True: batch-invariant forward passes (CPU only): a token's logits the same bits
+    # whatever else is in its step, prefill chunk or decode (platforms/cpu.py)
     deterministic: bool = False
+    sim_profile: str | None = None  # --device sim's GPU x model (engine.sim)
 
     def __post_init__(self) -> None:
         _coerce(self, "device", Device, "device")
+        _check((self.device == Device.SIM) == (self.sim_profile is not None), "sim_profile",
+               self.sim_profile, "must name a profile exactly when device is 'sim'")
         _coerce(self, "attention_backend", AttentionBackendName, "attention_backend")
         _check(self.num_threads is None or self.num_threads >= 1, "num_threads",
                self.num_threads, "must be >= 1")
@@ -279,7 +241,7 @@ ARGS: dict[str, tuple[str, ...]] = {
         "max_model_len", "cache_dir")},
     **{name: ("compute", name) for name in (
         "device", "attention_backend", "enforce_eager", "num_threads", "seed",
-        "deterministic")},
+        "deterministic", "sim_profile")},
     **{name: ("cache", name) for name in (
         "block_size", "enable_prefix_caching", "num_kv_blocks", "kv_cache_memory_bytes",
         "gpu_memory_utilization", "kv_cache_dtype", "kv_offload_gib")},

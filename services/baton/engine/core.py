@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from dataclasses import dataclass, replace
 
 import torch
 
 from baton.common.sampling_params import SamplingParams
 from baton.common.stats import EngineStats
+from baton.common.step_timing import StepTiming
 from baton.engine import tokenizer as tok
-from baton.engine.config import EngineConfig, LiveSettings
+from baton.engine.config import Device, EngineConfig, LiveSettings
 from baton.engine.context_window import check_context, fit_kv_pool
 from baton.engine.errors import EngineStepError, InvalidRequestError
 from baton.engine.kv_cache import KVCacheManager
@@ -28,6 +30,7 @@ from baton.engine.request import Request, RequestStatus
 from baton.engine.runner import ModelRunner
 from baton.engine.sampler import TokenLogprobs
 from baton.engine.scheduler import SchedulerLimits, make_scheduler
+from baton.engine.sim.runner import SimRunner
 from baton.engine.spec.decider import Speculator
 from baton.engine.spec.draft import load_draft
 from baton.engine.stops import text_end, token_ends
@@ -59,7 +62,8 @@ class EngineCore:
         self.model_dir = resolve_model_dir(checkpoint.model, checkpoint.cache_dir,
                                            checkpoint.revision)
         self.tokenizer = tok.load_tokenizer(self.model_dir, checkpoint.skip_tokenizer_init)
-        self.runner = ModelRunner(config, self.model_dir, self._max_model_len())
+        self.runner = (SimRunner(config, self.model_dir) if config.compute.device == Device.SIM
+                       else ModelRunner(config, self.model_dir, self._max_model_len()))
         self.max_model_len = max_len = fit_kv_pool(self.runner.max_model_len, config,
                                                    self.runner.num_blocks)
         self.model_config = self.runner.model_config
@@ -80,6 +84,7 @@ class EngineCore:
             load_draft(config, self.model_config.vocab_size, max_len)
             if limits.speculative.method == "draft_model" else None))
         self.stats = StepCounters()
+        self.timing = StepTiming()
         self._failed_steps = 0  # in a row
 
     def _max_model_len(self) -> int:
@@ -230,7 +235,14 @@ class EngineCore:
         """Schedule, run and update one step. A request whose own sampling or stop logic
         raises ends alone with finish reason "error"; a step that fails as a whole ends the
         requests it ran the same way, and after MAX_FAILED_STEPS such steps in a row raises
-        EngineStepError."""
+        EngineStepError. A step that ran is timed (`timing`)."""
+        t0, busy, steps = time.perf_counter(), self.runner.busy_seconds, self.stats.steps_total
+        outputs = self._step()
+        if self.stats.steps_total != steps:
+            self.timing.record(time.perf_counter() - t0, self.runner.busy_seconds - busy)
+        return outputs
+
+    def _step(self) -> list[EngineOutput]:
         self.speculator.propose(self.scheduler.running)
         sched = self.scheduler.schedule()
         outputs = [self._final_output(r, [], "", None) for r in self.scheduler.drain_ended()]
@@ -345,7 +357,7 @@ class EngineCore:
             prefix_cache_hit_tokens_total=self.scheduler.prefix_hit_tokens,
             preemptions_total=self.stats.preemptions_total,
             kv_transfer=self.connector.kv_stats() if self.connector is not None else None,
-            spec=self.speculator.stats(),
+            spec=self.speculator.stats(), timing=self.timing.snapshot(),
             kv_tier=self.connector.tier_stats() if self.connector is not None else None)
 
     def take_kv_transfer_durations(self) -> list[float]:

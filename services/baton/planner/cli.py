@@ -35,6 +35,10 @@ def _profile_parser(sub) -> None:
     p = sub.add_parser("profile", help="measure the engine's step costs on this machine")
     add_model_flags(p)
     p.add_argument("--device", default=engine_default("device"), choices=DEVICES)
+    p.add_argument("--sim-profile", default=None,
+                   help="--device sim: the simulated GPU x model to profile (a bundled name "
+                        "such as h100-llama3-8b, or a YAML file): a plan for a GPU fleet "
+                        "from a laptop (docs/operate.md says how far to trust it)")
     p.add_argument("--max-batch", type=int, default=64,
                    help="largest decode batch measured (grid 1, 4, 16, 64, ...)")
     p.add_argument("--max-context", type=int, default=4096,
@@ -60,7 +64,8 @@ def _profile(args) -> int:
     from baton.planner.measure import ProfileSettings, run_profile
 
     settings = ProfileSettings(
-        model=args.model, dtype=args.dtype, device=args.device, max_batch=args.max_batch,
+        model=args.model, dtype=args.dtype, device=args.device,
+        sim_profile=args.sim_profile, max_batch=args.max_batch,
         max_context=args.max_context, max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs, num_threads=args.num_threads, quick=args.quick,
         repeats=args.repeats, seed=args.seed)

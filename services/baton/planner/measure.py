@@ -58,6 +58,7 @@ class ProfileSettings:
     model: str | None = None
     dtype: str = "bfloat16"
     device: str = "auto"
+    sim_profile: str | None = None  # --device sim: the simulated GPU x model (engine.sim)
     max_batch: int = 64
     max_context: int = 4096
     max_num_batched_tokens: int = 2048
@@ -126,7 +127,7 @@ class Profiler:
         blocks = max(self.grid.decode_batches) * per_seq + max(self.grid.prefill_tokens) // block
         self.engine = EngineCore(EngineConfig.from_args(
             model=settings.model, dtype=settings.dtype, device=settings.device,
-            block_size=block, max_num_batched_tokens=settings.max_num_batched_tokens,
+            sim_profile=settings.sim_profile, block_size=block, max_num_batched_tokens=settings.max_num_batched_tokens,
             max_num_seqs=max(settings.max_num_seqs, max(self.grid.decode_batches)),
             enable_prefix_caching=False, num_kv_blocks=blocks + 8,
             num_threads=settings.num_threads))
@@ -188,7 +189,13 @@ class Profiler:
     def hardware(self) -> Hardware:
         import torch
 
-        device = self.engine.runner.device
+        from baton.engine.sim.runner import SimRunner
+
+        runner = self.engine.runner
+        if isinstance(runner, SimRunner):  # the steps' times are the profile's model
+            return Hardware("sim", _cpu_name(), f"{runner.profile.device.name} (simulated)",
+                            str(torch.__version__), torch.get_num_threads())
+        device = runner.device
         gpu = torch.cuda.get_device_name(device) if device.type == "cuda" else None
         return Hardware(device.type, _cpu_name(), gpu, str(torch.__version__),
                         torch.get_num_threads())
@@ -217,7 +224,11 @@ def run_profile(settings: ProfileSettings, progress: bool = True) -> Profile:
     finally:
         bar.close()
         profiler.engine.close()
-    return Profile(model=model_name(settings.model), dtype=settings.dtype,
+    from baton.engine.sim.profile import load_profile
+
+    model = (load_profile(settings.sim_profile).model.name if settings.sim_profile
+             else model_name(settings.model))
+    return Profile(model=model, dtype=settings.dtype,
                    hardware=profiler.hardware(), limits=profiler.limits(),
                    prefill=fit_prefill(prefill), decode=fit_decode(decode))
 

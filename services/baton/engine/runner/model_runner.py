@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import NamedTuple
@@ -145,6 +146,7 @@ class ModelRunner:
         self.sampler = Sampler(config.compute.seed)
         self.rejection = RejectionSampler(config.compute.seed)  # sampled requests' guesses
         self.staging = HostStaging(self.device)  # the batch metadata's one copy a step
+        self.busy_seconds = 0.0  # time in the model steps (forward, logits, sampling)
         self.max_model_len = max_model_len
         self.platform.warm_up(self)
         self.lora = None if lora_targets is None else LoRAManager(
@@ -244,11 +246,15 @@ class ModelRunner:
         metadata went over in one non-blocking copy."""
         batch = build_batch(out.rows, block_ids_of, self.block_size, self.device,
                             self.staging)
-        if self.tp_leader is None:
-            return self._execute(batch)
-        # the followers run the same forward and logits calls, within the step timeout
-        with self.tp_leader.stepping(batch, logits_calls(batch, PROMPT_LOGPROB_ROWS)):
-            return self._execute(batch)
+        t0 = time.perf_counter()
+        try:
+            if self.tp_leader is None:
+                return self._execute(batch)
+            # the followers run the same forward and logits calls, within the step timeout
+            with self.tp_leader.stepping(batch, logits_calls(batch, PROMPT_LOGPROB_ROWS)):
+                return self._execute(batch)
+        finally:  # the model step, as the device's time (common.step_timing)
+            self.busy_seconds += time.perf_counter() - t0
 
     def _execute(self, batch: FlatBatch) -> StepResult:
         entries = batch.sampling_entries

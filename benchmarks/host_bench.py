@@ -1,0 +1,199 @@
+"""The host path at GPU speed: how busy Baton keeps a simulated H100 (`--device sim`,
+`engine/sim/`) and what the host costs per step, offline and through `baton serve`.
+
+- offline, steady decode: B requests of 512 prompt tokens are prefilled (untimed), then 64
+  decode steps of all B are timed through the engine loop `LLM.generate` runs; batch 1, 8,
+  64, 256, 512.
+- offline, mixed: 256 chat-workload requests (lognormal prompt and output lengths) at once,
+  prefills and decodes sharing steps as requests finish and others start.
+- `baton serve`, steady decode: B streaming clients (the load generator in this process)
+  against one worker on the simulated device; the worker's own timing from `/metrics`.
+
+Each reports the device-busy fraction (modelled device seconds over wall seconds) and the
+host milliseconds per step (wall less device), and for serve the CPU microseconds per output
+token of the worker process and of the client. Tokens are nonsense (the sim's), lengths
+exact (`ignore_eos`).
+
+    python -m benchmarks.host_bench [--profile h100-llama3-8b] [--batches 1,8,64,256,512]
+        [--paths offline,mixed,serve] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import subprocess
+import sys
+import time
+
+import aiohttp
+
+from benchmarks.procs import free_port, wait_ready
+
+PROMPT = 512
+DECODE_STEPS = 64
+
+
+def _prompts(n: int, length: int = PROMPT) -> list[list[int]]:
+    return [[100 + (i * 131 + j * 7) % 40000 for j in range(length)] for i in range(n)]
+
+
+def offline_steady(llm, batch: int) -> dict:
+    """Prefill `batch` requests, then time DECODE_STEPS steps of all of them."""
+    from baton import SamplingParams
+
+    engine = llm.engine
+    params = SamplingParams(max_tokens=DECODE_STEPS + 8, ignore_eos=True)
+    reqs = [engine.make_request(f"steady-{batch}-{i}-{time.monotonic_ns()}", p, params)
+            for i, p in enumerate(_prompts(batch))]
+    for req in reqs:
+        engine.add(req)
+    while any(r.num_output_tokens == 0 for r in reqs):
+        engine.step()
+    before, t0 = engine.timing.snapshot(), time.perf_counter()
+    outputs = []
+    for _ in range(DECODE_STEPS):
+        outputs += engine.step()  # what LLM.generate does with them is a dict lookup
+    wall = time.perf_counter() - t0
+    after = engine.timing.snapshot()
+    while engine.has_unfinished_requests():
+        engine.step()
+    steps = after.steps - before.steps
+    return {"batch": batch, "busy": (after.device_s - before.device_s) / wall,
+            "host_ms_per_step": 1000 * (wall - (after.device_s - before.device_s)) / steps,
+            "step_ms": 1000 * wall / steps, "tokens_per_s": len(outputs) / wall}
+
+
+def offline_mixed(llm) -> dict:
+    from baton import SamplingParams
+    from baton_loadtest.workload import chat_workload
+
+    reqs = chat_workload(llm.get_tokenizer(), 256, seed=3)
+    params = [SamplingParams(max_tokens=r.max_tokens, ignore_eos=True) for r in reqs]
+    engine = llm.engine
+    before, t0 = engine.timing.snapshot(), time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": r.prompt_token_ids} for r in reqs], params,
+                        use_tqdm=False)
+    wall = time.perf_counter() - t0
+    after = engine.timing.snapshot()
+    device = after.device_s - before.device_s
+    return {"requests": len(reqs), "busy": device / wall,
+            "host_ms_per_step": 1000 * (wall - device) / (after.steps - before.steps),
+            "tokens_per_s": sum(len(o.outputs[0].token_ids) for o in outs) / wall}
+
+
+async def _client(session, url: str, prompt: list[int], max_tokens: int) -> int:
+    body = {"model": "sim", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    tokens = 0
+    async with session.post(url + "/v1/completions", json=body) as resp:
+        resp.raise_for_status()
+        async for line in resp.content:
+            if line.startswith(b"data:") and b'"usage"' in line:
+                usage = json.loads(line[5:]).get("usage")
+                tokens = usage["completion_tokens"] if usage else tokens
+    return tokens
+
+
+def _scrape(text: str) -> dict[str, float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name in ("baton:engine_device_busy_seconds_total",
+                          "baton:engine_step_seconds_total",
+                          "baton:engine_step_host_seconds_count",
+                          "baton:engine_step_host_seconds_sum"):
+                out[s.name] = s.value
+    return out
+
+
+def _cpu_s(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def _serve_point(url: str, pid: int, batch: int) -> dict:
+    max_tokens = DECODE_STEPS
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                     timeout=aiohttp.ClientTimeout(total=900)) as session:
+        await asyncio.gather(*(_client(session, url, p, 4) for p in _prompts(2, 16)))
+        async with session.get(url + "/metrics") as r:
+            m0 = _scrape(await r.text())
+        cpu0, me0, t0 = _cpu_s(pid), time.process_time(), time.perf_counter()
+        tokens = await asyncio.gather(*(_client(session, url, p, max_tokens)
+                                        for p in _prompts(batch)))
+        wall = time.perf_counter() - t0
+        cpu, me = _cpu_s(pid) - cpu0, time.process_time() - me0
+        async with session.get(url + "/metrics") as r:
+            m1 = _scrape(await r.text())
+    d = {k: m1[k] - m0.get(k, 0.0) for k in m1}
+    device = d["baton:engine_device_busy_seconds_total"]
+    n = sum(tokens)
+    return {"batch": batch, "busy": device / wall, "tokens_per_s": n / wall,
+            "engine_busy_while_stepping": device / d["baton:engine_step_seconds_total"],
+            "host_ms_per_step": 1000 * d["baton:engine_step_host_seconds_sum"]
+            / d["baton:engine_step_host_seconds_count"],
+            "worker_cpu_us_per_token": 1e6 * cpu / n, "client_cpu_us_per_token": 1e6 * me / n}
+
+
+def serve(profile: str, batches: list[int]) -> list[dict]:
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.Popen([sys.executable, "-m", "baton.cli", "serve", "--port", str(port),
+                             "--device", "sim", "--sim-profile", profile,
+                             "--served-model-name", "sim", "--max-num-seqs",
+                             str(max(batches)), "--log-level", "warning"])
+    try:
+        wait_ready(url, proc, 300)
+        return [asyncio.run(_serve_point(url, proc.pid, b)) for b in batches]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--profile", default="h100-llama3-8b")
+    parser.add_argument("--batches", default="1,8,64,256,512")
+    parser.add_argument("--paths", default="offline,mixed,serve")
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+    paths = args.paths.split(",")
+    result: dict = {"profile": args.profile}
+    print(f"--device sim --sim-profile {args.profile}; host: {os.cpu_count()} cores")
+    if "offline" in paths or "mixed" in paths:
+        from baton import LLM
+
+        llm = LLM(device="sim", sim_profile=args.profile, max_num_seqs=max(batches + [256]))
+        llm.generate([[1, 2, 3]], use_tqdm=False)
+        if "offline" in paths:
+            result["offline"] = [offline_steady(llm, b) for b in batches]
+            for r in result["offline"]:
+                print(f"offline b{r['batch']:<4} busy {r['busy']:.3f}  host "
+                      f"{r['host_ms_per_step']:.3f} ms/step  step {r['step_ms']:.2f} ms",
+                      flush=True)
+        if "mixed" in paths:
+            r = result["mixed"] = offline_mixed(llm)
+            print(f"offline mixed busy {r['busy']:.3f}  host {r['host_ms_per_step']:.3f} "
+                  f"ms/step", flush=True)
+        del llm
+    if "serve" in paths:
+        result["serve"] = serve(args.profile, batches)
+        for r in result["serve"]:
+            print(f"serve   b{r['batch']:<4} busy {r['busy']:.3f}  host "
+                  f"{r['host_ms_per_step']:.3f} ms/step  worker "
+                  f"{r['worker_cpu_us_per_token']:.0f} us/token  client "
+                  f"{r['client_cpu_us_per_token']:.0f} us/token", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+"""The values the engine's configuration accepts: one `StrEnum` per choice, and the strings
+of each (`DTYPES`, `DEVICES`, ...) for CLI choices and messages. Re-exported by
+`engine.config`."""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+
+class DType(StrEnum):
+    FLOAT32 = "float32"
+    BFLOAT16 = "bfloat16"
+    FLOAT16 = "float16"
+
+
+class Device(StrEnum):
+    AUTO = "auto"
+    CPU = "cpu"
+    CUDA = "cuda"
+    SIM = "sim"  # a simulated GPU (`engine.sim`): modelled step times, nonsense tokens
+
+
+class LoadFormat(StrEnum):
+    AUTO = "auto"
+    DUMMY = "dummy"  # config.json only, random weights (benchmarks)
+
+
+class Quantization(StrEnum):
+    NONE = "none"  # quantized checkpoints are de-quantized to `dtype` at load
+    AUTO = "auto"  # a GGUF's Q8_0 / Q4_0 / Q4_1 / Q4_K / Q6_K linears kept as stored (CPU, bf16)
+
+
+class AttentionBackendName(StrEnum):
+    AUTO = "auto"  # triton on CUDA, torch elsewhere
+    TORCH = "torch"
+    TRITON = "triton"
+
+
+class KVCacheDType(StrEnum):
+    AUTO = "auto"  # the model's dtype
+    FP8 = "fp8"  # = fp8_e4m3 (as vLLM), stored with per-layer scales
+    FP8_E4M3 = "fp8_e4m3"
+    FP8_E5M2 = "fp8_e5m2"
+
+
+class SchedulingPolicy(StrEnum):
+    FCFS = "fcfs"
+    PRIORITY = "priority"
+    STATIC = "static"
+
+
+class KVFailurePolicy(StrEnum):
+    RECOMPUTE = "recompute"  # a failed pull prefills the request locally
+    FAIL = "fail"  # a failed pull ends the request
+
+
+def accepted(enum: type[StrEnum]) -> tuple[str, ...]:
+    """The strings `enum` accepts."""
+    return tuple(member.value for member in enum)
+
+
+# The accepted strings, for CLI choices and messages
+DTYPES = accepted(DType)
+DEVICES = accepted(Device)
+LOAD_FORMATS = accepted(LoadFormat)
+QUANTIZATIONS = accepted(Quantization)
+ATTENTION_BACKENDS = accepted(AttentionBackendName)
+KV_CACHE_DTYPES = accepted(KVCacheDType)
+SCHEDULING_POLICIES = accepted(SchedulingPolicy)
+KV_FAILURE_POLICIES = accepted(KVFailurePolicy)

@@ -1,0 +1,41 @@
+"""One step's modelled time on a simulated device: the larger of the bytes it moves over
+the memory bandwidth and the FLOPs it does over the peak, plus a fixed launch cost.
+
+    bytes = the weights (every step reads them once)
+          + the KV the step's tokens attend to (each request's context before the step)
+          + the KV they write
+    FLOPs = 2 x the blocks' parameters x tokens + 2 x the lm_head x rows sampled
+          + attention: 4 x layers x heads x head_dim x (query, key) pairs, a prompt
+            chunk's queries attending to the context before it and causally to each other
+
+The rows are the batch's real ones (`StepRow`: new tokens, context before, rows sampled),
+so decode batches, prefill chunks and verification chunks cost what their shapes say.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from baton.engine.sim.profile import SimProfile
+
+
+@dataclass(frozen=True)
+class StepRow:
+    new_tokens: int  # tokens this step computes for the request
+    context: int  # tokens of KV it already had
+    sampled: int  # logits rows it samples (0 for a prompt chunk that is not the last)
+
+
+def step_seconds(profile: SimProfile, rows: list[StepRow]) -> float:
+    m, d = profile.model, profile.device
+    tokens = sum(r.new_tokens for r in rows)
+    if tokens == 0:
+        return 0.0
+    pairs = sum(r.new_tokens * r.context + r.new_tokens * (r.new_tokens + 1) // 2
+                for r in rows)
+    kv = m.kv_bytes_per_token
+    moved = m.weight_bytes_total + kv * sum(r.context for r in rows) + kv * tokens
+    flops = (2.0 * m.layer_params * tokens + 2.0 * m.head_params * sum(r.sampled for r in rows)
+             + 4.0 * m.num_layers * m.num_heads * m.head_dim * pairs)
+    return (max(moved / (d.memory_bandwidth_gbs * 1e9), flops / (d.peak_tflops * 1e12))
+            + d.launch_us * 1e-6)

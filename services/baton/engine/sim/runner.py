@@ -1,0 +1,79 @@
+"""`SimRunner`: the model runner's interface (`execute`, the KV pool's size, the model's
+config) over a simulated device. A step's time is modelled from its real rows
+(`roofline.step_seconds`), launched, and waited for only when its tokens are read; the
+tokens are drawn from a seeded generator over the tokenizer's vocabulary, never EOS, so each
+request runs to its `max_tokens` (or a stop string its nonsense happens to contain).
+Guesses (`engine.spec`) are verified as rows and always rejected; no logprobs are produced.
+
+The tokenizer (and its vocabulary, EOS, chat template) is the checkpoint's `--model` (the
+bundled model by default); the device's cost is the profile's model (`--sim-profile`)."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+from baton.engine.distributed import TPGroup
+from baton.engine.models.config import ModelConfig
+from baton.engine.runner.model_runner import StepResult
+from baton.engine.sampler import Sampler
+from baton.engine.scheduler.output import SchedulerOutput
+from baton.engine.sim.device import SimDevice
+from baton.engine.sim.profile import load_profile
+from baton.engine.sim.roofline import StepRow, step_seconds
+from baton.engine.spec.rejection import RejectionSampler
+
+
+class SimRunner:
+    def __init__(self, config, model_dir: Path) -> None:
+        if config.parallel.tensor_parallel_size > 1 or config.kv_transfer.transport:
+            raise ValueError("--device sim serves one colocated engine: tensor parallelism "
+                             "and KV transports are not simulated")
+        if config.lora.enabled:
+            raise ValueError("--device sim does not simulate LoRA adapters")
+        self.config = config
+        self.profile = load_profile(config.compute.sim_profile)
+        self.model_config = ModelConfig.from_dir(model_dir)  # the tokenizer's: ids, EOS
+        self.block_size = config.cache.block_size
+        model = self.profile.model
+        self.num_blocks = config.cache.num_kv_blocks or int(
+            self.profile.kv_pool_bytes // (self.block_size * model.kv_bytes_per_token))
+        self.max_model_len = config.checkpoint.max_model_len or model.max_model_len
+        self.device = SimDevice()
+        self.tp, self.tp_leader, self.lora = TPGroup(), None, None
+        self.sampler = Sampler(config.compute.seed)  # the engine releases requests' state
+        self.rejection = RejectionSampler(config.compute.seed)
+        self._rng = random.Random(config.compute.seed)
+        eos = set(self.model_config.eos_token_ids)
+        self._vocab = self.model_config.vocab_size
+        self._eos = eos
+
+    def execute(self, out: SchedulerOutput, block_ids_of) -> StepResult:
+        rows = [StepRow(s.num_new_tokens, s.request.num_computed_tokens, s.num_sampled)
+                for s in out.scheduled]
+        done_at = self.device.launch(step_seconds(self.profile, rows))
+        sampled: dict[str, list[int]] = {}
+        guessed: dict[str, tuple[int, int]] = {}
+        for s in out.scheduled:  # host work while the step runs
+            if s.num_sampled:
+                sampled[s.request.request_id] = [self._token()]
+            if s.samples and s.spec_token_ids:
+                guessed[s.request.request_id] = (len(s.spec_token_ids), 0)
+        self.device.wait(done_at)
+        return StepResult(sampled, {}, {}, {}, guessed)
+
+    def _token(self) -> int:
+        while True:
+            token = self._rng.randrange(self._vocab)
+            if token not in self._eos:
+                return token
+
+    @property
+    def busy_seconds(self) -> float:
+        """Modelled seconds of device work so far."""
+        return self.device.busy_s
+
+    def close(self) -> None:
+        """Nothing to stop."""
+
+
