@@ -5,7 +5,8 @@ count of requests whose tokens differ (must be 0), the acceptance rate and mean 
 run per verify step.
 
     python -m benchmarks.spec_bench [--requests 16] [--batches 1,8] [--k 4]
-        [--method ngram|suffix] [--dtype bfloat16] [--deterministic] [--out result.json]
+        [--method ngram|suffix] [--dtype bfloat16] [--deterministic]
+        [--disable-by-batch-size N] [--out result.json]
 
 In the default mode a request's tokens can differ between the two engines at a near-tie
 when other requests' prompts are chunked differently (the same holds between two runs
@@ -72,6 +73,9 @@ def main() -> None:
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--method", default="ngram")
+    parser.add_argument("--disable-by-batch-size", type=int, default=None,
+                        help="speculation's own cut-off (default: the largest batch, so every "
+                             "point speculates; 4 is the engine's default)")
     parser.add_argument("--repeats", type=int, default=2,
                         help="alternating runs of each engine per point; the best counts")
     parser.add_argument("--dtype", default="bfloat16")
@@ -83,7 +87,7 @@ def main() -> None:
     print(f"CPU: {torch.backends.cpu.get_cpu_capability()}, {torch.get_num_threads()} threads, "
           f"{args.dtype}, k={args.k}, {args.method}")
     spec = {"method": args.method, "num_speculative_tokens": args.k,
-            "disable_by_batch_size": max(batches)}
+            "disable_by_batch_size": args.disable_by_batch_size or max(batches)}
     # both engines side by side, runs alternating: a load that comes and goes on a shared
     # machine hits both
     engines = {"plain": _engine(None, args.dtype, args.deterministic),
