@@ -66,3 +66,25 @@ def test_the_engines_lora_linear_takes_them(device):
         got = LoRALinear(base, a, b, parts, state, TritonLoRA())(x)
     assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)
     assert torch.equal(got[row_slots < 0], base(x)[row_slots < 0])
+
+
+def test_warm_up_launches_every_variant_serving_launches(device):
+    """`LoRALinear.warm_up` (the engine calls it at start) compiles what a step of adapter
+    rows launches later, whatever the step's row count."""
+    from baton.engine.lora.layer import LoRALinear, LoRAStepState
+    from baton_kernels import recording_variants
+    from baton_kernels.lora import TritonLoRA
+
+    parts, rank = [(0, 24), (24, 16)], 4
+    layer = LoRALinear(torch.nn.Linear(48, 40, bias=False).to(device),
+                       torch.randn(2, 2 * rank, 48, device=device),
+                       [torch.randn(2, rank, cols, device=device) for _, cols in parts],
+                       parts, LoRAStepState(), TritonLoRA())
+    with recording_variants() as warm:
+        layer.warm_up()
+    for rows in (1, 7, 32):
+        layer.state.row_slots = torch.arange(rows, device=device) % 3 - 1
+        layer.state.mask = torch.ones(rows, 2, 1, device=device)
+        with recording_variants() as served, torch.no_grad():
+            layer(torch.randn(rows, 48, device=device))
+        assert served and served <= warm

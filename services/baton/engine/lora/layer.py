@@ -66,6 +66,16 @@ class LoRALinear(nn.Module):
         self.desc = (None if native is None else
                      native.describe(a, b, parts, sum(cols for _, cols in parts)))
 
+    def warm_up(self) -> None:
+        """Run the delta kernel once over a row of the base model (it adds nothing): on
+        CUDA that compiles its Triton variants at start, not on a request's time."""
+        if self.native is None:
+            return
+        x = torch.zeros(1, self.a.shape[2], dtype=self.a.dtype, device=self.a.device)
+        y = torch.zeros(1, sum(cols for _, cols in self.parts), dtype=self.a.dtype,
+                        device=self.a.device)
+        self.native.add(self.desc, x, torch.full((1,), -1, device=self.a.device), y)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)  # (T, out)
         mask = self.state.mask

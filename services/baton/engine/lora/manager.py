@@ -46,6 +46,8 @@ class LoRAManager:
         native = _delta_kernel(device, dtype, cache_dir)
         self.layers = {name: _wrap(model, name, spec, config, dtype, device, self.state, native)
                        for name, spec in targets.items()}
+        for layer in self.layers.values():
+            layer.warm_up()
         self.fast_path_ready = False
         self.slots = LoRASlots(self.layers, config.max_loras, self.counters)
         build = partial(_load_adapter, model=model, targets=targets, config=config,
