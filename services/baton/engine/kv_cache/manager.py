@@ -100,8 +100,14 @@ class KVCacheManager:
         `publish=False` keeps the new blocks out of the prefix cache (their KV arrives
         later, from another engine); `publish()` adds them once it has.
         """
-        computed = new_computed_blocks or []
         held = self._blocks.get(request.request_id, [])
+        total = request.num_computed_tokens + num_new_tokens
+        if (held and not new_computed_blocks and self.sliding_window is None
+                and total <= len(held) * self.block_size):  # a decode in its last block
+            if publish:
+                self._cache_full_blocks(request, held, min(total, request.num_tokens))
+            return []
+        computed = new_computed_blocks or []
         num_computed = request.num_computed_tokens + len(computed) * self.block_size
         total_tokens = num_computed + num_new_tokens
         num_new_blocks = self.blocks_for(total_tokens) - len(held) - len(computed)
