@@ -83,6 +83,7 @@ def add_worker_flags(p: argparse.ArgumentParser) -> None:
     add_model_flags(g)
     _checkpoint_flags(g)
     _batching_flags(g)
+    _kv_tier_flags(g)
     _parallel_flags(g)
     _lora_flags(g)
     # None: WorkerSettings' defaults, applied where the settings are built (reading them
@@ -146,6 +147,19 @@ def _checkpoint_flags(g) -> None:
                         "in responses (default: the --model argument)")
 
 
+def _kv_tier_flags(g) -> None:
+    g.add_argument("--kv-offload-gib", type=float, default=engine_default("kv_offload_gib"),
+                   help="host memory for the KV offload tier under the pool: blocks the "
+                        "pool evicts are kept there and loaded back on a prefix hit "
+                        "(default 0: none)")
+    g.add_argument("--kv-disk-dir", default=engine_default("kv_disk_dir"),
+                   help="a directory for the KV disk tier under the host tier (needs "
+                        "--kv-offload-gib and --kv-disk-gib): blocks the host tier evicts, "
+                        "and all it holds at a graceful stop, so a restart comes back warm")
+    g.add_argument("--kv-disk-gib", type=float, default=engine_default("kv_disk_gib"),
+                   help="the disk tier's size (default 0: none)")
+
+
 def _batching_flags(g) -> None:
     g.add_argument("--block-size", type=int, default=engine_default("block_size"))
     g.add_argument("--max-num-seqs", type=int, default=engine_default("max_num_seqs"))
@@ -169,10 +183,6 @@ def _batching_flags(g) -> None:
                    help="KV cache storage: auto = the model's dtype; fp8 (= fp8_e4m3) or "
                         "fp8_e5m2 halve bf16's bytes per block, with the checkpoint's "
                         "k/v scales (1.0 without)")
-    g.add_argument("--kv-offload-gib", type=float, default=engine_default("kv_offload_gib"),
-                   help="host memory for the KV offload tier under the pool: blocks the "
-                        "pool evicts are kept there and loaded back on a prefix hit "
-                        "(default 0: none)")
     g.add_argument("--no-prefix-caching", action="store_true",
                    default=not engine_default("enable_prefix_caching"))
     g.add_argument("--scheduling-policy", default=engine_default("scheduling_policy"),
@@ -252,7 +262,7 @@ _ENGINE_FIELDS = {dest: dest for dest in (
     "max_num_seqs",
     "max_num_batched_tokens", "max_model_len",
     "num_kv_blocks", "gpu_memory_utilization", "kv_cache_dtype", "kv_offload_gib",
-    "scheduling_policy",
+    "kv_disk_dir", "kv_disk_gib", "scheduling_policy",
     "speculative_config",
     "num_threads", "device", "sim_profile", "attention_backend", "enforce_eager",
     "deterministic",

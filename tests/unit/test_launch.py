@@ -48,7 +48,8 @@ NON_DEFAULTS = ["--dtype", "float32", "--block-size", "32", "--max-num-seqs", "7
                 "--tool-call-parser", "mistral", "--tensor-parallel-size", "2",
                 "--revision", "v2", "--skip-tokenizer-init", "--kv-cache-dtype", "fp8_e5m2",
                 "--reasoning-parser", "qwen3", "--tp-step-timeout", "33", "--quantization", "auto", "--deterministic",
-                "--speculative-config", '{"method": "ngram"}', "--kv-offload-gib", "0.25"]
+                "--speculative-config", '{"method": "ngram"}', "--kv-offload-gib", "0.25",
+                "--kv-disk-dir", "/var/kv", "--kv-disk-gib", "8"]
 
 
 def test_up_passes_every_flag_it_was_given_to_its_workers():
@@ -122,5 +123,7 @@ def test_kv_pool_flags_reach_the_engine_config():
     assert config("--kv-cache-gib", "0.5").cache.kv_cache_memory_bytes == 1 << 29
     assert plain.cache.kv_offload_gib == 0  # no host tier unless asked
     assert config("--kv-offload-gib", "4").cache.kv_offload_gib == 4.0
+    disk = config("--kv-offload-gib", "4", "--kv-disk-dir", "/d", "--kv-disk-gib", "64")
+    assert (disk.cache.kv_disk_dir, disk.cache.kv_disk_gib) == ("/d", 64.0)
     shared = config("--device", "cuda", "--gpu-memory-utilization", "0.45")
     assert shared.cache.pool_fraction("cuda") == 0.45 and shared.compute.device == "cuda"

@@ -120,6 +120,11 @@ ENGINE_SERIES = {
     "baton:kv_offload_capacity_blocks": ("gauge", "KV blocks the host offload tier can hold."),
     "baton:kv_offload_queue_depth": ("gauge", "Offload copies the last step's evictions "
                                      "queued."),
+    "baton:kv_offload_disk_read_blocks_total": ("counter", "KV blocks read back from the "
+                                                "disk tier into the host tier."),
+    "baton:kv_offload_disk_written_blocks_total": ("counter", "KV blocks written to the "
+                                                   "disk tier."),
+    "baton:kv_offload_disk_blocks_held": ("gauge", "KV blocks held by the disk tier."),
 }
 
 

@@ -36,6 +36,9 @@ class KVTierStats:
     blocks_held: int = 0
     blocks_total: int = 0
     offload_queue_depth: int = 0
+    disk_read_blocks_total: int = 0  # the disk pool under the host one (`--kv-disk-dir`)
+    disk_written_blocks_total: int = 0
+    disk_blocks_held: int = 0
 
     def series(self) -> dict[str, float]:
         return {"baton:kv_offload_hit_blocks_total": self.hit_blocks_total,
@@ -45,7 +48,10 @@ class KVTierStats:
                 "baton:kv_offload_skipped_total": self.offload_skipped_total,
                 "baton:kv_offload_blocks_held": self.blocks_held,
                 "baton:kv_offload_capacity_blocks": self.blocks_total,
-                "baton:kv_offload_queue_depth": self.offload_queue_depth}
+                "baton:kv_offload_queue_depth": self.offload_queue_depth,
+                "baton:kv_offload_disk_read_blocks_total": self.disk_read_blocks_total,
+                "baton:kv_offload_disk_written_blocks_total": self.disk_written_blocks_total,
+                "baton:kv_offload_disk_blocks_held": self.disk_blocks_held}
 
 
 @dataclass(frozen=True)

@@ -123,6 +123,8 @@ class CacheConfig:
     gpu_memory_utilization: float | None = None
     kv_cache_dtype: KVCacheDType = KVCacheDType.AUTO  # fp8 holds 2x bf16's blocks
     kv_offload_gib: float = 0.0  # the host tier under the pool (`engine.kv_tier`); 0: none
+    kv_disk_dir: str | None = None  # the disk tier under the host tier; None: none
+    kv_disk_gib: float = 0.0
 
     def __post_init__(self) -> None:
         _check(self.block_size in (1, 2, 4, 8, 16, 32, 64, 128), "block_size", self.block_size,
@@ -135,6 +137,10 @@ class CacheConfig:
                "gpu_memory_utilization", self.gpu_memory_utilization, "must be None or in (0, 1]")
         _coerce(self, "kv_cache_dtype", KVCacheDType, "kv_cache_dtype")
         _check(self.kv_offload_gib >= 0, "kv_offload_gib", self.kv_offload_gib, "must be >= 0")
+        _check((self.kv_disk_dir is None) == (self.kv_disk_gib == 0) and self.kv_disk_gib >= 0
+               and (self.kv_disk_dir is None or self.kv_offload_gib > 0), "kv_disk_gib",
+               self.kv_disk_gib, "must be > 0 exactly when kv_disk_dir is set, and the disk "
+               "tier needs the host tier above it (kv_offload_gib > 0)")
 
     @property
     def budget_bytes(self) -> int:
@@ -244,7 +250,8 @@ ARGS: dict[str, tuple[str, ...]] = {
         "deterministic", "sim_profile")},
     **{name: ("cache", name) for name in (
         "block_size", "enable_prefix_caching", "num_kv_blocks", "kv_cache_memory_bytes",
-        "gpu_memory_utilization", "kv_cache_dtype", "kv_offload_gib")},
+        "gpu_memory_utilization", "kv_cache_dtype", "kv_offload_gib",
+        "kv_disk_dir", "kv_disk_gib")},
     "max_num_batched_tokens": ("scheduler", "max_num_batched_tokens"),
     "max_num_seqs": ("scheduler", "max_num_seqs"),
     "scheduling_policy": ("scheduler", "policy"),

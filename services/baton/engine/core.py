@@ -70,7 +70,7 @@ class EngineCore:
         window = self.model_config.sliding_window if self.model_config.all_sliding else None
         self.kv = KVCacheManager(self.runner.num_blocks, config.cache.block_size,
                                  config.cache.enable_prefix_caching, sliding_window=window)
-        self.connector = make_connector(config, self.runner, self.kv)
+        self.connector = make_connector(config, self.runner, self.kv, self.model_dir)
         limits = config.scheduler
         self.scheduler = make_scheduler(SchedulerLimits(
             limits.max_num_batched_tokens, limits.max_num_seqs, max_len, limits.policy,

@@ -142,6 +142,11 @@ class KVCacheManager:
     def reset_prefix_cache(self) -> None:
         self.pool.reset_prefix_cache()
 
+    def cached_blocks(self) -> list[tuple[int, int]]:
+        """(block id, hash) of every findable block, the first cached first."""
+        return [(b.block_id, h) for h in self.pool.cached_hashes()
+                if (b := self.pool.get_cached_block(h)) is not None]
+
     def on_evict(self, listener) -> None:
         """`BlockPool.on_evict`: hear of cached blocks handed out again (the offload tier)."""
         self.pool.on_evict(listener)

@@ -3,6 +3,8 @@ disaggregated engine, the host offload tier (wrapping it, when both are on), or 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from baton.engine.config import EngineConfig
 from baton.engine.kv_cache import KVCacheManager
 from baton.engine.kv_connector.base import KVConnector
@@ -10,13 +12,15 @@ from baton.engine.kv_connector.base import KVConnector
 _GIB = 1 << 30
 
 
-def make_connector(config: EngineConfig, runner, kv: KVCacheManager) -> KVConnector | None:
-    """`runner`: the engine's `ModelRunner` (its KV cache, TP leader, model config). Raises
-    ValueError for a tier the engine cannot run (see `_make_tier`)."""
+def make_connector(config: EngineConfig, runner, kv: KVCacheManager,
+                   model_dir: Path) -> KVConnector | None:
+    """`runner`: the engine's `ModelRunner` (its KV cache, TP leader, model config);
+    `model_dir` names the weights a disk tier's blocks belong to. Raises ValueError for a
+    tier the engine cannot run (see `_make_tier`)."""
     connector = _make_transport_connector(config, runner)
     if config.cache.kv_offload_gib == 0:
         return connector
-    return _make_tier(config, runner, kv, connector)
+    return _make_tier(config, runner, kv, connector, model_dir)
 
 
 def _make_transport_connector(config: EngineConfig, runner) -> KVConnector | None:
@@ -33,8 +37,8 @@ def _make_transport_connector(config: EngineConfig, runner) -> KVConnector | Non
                                 kv.port, secret=kv.secret, tp=tp)
 
 
-def _make_tier(config: EngineConfig, runner, kv: KVCacheManager,
-               inner: KVConnector | None) -> KVConnector:
+def _make_tier(config: EngineConfig, runner, kv: KVCacheManager, inner: KVConnector | None,
+               model_dir: Path) -> KVConnector:
     """The host tier of `kv_offload_gib` GiB over the runner's KV cache. Refused: tensor-
     parallel engines (each rank holds its own heads; the tier copies rank 0's cache only),
     models whose every layer slides a window (blocks leave a running request's table as it
@@ -51,11 +55,19 @@ def _make_tier(config: EngineConfig, runner, kv: KVCacheManager,
     if not config.cache.enable_prefix_caching:
         raise ValueError(f"kv_offload_gib={gib} needs prefix caching: the tier holds "
                          "prefix-cached blocks")
-    from baton.engine.kv_tier import HostKVPool, TierConnector
+    from baton.engine.kv_tier import DiskKVPool, HostKVPool, TierConnector, fingerprint
 
     cache = runner.kv_cache  # (layers, K/V, blocks, block_size, KVH, D)
     block_bytes = cache[:, :, 0].numel() * cache.element_size()
     num_blocks = int(gib * _GIB) // block_bytes
     if num_blocks < 1:
         raise ValueError(f"kv_offload_gib={gib} holds no KV block ({block_bytes} bytes each)")
-    return TierConnector(kv, HostKVPool(cache, num_blocks), inner)
+    disk = None
+    if config.cache.kv_disk_dir is not None:
+        disk_gib = config.cache.kv_disk_gib
+        if int(disk_gib * _GIB) // block_bytes < 1:
+            raise ValueError(f"kv_disk_gib={disk_gib} holds no KV block ({block_bytes} bytes "
+                             "each)")
+        disk = DiskKVPool(Path(config.cache.kv_disk_dir), fingerprint(model_dir, cache[:, :, 0]),
+                          block_bytes, int(disk_gib * _GIB) // block_bytes)
+    return TierConnector(kv, HostKVPool(cache, num_blocks, disk=disk), inner)

@@ -79,16 +79,19 @@ class TierConnector(KVConnector):
 
     def _host_hits(self, req: Request, num_cached: int) -> list[int]:
         """The hashes of the blocks after the device hits that the tier holds, in a row,
-        leaving at least one known token to compute (`get_computed_blocks`' rule)."""
+        leaving at least one known token to compute (`get_computed_blocks`' rule); blocks
+        on the disk pool are read into the host pool on the way."""
         if not self.kv.enable_caching or req.skips_prefix_cache:
             return []
         first = num_cached // self.block_size
         last = min((req.num_tokens - 1) // self.block_size, len(req.block_hashes))
-        hits = []
+        hits: list[int] = []
+        keep = {h for _, hashes in self._planned.values() for h in hashes}
         for block_hash in req.block_hashes[first:last]:
-            if block_hash not in self.host:
-                break
+            if block_hash not in self.host and not self.host.promote(block_hash, keep):
+                break  # neither in the host pool nor readable from the disk pool under it
             hits.append(block_hash)
+            keep.add(block_hash)
         return hits
 
     def loads_locally(self, req: Request) -> bool:
@@ -154,13 +157,22 @@ class TierConnector(KVConnector):
         return self.inner.kv_stats() if self.inner is not None else None
 
     def tier_stats(self) -> KVTierStats:
-        c, block = self._counts, self.host.block_bytes
+        c, block, disk = self._counts, self.host.block_bytes, self.host.disk
         return KVTierStats(
+            disk_read_blocks_total=self.host.disk_hits,
+            disk_written_blocks_total=disk.written if disk is not None else 0,
+            disk_blocks_held=len(disk) if disk is not None else 0,
             hit_blocks_total=c["hit_blocks"], hit_tokens_total=c["hit_blocks"] * self.block_size,
             offloaded_bytes_total=c["offloaded"] * block, loaded_bytes_total=c["loaded"] * block,
             offload_skipped_total=c["skipped"], blocks_held=len(self.host),
             blocks_total=self.host.num_blocks, offload_queue_depth=self._last_step_offloads)
 
     def close(self) -> None:
+        """With a disk pool: write every block the device and host pools hold to it (a
+        restart finds them). Then stop the inner connector."""
+        if self.host.disk is not None:
+            for block_id, block_hash in self.kv.cached_blocks():
+                self.host.store(block_hash, block_id)
+            self.host.flush()
         if self.inner is not None:
             self.inner.close()

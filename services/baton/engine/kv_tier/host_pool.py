@@ -8,6 +8,11 @@ device cache is on CUDA. Every copy is a `copy_` between a device block and a ho
 overwrites the device block and before any later load of the host block, so nothing here
 reads device memory from the host or waits on the device. On CPU the copies are plain
 memcpys.
+
+With a `DiskKVPool` under it, a block the pool evicts is written there first (on CUDA after
+its offload copy's event: the host reads only host memory whose copy has landed), `promote`
+reads a disk block back into a host block, and `flush` writes every held block (a graceful
+stop, so a restart finds them).
 """
 
 from __future__ import annotations
@@ -17,10 +22,13 @@ from collections.abc import Collection
 
 import torch
 
+from baton.engine.kv_tier.disk_pool import DiskKVPool
+
 
 class HostKVPool:
     def __init__(self, device_cache: torch.Tensor, num_blocks: int,
-                 host_device: torch.device | str = "cpu") -> None:
+                 host_device: torch.device | str = "cpu", disk: DiskKVPool | None = None
+                 ) -> None:
         """`device_cache`: the engine's KV cache, (layers, K/V, blocks, block_size, KVH, D).
         `host_device`: where the host blocks live (cpu; meta in the tests of the device
         path). Raises ValueError for `num_blocks` < 1."""
@@ -36,6 +44,10 @@ class HostKVPool:
         self.block_bytes = self.cache[0].numel() * self.cache.element_size()
         self._slots: OrderedDict[int, int] = OrderedDict()  # hash -> host block, LRU first
         self._free = list(range(num_blocks - 1, -1, -1))
+        self.disk = disk
+        self.disk_hits = 0
+        # CUDA: each host block's offload copy, recorded on the stream that issued it
+        self._landed: dict[int, torch.cuda.Event] = {}
 
     def __contains__(self, block_hash: int) -> bool:
         return block_hash in self._slots
@@ -59,8 +71,34 @@ class HostKVPool:
         if slot is None:
             return False
         self.cache[slot].copy_(self.device_cache[:, :, block_id], non_blocking=True)
+        if self.disk is not None and self.device_cache.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+            self._landed[slot] = event
         self._slots[block_hash] = slot
         return True
+
+    def promote(self, block_hash: int, keep: Collection[int] = ()) -> bool:
+        """Read `block_hash` from the disk pool into a host block (making room as `store`
+        does). False: no disk pool, not there, unreadable, or no room."""
+        if self.disk is None or block_hash not in self.disk:
+            return False
+        slot = self._free.pop() if self._free else self._evict_one(keep)
+        if slot is None:
+            return False
+        self._landed.pop(slot, None)
+        if not self.disk.read(block_hash, self.cache[slot]):
+            self._free.append(slot)
+            return False
+        self._slots[block_hash] = slot
+        self.disk_hits += 1
+        return True
+
+    def flush(self) -> None:
+        """Write every held block to the disk pool (no-op without one)."""
+        if self.disk is not None:
+            for block_hash, slot in list(self._slots.items()):
+                self._spill(block_hash, slot)
 
     def load(self, block_hash: int, block_id: int) -> None:
         """Copy the held block `block_hash` into device block `block_id` and touch it.
@@ -71,4 +109,16 @@ class HostKVPool:
 
     def _evict_one(self, keep: Collection[int]) -> int | None:
         victim = next((h for h in self._slots if h not in keep), None)
-        return None if victim is None else self._slots.pop(victim)
+        if victim is None:
+            return None
+        slot = self._slots.pop(victim)
+        self._spill(victim, slot)
+        return slot
+
+    def _spill(self, block_hash: int, slot: int) -> None:
+        if self.disk is None:
+            return
+        event = self._landed.pop(slot, None)
+        if event is not None:
+            event.synchronize()  # issued steps ago: normally landed already
+        self.disk.store(block_hash, self.cache[slot])

@@ -94,3 +94,28 @@ def test_the_tier_refuses_what_it_cannot_serve():
         LLM(**ENGINE, kv_offload_gib=0.1, enable_prefix_caching=False)
     with pytest.raises(ValueError, match="holds no KV block"):
         LLM(**ENGINE, kv_offload_gib=1e-9)
+
+
+def test_a_restarted_engine_serves_the_next_turn_from_the_disk_tier(texts, plain, tmp_path):
+    disk = dict(kv_offload_gib=0.1, kv_disk_dir=str(tmp_path), kv_disk_gib=0.1)
+    first = LLM(**ENGINE, **disk)
+    answer = list(first.generate([texts["turn1"]], GREEDY, use_tqdm=False)[0]
+                  .outputs[0].token_ids)
+    assert answer == plain[0][0]
+    first.engine.close()  # a graceful stop writes the host tier to disk
+    again = LLM(**ENGINE, **disk)
+    prompt2 = texts["turn1"] + answer + texts["more"]
+    out = again.generate([prompt2], GREEDY, use_tqdm=False)[0]
+    assert list(out.outputs[0].token_ids) == plain[0][-1]  # turn 2 as without any tier
+    num_turn1 = len(texts["turn1"]) + len(answer) - 1
+    assert out.num_cached_tokens == num_turn1 // BLOCK * BLOCK  # all read from disk
+    tier = again.engine.metrics_snapshot().kv_tier
+    assert tier is not None and tier.disk_read_blocks_total == num_turn1 // BLOCK
+    again.engine.check_integrity()
+
+
+def test_the_disk_tier_needs_the_host_tier_and_a_size(tmp_path):
+    with pytest.raises(ValueError, match="kv_disk_gib"):
+        LLM(**ENGINE, kv_disk_dir=str(tmp_path), kv_disk_gib=0.1)
+    with pytest.raises(ValueError, match="kv_disk_gib"):
+        LLM(**ENGINE, kv_offload_gib=0.1, kv_disk_dir=str(tmp_path))

@@ -1,0 +1,117 @@
+"""`DiskKVPool`: KV blocks in a bounded directory, the tier under the host pool, so a pod
+restarted on the same disk comes back with its sessions' prefixes.
+
+One file per block, `<root>/<fingerprint>/<block hash, 16 hex>.kv`: the magic, the
+BLAKE2b-256 digest of the payload, then the payload (the host block's bytes). The
+fingerprint names the model and the cache layout (`fingerprint()`), so blocks of another
+model, dtype or block shape are never read. A file is written to a temporary name and
+renamed, so a crash leaves whole files or none; one whose size, magic or digest does not
+match is deleted and reported missing. Least recently used files go first when the
+directory holds `num_blocks`; at start the files there are indexed oldest (mtime) first.
+Reads and writes run on the engine thread, a block at a time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections import OrderedDict
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+
+MAGIC = b"BATONKV1"
+_DIGEST = 32
+_SUFFIX = ".kv"
+
+
+def fingerprint(model_dir: Path, block: torch.Tensor) -> str:
+    """A name for the model's weights and config (each file's name, size and mtime under
+    `model_dir`) and one block's layout (shape, dtype)."""
+    h = hashlib.blake2b(digest_size=8)
+    h.update(str(model_dir.resolve()).encode())
+    paths = [model_dir] if model_dir.is_file() else sorted(
+        p for p in model_dir.iterdir() if p.is_file())
+    for path in paths:
+        stat = path.stat()
+        h.update(f"{path.name}:{stat.st_size}:{stat.st_mtime_ns};".encode())
+    h.update(f"{tuple(block.shape)}:{block.dtype}".encode())
+    return h.hexdigest()
+
+
+class DiskKVPool:
+    def __init__(self, root: Path, fingerprint: str, block_bytes: int, num_blocks: int) -> None:
+        """Raises ValueError for `num_blocks` < 1; OSError when the directory cannot be
+        made."""
+        if num_blocks < 1:
+            raise ValueError(f"DiskKVPool needs at least one block, got {num_blocks}")
+        self.dir = Path(root) / fingerprint
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.block_bytes = block_bytes
+        self.num_blocks = num_blocks
+        self.written = 0  # blocks written since start
+        files = sorted(self.dir.glob("*" + _SUFFIX), key=lambda p: p.stat().st_mtime_ns)
+        self._files: OrderedDict[int, Path] = OrderedDict(
+            (int(p.stem, 16), p) for p in files if _is_hash(p.stem))
+        self._trim()
+
+    def __contains__(self, block_hash: int) -> bool:
+        return block_hash in self._files
+
+    def __len__(self) -> int:
+        return len(self._files)
+
+    def store(self, block_hash: int, block: torch.Tensor) -> None:
+        """Write `block` (a contiguous CPU tensor, its copies complete) under `block_hash`;
+        a held hash is only touched."""
+        if block.device.type != "cpu":
+            raise ValueError(f"DiskKVPool stores host blocks, got one on {block.device}")
+        if block_hash in self._files:
+            self._files.move_to_end(block_hash)
+            return
+        payload = block.view(torch.uint8).view(-1).numpy().tobytes()
+        path = self.dir / f"{block_hash:016x}{_SUFFIX}"
+        tmp = path.with_suffix(".tmp")
+        tmp.write_bytes(MAGIC + hashlib.blake2b(payload, digest_size=_DIGEST).digest() + payload)
+        os.replace(tmp, path)
+        self._files[block_hash] = path
+        self.written += 1
+        self._trim()
+
+    def read(self, block_hash: int, out: torch.Tensor) -> bool:
+        """Read the block into `out` (a contiguous CPU tensor of the block's size) and touch
+        it. False, the file deleted: missing, cut short or not what was written."""
+        path = self._files.get(block_hash)
+        if path is None:
+            return False
+        try:
+            data = path.read_bytes()
+        except OSError:
+            data = b""
+        head = len(MAGIC) + _DIGEST
+        payload = data[head:]
+        if (len(payload) != self.block_bytes or data[:len(MAGIC)] != MAGIC
+                or hashlib.blake2b(payload, digest_size=_DIGEST).digest()
+                != data[len(MAGIC):head]):
+            self._drop(block_hash)
+            return False
+        out.view(torch.uint8).view(-1).copy_(torch.frombuffer(bytearray(payload),
+                                                              dtype=torch.uint8))
+        self._files.move_to_end(block_hash)
+        return True
+
+    def hashes(self) -> Iterable[int]:
+        return iter(self._files)
+
+    def _trim(self) -> None:
+        while len(self._files) > self.num_blocks:
+            self._drop(next(iter(self._files)))
+
+    def _drop(self, block_hash: int) -> None:
+        path = self._files.pop(block_hash)
+        path.unlink(missing_ok=True)
+
+
+def _is_hash(stem: str) -> bool:
+    return len(stem) == 16 and all(c in "0123456789abcdef" for c in stem)
