@@ -11,7 +11,10 @@ safe for one appender and one popper). The deque is bounded: a publisher that fe
 sees `events_appended` run ahead of what it popped and resends a snapshot instead.
 
 An eviction listener (`on_evict`, the host offload tier) hears of each cached block handed
-out again while its KV is still intact: the next forward overwrites it.
+out again while its KV is still intact: the next forward overwrites it. When the listener
+keeps the block's KV (returns True), the hash stays published: this engine still serves it,
+from the tier, and the tier reports it with `tier_dropped` once it lets it go. `cached_hashes`
+then lists the tier's hashes too (`on_evict`'s `also_held`).
 """
 
 from __future__ import annotations
@@ -40,7 +43,8 @@ class BlockPool:
         self._cached: dict[int, KVBlock] = {}  # block hash -> block
         self.events: deque[tuple[bool, int | None]] | None = None
         self.events_appended = 0
-        self._on_evict: Callable[[int, int], None] | None = None
+        self._on_evict: Callable[[int, int], bool] | None = None
+        self._also_held: Callable[[], list[int]] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -99,19 +103,28 @@ class BlockPool:
         self._cached.clear()
         self._event(False, None)
 
-    def on_evict(self, listener: Callable[[int, int], None]) -> None:
+    def on_evict(self, listener: Callable[[int, int], bool],
+                 also_held: Callable[[], list[int]] | None = None) -> None:
         """Call `listener(block_id, block_hash)` (engine thread) each time a findable block
         is taken by `allocate`: its KV stays intact until the next forward writes the
-        block, so the listener may copy it away now."""
-        self._on_evict = listener
+        block, so the listener may copy it away now; True: it did, the hash stays
+        published. `also_held()` (any thread, a snapshot): every hash kept that way."""
+        self._on_evict, self._also_held = listener, also_held
+
+    def tier_dropped(self, block_hash: int) -> None:
+        """The tier under the pool no longer holds `block_hash`: publish its eviction
+        unless the pool holds it again."""
+        if block_hash not in self._cached:
+            self._event(False, block_hash)
 
     def _evict(self, block: KVBlock) -> None:
         if block.block_hash is not None:
             if self._cached.get(block.block_hash) is block:
                 del self._cached[block.block_hash]
-                self._event(False, block.block_hash)
-                if self._on_evict is not None:
-                    self._on_evict(block.block_id, block.block_hash)
+                kept = self._on_evict is not None and self._on_evict(block.block_id,
+                                                                     block.block_hash)
+                if not kept:
+                    self._event(False, block.block_hash)
             block.block_hash = None
 
     def record_events(self, capacity: int = 1 << 16) -> None:
@@ -123,9 +136,10 @@ class BlockPool:
             self.events_appended += 1
 
     def cached_hashes(self) -> list[int]:
-        """Every findable hash now (a snapshot; safe from another thread: `list` of a dict's
-        keys runs without releasing the GIL)."""
-        return list(self._cached)
+        """Every hash this engine serves now, the tier's included (a snapshot; safe from
+        another thread: `list` of a dict's keys runs without releasing the GIL)."""
+        held = list(self._cached)
+        return held if self._also_held is None else held + self._also_held()
 
     def counts(self) -> tuple[int, int, int]:
         """(empty free, cached free, used) — these always add up to `num_blocks`."""

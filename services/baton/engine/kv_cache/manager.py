@@ -147,9 +147,13 @@ class KVCacheManager:
         return [(b.block_id, h) for h in self.pool.cached_hashes()
                 if (b := self.pool.get_cached_block(h)) is not None]
 
-    def on_evict(self, listener) -> None:
+    def on_evict(self, listener, also_held=None) -> None:
         """`BlockPool.on_evict`: hear of cached blocks handed out again (the offload tier)."""
-        self.pool.on_evict(listener)
+        self.pool.on_evict(listener, also_held)
+
+    def tier_dropped(self, block_hash: int) -> None:
+        """`BlockPool.tier_dropped`: the tier let `block_hash` go."""
+        self.pool.tier_dropped(block_hash)
 
     # -- internals -------------------------------------------------------------------------
     def _num_out_of_window(self, request: Request, num_computed: int) -> int:

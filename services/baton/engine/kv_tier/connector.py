@@ -47,20 +47,34 @@ class TierConnector(KVConnector):
         # This schedule()'s tier loads: request id -> (first block, hashes to load)
         self._planned: dict[str, tuple[int, list[int]]] = {}
         self._loaded: dict[str, Request] = {}  # copied in, reported by the next poll()
-        kv.on_evict(self._offload)
+        kv.on_evict(self._offload, host.hashes)
+        host.on_drop(self._dropped)
+        if host.disk is not None:
+            host.disk.on_drop(self._dropped)
 
     # -- offload ---------------------------------------------------------------------------
-    def _offload(self, block_id: int, block_hash: int) -> None:
+    def _offload(self, block_id: int, block_hash: int) -> bool:
+        """True: the tier holds the block (the pool keeps its hash published)."""
         if block_hash in self.host:
             self.host.touch(block_hash)
-            return
+            return True
         if self._offloads_this_step >= self.max_offloads_per_step:
             self._counts["skipped"] += 1
-            return
+            return self._on_disk(block_hash)
         keep = {h for _, hashes in self._planned.values() for h in hashes}
         if self.host.store(block_hash, block_id, keep):
             self._offloads_this_step += 1
             self._counts["offloaded"] += 1
+            return True
+        return self._on_disk(block_hash)
+
+    def _on_disk(self, block_hash: int) -> bool:
+        return self.host.disk is not None and block_hash in self.host.disk
+
+    def _dropped(self, block_hash: int) -> None:
+        """A tier let `block_hash` go: unpublished unless another still holds it."""
+        if block_hash not in self.host and not self._on_disk(block_hash):
+            self.kv.tier_dropped(block_hash)
 
     # -- admission -------------------------------------------------------------------------
     def num_remote_tokens(self, req: Request, num_cached: int) -> int:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import os
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -51,10 +51,15 @@ class DiskKVPool:
         self.block_bytes = block_bytes
         self.num_blocks = num_blocks
         self.written = 0  # blocks written since start
+        self._on_drop: Callable[[int], None] | None = None
         files = sorted(self.dir.glob("*" + _SUFFIX), key=lambda p: p.stat().st_mtime_ns)
         self._files: OrderedDict[int, Path] = OrderedDict(
             (int(p.stem, 16), p) for p in files if _is_hash(p.stem))
         self._trim()
+
+    def on_drop(self, listener: Callable[[int], None]) -> None:
+        """Call `listener(block_hash)` when a block's file goes (size bound, damage)."""
+        self._on_drop = listener
 
     def __contains__(self, block_hash: int) -> bool:
         return block_hash in self._files
@@ -111,6 +116,8 @@ class DiskKVPool:
     def _drop(self, block_hash: int) -> None:
         path = self._files.pop(block_hash)
         path.unlink(missing_ok=True)
+        if self._on_drop is not None:
+            self._on_drop(block_hash)
 
 
 def _is_hash(stem: str) -> bool:

@@ -18,7 +18,7 @@ stop, so a restart finds them).
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 
 import torch
 
@@ -48,6 +48,12 @@ class HostKVPool:
         self.disk_hits = 0
         # CUDA: each host block's offload copy, recorded on the stream that issued it
         self._landed: dict[int, torch.cuda.Event] = {}
+        self._on_drop: Callable[[int], None] | None = None
+
+    def on_drop(self, listener: Callable[[int], None]) -> None:
+        """Call `listener(block_hash)` when a block leaves this pool for good (evicted
+        without a disk pool to take it)."""
+        self._on_drop = listener
 
     def __contains__(self, block_hash: int) -> bool:
         return block_hash in self._slots
@@ -100,6 +106,11 @@ class HostKVPool:
             for block_hash, slot in list(self._slots.items()):
                 self._spill(block_hash, slot)
 
+    def hashes(self) -> list[int]:
+        """Every hash held here or on the disk pool (a snapshot, any thread)."""
+        held = list(self._slots)
+        return held if self.disk is None else held + list(self.disk.hashes())
+
     def load(self, block_hash: int, block_id: int) -> None:
         """Copy the held block `block_hash` into device block `block_id` and touch it.
         Raises KeyError for a hash not held."""
@@ -117,6 +128,8 @@ class HostKVPool:
 
     def _spill(self, block_hash: int, slot: int) -> None:
         if self.disk is None:
+            if self._on_drop is not None:
+                self._on_drop(block_hash)
             return
         event = self._landed.pop(slot, None)
         if event is not None:
