@@ -45,7 +45,9 @@ def offline_steady(llm, batch: int) -> dict:
     from baton import SamplingParams
 
     engine = llm.engine
-    params = SamplingParams(max_tokens=DECODE_STEPS + 8, ignore_eos=True)
+    # long enough that the first requests, decoding while the last ones prefill, still run
+    # through the timed steps (prefill takes at most batch / 4 steps of 2,048 tokens)
+    params = SamplingParams(max_tokens=DECODE_STEPS + 8 + batch, ignore_eos=True)
     reqs = [engine.make_request(f"steady-{batch}-{i}-{time.monotonic_ns()}", p, params)
             for i, p in enumerate(_prompts(batch))]
     for req in reqs:
@@ -58,8 +60,10 @@ def offline_steady(llm, batch: int) -> dict:
         outputs += engine.step()  # what LLM.generate does with them is a dict lookup
     wall = time.perf_counter() - t0
     after = engine.timing.snapshot()
-    while engine.has_unfinished_requests():
-        engine.step()
+    if len(outputs) != batch * DECODE_STEPS:
+        raise RuntimeError(f"batch {batch}: {len(outputs)} outputs in {DECODE_STEPS} steps, "
+                           "not a steady batch")
+    engine.abort_requests([r.request_id for r in reqs])  # the rest is not measured
     steps = after.steps - before.steps
     return {"batch": batch, "busy": (after.device_s - before.device_s) / wall,
             "host_ms_per_step": 1000 * (wall - (after.device_s - before.device_s)) / steps,
