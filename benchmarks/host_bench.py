@@ -151,7 +151,8 @@ def serve(profile: str, batches: list[int]) -> list[dict]:
     proc = subprocess.Popen([sys.executable, "-m", "baton.cli", "serve", "--port", str(port),
                              "--device", "sim", "--sim-profile", profile,
                              "--served-model-name", "sim", "--max-num-seqs",
-                             str(max(batches)), "--log-level", "warning"])
+                             str(max(batches)), "--max-waiting", str(4 * max(batches)),
+                             "--log-level", "warning"])
     try:
         wait_ready(url, proc, 300)
         return [asyncio.run(_serve_point(url, proc.pid, b)) for b in batches]
