@@ -49,7 +49,10 @@ NON_DEFAULTS = ["--dtype", "float32", "--block-size", "32", "--max-num-seqs", "7
                 "--revision", "v2", "--skip-tokenizer-init", "--kv-cache-dtype", "fp8_e5m2",
                 "--reasoning-parser", "qwen3", "--tp-step-timeout", "33", "--quantization", "auto", "--deterministic",
                 "--speculative-config", '{"method": "ngram"}', "--kv-offload-gib", "0.25",
-                "--kv-disk-dir", "/var/kv", "--kv-disk-gib", "8"]
+                "--kv-disk-dir", "/var/kv", "--kv-disk-gib", "8",
+                "--sim-profile", "h100-llama3-8b", "--enable-lora",
+                "--lora-modules", "sql=/adapters/sql", "chat=/adapters/chat",
+                "--max-loras", "3", "--max-lora-rank", "32", "--max-cpu-loras", "5"]
 
 
 def test_up_passes_every_flag_it_was_given_to_its_workers():
