@@ -26,9 +26,10 @@ from baton.engine.spec.rejection import RejectionSampler
 
 class SimRunner:
     def __init__(self, config, model_dir: Path) -> None:
-        if config.parallel.tensor_parallel_size > 1 or config.kv_transfer.transport:
-            raise ValueError("--device sim serves one colocated engine: tensor parallelism "
-                             "and KV transports are not simulated")
+        if (config.parallel.tensor_parallel_size > 1 or config.kv_transfer.transport
+                or config.cache.kv_offload_gib):
+            raise ValueError("--device sim serves one colocated engine: tensor parallelism, "
+                             "KV transports and the KV offload tiers are not simulated")
         if config.lora.enabled:
             raise ValueError("--device sim does not simulate LoRA adapters")
         self.config = config

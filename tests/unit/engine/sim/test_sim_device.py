@@ -84,6 +84,8 @@ def test_sim_profile_goes_with_the_sim_device():
         EngineConfig.from_args(device="sim")
     with pytest.raises(ValueError, match="sim_profile"):
         EngineConfig.from_args(device="cpu", sim_profile="h100-llama3-8b")
+    with pytest.raises(ValueError, match="offload tiers are not simulated"):
+        LLM(device="sim", sim_profile="h100-llama3-8b", kv_offload_gib=1)
 
 
 def test_an_engine_on_the_sim_device_serves_exact_lengths_and_reports_busy_time():
