@@ -217,3 +217,27 @@ def test_random_mixes_of_loads_failures_and_aborts_leak_nothing(seed):
             break
     drain(sched, kv)
     assert all(r.is_finished for r in reqs)
+
+
+def test_requests_loading_kv_count_against_max_loras():
+    """A request whose KV is loading joins the running batch without asking again, so its
+    adapter is held from admission: with one slot, a request of another adapter waits for
+    it, and no step ever holds two adapters (the engine could not run that step)."""
+    from baton.engine.lora.adapter import LoRAAdapter
+
+    kv = KVCacheManager(64, 4, True)
+    sched = make_scheduler(SchedulerLimits(32, 8, 512, max_loras=1), kv,
+                           ScriptedConnector(polls=3))
+    pulled, local = request(0, 10, 3, PullKV(PARAMS)), request(1, 5, 4)
+    pulled.lora = LoRAAdapter("x", "/x", 1, "dx", 8, {})
+    local.lora = LoRAAdapter("y", "/y", 2, "dy", 8, {})
+    sched.add_request(pulled)
+    sched.add_request(local)
+    for _ in range(40):
+        if not (sched.has_unfinished_requests() or sched.needs_polling):
+            break
+        _, out = step(sched)
+        sched.drain_ended()
+        assert len({s.request.lora.load_id for s in out.scheduled}) <= 1
+    assert pulled.is_finished and local.is_finished
+    assert kv.num_used_blocks == 0

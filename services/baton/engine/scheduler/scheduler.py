@@ -204,11 +204,15 @@ class Scheduler:
 
     def _fits_loras(self, req: Request) -> bool:
         """A step holds at most `max_loras` distinct adapters (`engine.lora`'s resident
-        slots): a request of another adapter waits until a running one ends."""
+        slots): a request of another adapter waits until a running (or loading) one
+        ends."""
         if req.lora is None or self.limits.max_loras is None:
             return True
-        running = {r.lora.load_id for r in self.running if r.lora is not None}
-        return req.lora.load_id in running or len(running) < self.limits.max_loras
+        # requests whose KV is loading join the running batch without asking again
+        loading = (self.requests.get(rid) for rid in self._load_ends)
+        held = {r.lora.load_id for r in (*self.running, *loading)
+                if r is not None and r.lora is not None}
+        return req.lora.load_id in held or len(held) < self.limits.max_loras
 
     @property
     def _num_loading(self) -> int:
