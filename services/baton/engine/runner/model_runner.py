@@ -262,7 +262,8 @@ class ModelRunner:
         # guesses scored before it; the sampler draws all but the rows verified by
         # rejection sampling (`engine.spec`)
         every = [s.request for s in entries for _ in range(s.num_sampled)]
-        ahead = [s.spec_token_ids[:i] for s in entries for i in range(s.num_sampled)]
+        ahead = ([s.spec_token_ids[:i] for s in entries for i in range(s.num_sampled)]
+                 if any(s.spec_token_ids for s in entries) else None)
         rows = sampler_rows(entries)
         reqs = [every[i] for i in rows]
         hidden = self._forward(batch)  # (T, h)

@@ -65,8 +65,7 @@ def verify(entries: list[ScheduledRequest], logits: torch.Tensor, tokens: list[i
     out = Verified(failed=failed)
     masked = logits
     if masks is not None and any(by_rejection(s) for s in entries):
-        masked = logits.float()  # (N, V), a copy when logits are bf16
-        masked = masked.clone() if masked is logits else masked
+        masked = logits.to(torch.float32, copy=True)  # (N, V)
         apply_grammar_masks(masked, masks)
     row = drawn = 0
     for s in entries:
