@@ -2,7 +2,7 @@
 prompt tokens prefilled, with and without `--kv-offload-gib`, at the same device pool.
 
     python -m benchmarks.kv_tier_bench [--sessions 8] [--turns 6] [--offload-gib 2]
-        [--out result.json]
+        [--disk-host-gib 0.05] [--out result.json]
 
 The conversations are `loadtest/workloads/multi_turn.yaml`'s (each turn adds the recorded
 answer and a new user message, 150-400 tokens), cut to `--sessions` x `--turns`. Each turn is
@@ -13,6 +13,10 @@ sessions' working set unless `--num-kv-blocks`) has evicted the session's prefix
 the think time the workload describes, without concurrency, so a turn's TTFT is its own
 prefill (and the tier's load) alone. Both engines must answer every turn with the same
 greedy tokens.
+
+With `--disk-host-gib` > 0 a third engine runs the disk tier: a host tier of that size (well
+under the working set) over a disk tier in a temporary directory, so most hits are read back
+from disk.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import gc
 import json
 import platform
 import statistics
+import tempfile
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -36,11 +41,13 @@ class RunResult:
     prefill_tokens: int  # prompt tokens the engine computed, every turn
     cached_tokens: int  # prompt tokens served from a cache, every turn
     tokens: list[list[int]]  # each turn's greedy output
+    disk_read_blocks: int = 0  # blocks the disk tier read back
 
     def summary(self) -> dict:
         return {"ttft_p50_s": statistics.median(self.ttft_s),
                 "ttft_mean_s": statistics.fmean(self.ttft_s),
-                "prefill_tokens": self.prefill_tokens, "cached_tokens": self.cached_tokens}
+                "prefill_tokens": self.prefill_tokens, "cached_tokens": self.cached_tokens,
+                "disk_read_blocks": self.disk_read_blocks}
 
 
 def conversations(tokenizer, sessions: int, turns: int) -> list[list[list[int]]]:
@@ -95,6 +102,8 @@ def run(convs: list[list[list[int]]], max_tokens: int, **engine_args) -> RunResu
                 result.ttft_s.append(first)
             result.tokens.append(tokens)
     result.prefill_tokens = core.stats.prompt_tokens_total - before
+    tier = core.metrics_snapshot().kv_tier
+    result.disk_read_blocks = tier.disk_read_blocks_total if tier is not None else 0
     core.check_integrity()
     core.close()
     return result
@@ -119,6 +128,8 @@ def main() -> None:
     ap.add_argument("--num-kv-blocks", type=int, default=None,
                     help="device pool (default: a quarter of the working set)")
     ap.add_argument("--offload-gib", type=float, default=2.0)
+    ap.add_argument("--disk-host-gib", type=float, default=0.05,
+                    help="host tier over a disk tier, third run (0: no disk run)")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--num-threads", type=int, default=1)
     ap.add_argument("--out", default=None)
@@ -142,6 +153,14 @@ def main() -> None:
         "with_tier": tier.summary(), "same_tokens": plain.tokens == tier.tokens,
         "ttft_p50_speedup": plain.summary()["ttft_p50_s"] / tier.summary()["ttft_p50_s"],
         "prefill_tokens_saved": 1 - tier.prefill_tokens / plain.prefill_tokens}
+    if args.disk_host_gib > 0:
+        with tempfile.TemporaryDirectory(prefix="kv-tier-bench-") as disk_dir:
+            disk = run(convs, args.max_tokens, **engine, kv_offload_gib=args.disk_host_gib,
+                       kv_disk_dir=disk_dir, kv_disk_gib=args.offload_gib)
+        report |= {"with_disk_tier": disk.summary(), "disk_host_gib": args.disk_host_gib,
+                   "disk_same_tokens": plain.tokens == disk.tokens,
+                   "disk_ttft_p50_speedup": plain.summary()["ttft_p50_s"]
+                   / disk.summary()["ttft_p50_s"]}
     print(json.dumps(report, indent=2))
     if args.out:
         Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
