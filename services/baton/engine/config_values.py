@@ -27,7 +27,9 @@ class LoadFormat(StrEnum):
 
 class Quantization(StrEnum):
     NONE = "none"  # quantized checkpoints are de-quantized to `dtype` at load
-    AUTO = "auto"  # a GGUF's Q8_0 / Q4_0 / Q4_1 / Q4_K / Q6_K linears kept as stored (CPU, bf16)
+    # a GGUF's Q8_0 / Q4_0 / Q4_1 / Q4_K / Q6_K linears, a GPTQ / AWQ / compressed-tensors
+    # checkpoint's int4 / int8 ones, kept quantized (CPU, bf16; `engine.quant`)
+    AUTO = "auto"
 
 
 class AttentionBackendName(StrEnum):

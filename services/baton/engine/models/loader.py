@@ -115,7 +115,7 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device,
     if load_format == "dummy":
         _fill_dummy(model)
     else:
-        model.load_weights(checkpoint_tensors(model_dir))
+        model.load_weights(float_tensors(model_dir))
     model.rotary = RotaryEmbedding(cfg, max_positions).to(device)  # buffers were on meta
     model.eval()
     return model, cfg
@@ -165,6 +165,20 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
                          "`AutoModelForCausalLM.from_pretrained(dir).save_pretrained(dir, "
                          "safe_serialization=True)`")
     raise FileNotFoundError(f"no *.safetensors weights in {model_dir}")
+
+
+def float_tensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors as float weights: a quantized checkpoint's linears
+    de-quantized (`engine.quant`; `--quantization auto` then swaps in quantized modules)."""
+    from baton.engine.quant.checkpoint import QuantCheckpoint, read_checkpoint_spec
+
+    spec = read_checkpoint_spec(model_dir)
+    if spec is None:
+        yield from checkpoint_tensors(model_dir)
+        return
+    log.info("%s: %s checkpoint", model_dir.name, spec.describe())
+    with QuantCheckpoint(checkpoint_files(model_dir), spec) as quantized:
+        yield from quantized.float_tensors()
 
 
 def checkpoint_tensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:

@@ -162,9 +162,10 @@ class ModelRunner:
 
     def _load_model(self, model_dir: Path, max_model_len: int, cache_dir: Path
                     ) -> dict[str, LoRATarget] | None:
-        """Load this rank's weights, keep a GGUF's linears quantized (`--quantization
-        auto`) and prepare the model for the platform; returns, when LoRA is on, the
-        adaptable linears' layout, read before the platform swaps them (`engine.lora`)."""
+        """Load this rank's weights, keep a GGUF's or a quantized checkpoint's linears
+        quantized (`--quantization auto`) and prepare the model for the platform; returns,
+        when LoRA is on, the adaptable linears' layout, read before the platform swaps
+        them (`engine.lora`)."""
         config = self.config
         with building_in(self.tp):  # this rank's slice of every weight
             self.model, self.model_config = load_model(model_dir, self.dtype, self.device,
@@ -172,9 +173,12 @@ class ModelRunner:
         targets = lora_targets(self.model) if config.lora.enabled else None
         if config.checkpoint.quantization == "auto":
             from baton.engine.platforms.cpu_quant import keep_quantized
+            from baton.engine.quant.serve import keep_quantized_checkpoint
 
             keep_quantized(self.model, config.checkpoint.model, self.device, self.dtype,
                            self.tp.size, cache_dir)
+            keep_quantized_checkpoint(self.model, model_dir, self.device, self.dtype,
+                                      self.tp.size, cache_dir)
         self.platform.prepare(self.model)  # e.g. packed weights and fused kernels on CPU
         return targets
 

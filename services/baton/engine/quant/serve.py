@@ -1,0 +1,161 @@
+"""`--quantization auto` for quantized safetensors checkpoints: after the loader filled the
+model with the de-quantized weights (the reference path, `--quantization none`), each of
+our linears whose checkpoint rows are all served natively is swapped for a quantized one.
+
+On CPU (bfloat16, no tensor parallelism, the native kernels built): int4 / int8 weights in
+runs of 32-input blocks become GGUF blocks (`gguf_blocks.py`) served by
+`baton_cpu.quant_linear.QuantLinear`, exactly as a GGUF file's are. FP8 weights, act-order
+GPTQ and asymmetric int8 stay de-quantized to bfloat16 (no native CPU kernel; logged).
+On other devices the weights stay de-quantized (logged).
+
+Which checkpoint rows make which of our rows is asked of the model itself: its
+`checkpoint_weights` maps each quantized linear's `weight` — given row indices in place of
+the weight — and each fused parameter's `weight_loader` places them, so q / k / v and gate /
+up fuse here as they do at load.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from baton.engine.models.base import CausalLM
+from baton.engine.models.loader import checkpoint_files
+from baton.engine.quant.checkpoint import QuantCheckpoint, read_checkpoint_spec
+from baton.engine.quant.formats import IntWeight, QuantWeight
+from baton.engine.quant.gguf_blocks import block_type, to_blocks
+
+log = logging.getLogger(__name__)
+ROW_BITS = 32  # a source row is encoded as prefix index << ROW_BITS | row
+
+
+class _Rows:
+    """What a parameter's weight_loader writes into: one int64 per row (`.data`)."""
+
+    def __init__(self, rows: int) -> None:
+        self.data = torch.full((rows, 1), -1, dtype=torch.int64)
+        self.shape = self.data.shape
+
+
+def row_sources(model: CausalLM, prefixes: list[str], rows_of: dict[str, int]
+                ) -> dict[str, torch.Tensor]:
+    """Our linear module -> (out,) int64: for each of its rows, the checkpoint row it holds
+    (`prefix index << ROW_BITS | row`), -1 where none does."""
+    params = dict(model.named_parameters())
+    holders: dict[str, _Rows] = {}
+    for i, prefix in enumerate(prefixes):
+        n = rows_of[prefix]
+        codes = (torch.arange(n, dtype=torch.int64) | (i << ROW_BITS)).unsqueeze(1)  # (n, 1)
+        for pname, shard, piece in model.checkpoint_weights(f"{prefix}.weight", codes):
+            param = params.get(pname)
+            if param is None or not pname.endswith(".weight"):
+                continue
+            holder = holders.setdefault(pname, _Rows(param.shape[0]))
+            loader = getattr(param, "weight_loader", None)
+            try:
+                if loader is None:
+                    raise ValueError
+                loader(holder, piece, shard)
+            except (RuntimeError, ValueError, IndexError):
+                if piece.shape[0] != holder.shape[0]:  # a loader that also cuts columns
+                    continue
+                holder.data.copy_(piece)
+    return {pname.removesuffix(".weight"): h.data[:, 0] for pname, h in holders.items()}
+
+
+def _runs(sources: torch.Tensor) -> list[tuple[int, int, int]]:
+    """(prefix index, first row, rows) of each run of consecutive checkpoint rows."""
+    runs: list[tuple[int, int, int]] = []
+    for src in sources.tolist():
+        prefix, row = src >> ROW_BITS, src & ((1 << ROW_BITS) - 1)
+        if runs and runs[-1][0] == prefix and runs[-1][1] + runs[-1][2] == row:
+            runs[-1] = (prefix, runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((prefix, row, 1))
+    return runs
+
+
+def _rows_of(w: IntWeight, first: int, count: int) -> IntWeight:
+    zeros = None if w.zeros is None else w.zeros[first:first + count]
+    return IntWeight(w.codes[first:first + count], w.scales[first:first + count], zeros,
+                     w.bits, w.group_size, w.g_idx)
+
+
+def cpu_parts(weights: list[QuantWeight], sources: torch.Tensor
+              ) -> tuple[list | None, str]:
+    """The (raw blocks, type) parts of one of our linears from its rows' sources, or None
+    and why they cannot be served natively."""
+    if bool((sources < 0).any()):
+        return None, "some rows are not quantized in the checkpoint"
+    parts = []
+    for prefix, first, count in _runs(sources):
+        w = weights[prefix]
+        if not isinstance(w, IntWeight):
+            return None, "fp8 weights have no native CPU kernel"
+        qtype, why = block_type(w)
+        if qtype is None:
+            return None, why
+        parts.append((to_blocks(_rows_of(w, first, count), qtype), qtype))
+    return parts, ""
+
+
+def keep_quantized_checkpoint(model: CausalLM, model_dir: Path, device: torch.device,
+                              dtype: torch.dtype, tp_size: int, cache_dir: Path) -> int:
+    """Swap (in place) the linears of `model` that the native kernels serve; returns how
+    many were swapped. A checkpoint that is not quantized returns 0 at once."""
+    spec = read_checkpoint_spec(model_dir)
+    if spec is None:
+        return 0
+    why = (f"the device is {device.type}; quantized kernels for it are not wired yet"
+           if device.type != "cpu" else f"the dtype is {dtype}, not bfloat16"
+           if dtype != torch.bfloat16 else "tensor parallelism is on" if tp_size != 1 else None)
+    native = None
+    if why is None:
+        from baton_cpu.quant_linear import load_quant_kernels
+
+        native = load_quant_kernels(cache_dir)
+        why = None if native is not None else "the quantized kernels cannot be built here"
+    if why is not None or native is None:
+        log.info("--quantization auto: %s is served de-quantized (%s)", spec.describe(), why)
+        return 0
+    with QuantCheckpoint(checkpoint_files(model_dir), spec) as ckpt:
+        weights = [ckpt.weight(p) for p in ckpt.prefixes]
+        sources = row_sources(model, ckpt.prefixes, {p: w.shape[0] for p, w in
+                                                     zip(ckpt.prefixes, weights, strict=True)})
+    kept, reasons = 0, Counter[str]()
+    for module, rows in sources.items():
+        parts, why = cpu_parts(weights, rows)
+        if parts is None:
+            reasons[why] += 1
+            continue
+        _swap(model, module, parts, native)
+        kept += 1
+    log.info("--quantization auto: %d linears of %s kept quantized (%s kernels)%s", kept,
+             spec.describe(), native.isa, "".join(f"; {n} de-quantized: {why}"
+                                                 for why, n in reasons.items()))
+    return kept
+
+
+def _swap(model: CausalLM, module: str, parts: list, native) -> None:
+    from baton_cpu.quant_linear import QuantLinear
+    from baton_cpu.quant_reference import dequantize
+
+    parent_name, _, leaf = module.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    old = getattr(parent, leaf)
+    if not isinstance(old, nn.Linear):
+        return
+    ours = torch.cat([dequantize(raw, qtype, old.in_features) for raw, qtype in parts])
+    err = (ours - old.weight.float()).abs().max().item()
+    if tuple(ours.shape) != tuple(old.weight.shape) or err > 1e-2 * max(
+            ours.abs().max().item(), 1e-6):
+        raise ValueError(f"--quantization auto: {module}'s quantized rows differ from the "
+                         f"loaded weights (max error {err:.3g}); use --quantization none")
+    layer = QuantLinear.fused(parts, old.in_features, old.bias, native)
+    if module == "lm_head":
+        layer.set_dequant_rows(0)
+    setattr(parent, leaf, layer)
