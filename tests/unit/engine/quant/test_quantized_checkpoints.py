@@ -173,3 +173,14 @@ def test_an_unserved_checkpoint_is_refused_at_start(checkpoints, tmp_path):
     (path / "config.json").write_text(json.dumps(config))
     with pytest.raises(UnsupportedQuantization, match="hqq"):
         LLM(str(path), dtype="float32", **TINY)
+
+
+def test_tensor_parallel_shards_the_dequantized_weights(checkpoints):
+    """Tensor parallelism (gloo, one child rank) over a quantized checkpoint: each rank
+    loads its slice of the de-quantized weights; tokens equal transformers'."""
+    reference, path = checkpoints["gptq-int4-asym-g64-act-order"]
+    llm = LLM(str(path), dtype="float32", tensor_parallel_size=2, num_threads=1, **TINY)
+    try:
+        assert [tokens for tokens, _ in greedy(llm)] == reference_greedy(reference)
+    finally:
+        llm.engine.close()
