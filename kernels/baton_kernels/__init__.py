@@ -1,8 +1,10 @@
-"""Triton kernels for the paged KV cache: cache writes, decode and prefill attention.
+"""Triton kernels for the paged KV cache (cache writes, decode and prefill attention) and
+the quantized-weight GEMMs (W4A16 / W8A16 integer weights, FP8 weights).
 
 The kernels need ``triton`` (``pip install triton==3.7.1``); importing this package does not.
 On CPU they run only in triton's interpreter (``TRITON_INTERPRET=1`` set before triton is
-imported). The pure-torch references in ``baton_kernels.reference`` always work.
+imported). The pure-torch references in ``baton_kernels.reference`` and
+``baton_kernels.quant_reference``, and the weight packing (``quant_pack``), always work.
 
 Every kernel compiles to a small, fixed set of variants per model (shapes, dtypes, soft-cap
 or not): nothing that changes from step to step (batch size, lengths, split count, a table's
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import importlib
 
+from baton_kernels.quant_pack import group_major, pack_int_weight
 from baton_kernels.reference import (
     paged_decode_attention_ref,
     paged_prefill_attention_ref,
@@ -23,7 +26,8 @@ from baton_kernels.reference import (
 __all__ = [
     "reshape_and_cache", "paged_decode_attention", "paged_prefill_attention", "warmup",
     "recording_variants", "reshape_and_cache_ref", "paged_decode_attention_ref",
-    "paged_prefill_attention_ref",
+    "paged_prefill_attention_ref", "int_weight_gemm", "fp8_weight_gemm", "pack_int_weight",
+    "group_major",
 ]
 
 
@@ -62,6 +66,17 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, query_start_loc, 
     return _load("prefill_attention").paged_prefill_attention(
         q, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale,
         k_scale=k_scale, v_scale=v_scale, sliding_window=sliding_window, softcap=softcap)
+
+
+def int_weight_gemm(x, packed, scales, zeros, g_idx, group_size, bits, n, k):
+    """W4A16 / W8A16: ``x @ w.T`` with w packed by `pack_int_weight`; see quant_gemm."""
+    return _load("quant_gemm").int_weight_gemm(x, packed, scales, zeros, g_idx, group_size,
+                                               bits, n, k)
+
+
+def fp8_weight_gemm(x, w, w_scale, block=None, input_scale=None):
+    """``x @ w.T`` with a float8_e4m3fn weight and its scales, on CUDA; see fp8_gemm."""
+    return _load("fp8_gemm").fp8_weight_gemm(x, w, w_scale, block, input_scale)
 
 
 def warmup(dtype, k_cache, v_cache, num_heads, softcaps=(None,)) -> None:

@@ -20,7 +20,9 @@ from baton_kernels.decode_attention import (  # noqa: E402
     paged_decode_reduce_kernel,
     paged_decode_split_kernel,
 )
+from baton_kernels.fp8_gemm import fp8_gemm_kernel, quant_fp8_kernel  # noqa: E402
 from baton_kernels.prefill_attention import BLOCK_B, paged_prefill_kernel  # noqa: E402
+from baton_kernels.quant_gemm import int_weight_gemm_kernel  # noqa: E402
 
 
 def signature(fn, types: dict[str, str], constexprs: dict) -> dict[str, str]:
@@ -29,10 +31,10 @@ def signature(fn, types: dict[str, str], constexprs: dict) -> dict[str, str]:
             for name in fn.arg_names}
 
 
-def compile_kernel(kernel, types: dict[str, str], constexprs: dict, target):
+def compile_kernel(kernel, types: dict[str, str], constexprs: dict, target, num_warps=4):
     """Compile a `baton_kernels._variants.Kernel` (its Triton function) for ``target``."""
     src = ASTSource(kernel.fn, signature(kernel.fn, types, constexprs), constexprs)
-    return compile(src, target=target, options={"num_warps": 4})
+    return compile(src, target=target, options={"num_warps": num_warps})
 
 
 def pow2(n: int) -> int:
@@ -92,6 +94,37 @@ COMBOS = [  # dtype, head_dim, group, block_size, softcap
 FP8_COMBOS = [("bf16", 128, 4, 16, False, "fp8e4nv"), ("fp16", 64, 3, 16, True, "fp8e5")]
 
 
+DECODE_TILES = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128)  # _gemm's buckets: decode, prefill
+PREFILL_TILES = dict(BLOCK_M=128, BLOCK_N=128, BLOCK_K=64)
+
+
+def quant_cases(arch: int):
+    """(kernel, signature, constexprs, num_warps) of the quantized-weight GEMMs: W4A16 /
+    W8A16 and FP8 W8A16 everywhere; the FP8 activation quant and W8A8 dots from sm_89."""
+    for act, bits, zeros, act_order, tiles, warps in (
+            ("bf16", 4, True, False, DECODE_TILES, 4),   # groups per tile, split-K
+            ("fp16", 4, False, True, PREFILL_TILES, 8),  # act-order: groups per row
+            ("bf16", 8, False, False, dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64), 4)):
+        yield int_weight_gemm_kernel, {
+            "x_ptr": f"*{act}", "w_ptr": "*i32", "s_ptr": "*fp16", "z_ptr": "*u8",
+            "g_ptr": "*i32", "y_ptr": "*fp32" if tiles is DECODE_TILES else f"*{act}",
+        }, dict(BITS=bits, HAS_ZEROS=zeros, ACT_ORDER=act_order, ROW_GROUPS=act_order,
+                SPLIT=tiles is DECODE_TILES, DOT_FP32=False, **tiles), warps
+    w8a8 = (True,) if arch >= 89 else ()
+    for act_fp8 in (False, *w8a8):
+        for act, scale_bn, tiles, warps in (("bf16", 1, DECODE_TILES, 4),
+                                            ("fp16", 128, PREFILL_TILES, 8)):
+            yield fp8_gemm_kernel, {
+                "x_ptr": "*u8" if act_fp8 else f"*{act}", "xs_ptr": "*fp32", "w_ptr": "*u8",
+                "ws_ptr": "*fp32", "y_ptr": "*fp32" if tiles is DECODE_TILES else f"*{act}",
+            }, dict(ACT_FP8=act_fp8, SCALE_BN=scale_bn, SCALE_BK=128,
+                    SPLIT=tiles is DECODE_TILES, DOT_FP32=False, **tiles), warps
+    for static, block in ((False, 128), (True, 1024)) if w8a8 else ():
+        yield quant_fp8_kernel, {
+            "x_ptr": "*bf16", "q_ptr": "*u8", "s_ptr": "*fp32", "static_ptr": "*fp32",
+        }, dict(STATIC=static, BLOCK=block), 4
+
+
 def main(archs: list[int]) -> None:
     for arch in archs:
         target = GPUTarget("cuda", arch, 32)
@@ -100,6 +133,10 @@ def main(archs: list[int]) -> None:
                 compiled = compile_kernel(kernel, types, constexprs, target)
                 assert compiled.asm.get("cubin"), f"no cubin for {kernel.name}"
                 print(f"ok sm_{arch} {kernel.name} {combo}", flush=True)
+        for kernel, types, constexprs, warps in quant_cases(arch):
+            compiled = compile_kernel(kernel, types, constexprs, target, warps)
+            assert compiled.asm.get("cubin"), f"no cubin for {kernel.name}"
+            print(f"ok sm_{arch} {kernel.name} {constexprs}", flush=True)
 
 
 if __name__ == "__main__":
