@@ -186,7 +186,12 @@ def _batching_flags(g) -> None:
     g.add_argument("--no-prefix-caching", action="store_true",
                    default=not engine_default("enable_prefix_caching"))
     g.add_argument("--scheduling-policy", default=engine_default("scheduling_policy"),
-                   choices=SCHEDULING_POLICIES)
+                   choices=SCHEDULING_POLICIES,
+                   help="fcfs / priority: continuous batching; static: fixed groups run to "
+                        "completion (a baseline); dynamic: static groups collected within "
+                        "--batch-window-ms")
+    g.add_argument("--batch-window-ms", type=float, default=engine_default("batch_window_ms"),
+                   help="the dynamic policy's collection window")
     g.add_argument("--speculative-config", default=engine_default("speculative_config"),
                    help='speculative decoding, a JSON object: {"method": "ngram", '
                         '"num_speculative_tokens": 4, "prompt_lookup_max": 4, '
@@ -262,7 +267,7 @@ _ENGINE_FIELDS = {dest: dest for dest in (
     "max_num_seqs",
     "max_num_batched_tokens", "max_model_len",
     "num_kv_blocks", "gpu_memory_utilization", "kv_cache_dtype", "kv_offload_gib",
-    "kv_disk_dir", "kv_disk_gib", "scheduling_policy",
+    "kv_disk_dir", "kv_disk_gib", "scheduling_policy", "batch_window_ms",
     "speculative_config",
     "num_threads", "device", "sim_profile", "attention_backend", "enforce_eager",
     "deterministic",

@@ -268,9 +268,12 @@ class AsyncEngine:
         try:
             while not self._stopping:
                 busy = core.has_unfinished_requests()
-                # Idle but with pulls or leases to advance: wake up now and then to poll.
-                self._apply_commands(block=not busy,
-                                     timeout=0.01 if core.needs_polling else None)
+                collecting = core.idle_for() if busy else 0.0
+                # Idle but with pulls or leases to advance: wake up now and then to poll;
+                # collecting a dynamic batch: until its window closes or a request arrives.
+                self._apply_commands(block=not busy or collecting > 0,
+                                     timeout=collecting or (0.01 if core.needs_polling
+                                                            else None))
                 if self._stopping:
                     break
                 if core.has_unfinished_requests() or core.needs_polling:

@@ -166,6 +166,9 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_num_seqs: int = 128
     policy: SchedulingPolicy = SchedulingPolicy.FCFS
+    # `dynamic` policy: a group starts once max_num_seqs requests wait or its oldest has
+    # waited this long
+    batch_window_ms: float = 10.0
     # Speculative decoding (`engine.spec`); as a flat argument the JSON of
     # `--speculative-config` (None: off)
     speculative: SpeculativeConfig = SpeculativeConfig()
@@ -174,6 +177,7 @@ class SchedulerConfig:
         for name in ("max_num_batched_tokens", "max_num_seqs"):
             _check(getattr(self, name) >= 1, name, getattr(self, name), "must be >= 1")
         _coerce(self, "policy", SchedulingPolicy, "scheduling_policy")
+        _check(self.batch_window_ms >= 0, "batch_window_ms", self.batch_window_ms, "must be >= 0")
         object.__setattr__(self, "speculative", SpeculativeConfig.parse(self.speculative))
 
 
@@ -255,6 +259,7 @@ ARGS: dict[str, tuple[str, ...]] = {
     "max_num_batched_tokens": ("scheduler", "max_num_batched_tokens"),
     "max_num_seqs": ("scheduler", "max_num_seqs"),
     "scheduling_policy": ("scheduler", "policy"),
+    "batch_window_ms": ("scheduler", "batch_window_ms"),
     "speculative_config": ("scheduler", "speculative"),
     "tensor_parallel_size": ("parallel", "tensor_parallel_size"),
     "tp_step_timeout_s": ("parallel", "step_timeout_s"),

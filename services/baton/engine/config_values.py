@@ -49,6 +49,7 @@ class SchedulingPolicy(StrEnum):
     FCFS = "fcfs"
     PRIORITY = "priority"
     STATIC = "static"
+    DYNAMIC = "dynamic"  # static groups, each collected within a window (--batch-window-ms)
 
 
 class KVFailurePolicy(StrEnum):

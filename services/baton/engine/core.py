@@ -74,7 +74,8 @@ class EngineCore:
         limits = config.scheduler
         self.scheduler = make_scheduler(SchedulerLimits(
             limits.max_num_batched_tokens, limits.max_num_seqs, max_len, limits.policy,
-            config.lora.max_loras if config.lora.enabled else None),
+            config.lora.max_loras if config.lora.enabled else None,
+            limits.batch_window_ms / 1000),
             self.kv, self.connector)
         self.eos_token_id = tok.eos_token_id(self.tokenizer, self.model_config.eos_token_ids)
         self.structured = StructuredOutputs.for_tokenizer(
@@ -226,6 +227,11 @@ class EngineCore:
         return self.scheduler.has_unfinished_requests()
 
     # -- the step --------------------------------------------------------------------------
+    def idle_for(self) -> float:
+        """Seconds the next step would be empty although requests wait (the dynamic
+        policy's window): the caller may sleep that long."""
+        return self.scheduler.idle_for()
+
     @property
     def needs_polling(self) -> bool:
         """True while work advances without model steps (KV loads, leases)."""

@@ -8,6 +8,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import cast
@@ -105,6 +106,7 @@ class LLM:
         bar = _progress(len(pending), use_tqdm)
         try:
             while engine.has_unfinished_requests():
+                time.sleep(engine.idle_for())  # a dynamic batch's window (0: none)
                 for o in engine.step():
                     self._apply(by_id, o, bar)
         except BaseException:

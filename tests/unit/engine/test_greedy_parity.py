@@ -68,6 +68,8 @@ def test_matches_hf_under_preemption(prompt_ids, hf_tokens):
     assert tokens == hf_tokens
 
 
-def test_static_policy_matches_hf(prompt_ids, hf_tokens):
-    _, tokens, _ = run(prompt_ids, block_size=32, scheduling_policy="static", max_num_seqs=5)
+@pytest.mark.parametrize("policy", ["static", "dynamic"])
+def test_batching_baselines_match_hf(prompt_ids, hf_tokens, policy):
+    _, tokens, _ = run(prompt_ids, block_size=32, scheduling_policy=policy, max_num_seqs=5,
+                       batch_window_ms=20)
     assert tokens == hf_tokens

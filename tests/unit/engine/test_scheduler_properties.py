@@ -44,7 +44,7 @@ request_specs = st.lists(
 
 
 @settings(max_examples=60, deadline=None)
-@given(specs=request_specs, policy=st.sampled_from(["fcfs", "priority", "static"]),
+@given(specs=request_specs, policy=st.sampled_from(["fcfs", "priority", "static", "dynamic"]),
        num_blocks=st.integers(14, 40), block_size=st.sampled_from([1, 4, 8]),
        budget=st.integers(1, 48), caching=st.booleans(),
        aborts=st.lists(st.tuples(st.integers(0, 13), st.integers(0, 30)), max_size=4))
@@ -208,3 +208,31 @@ def test_static_prompt_padding_is_computed_but_writes_and_samples_nothing():
     real = [e for e in batch.entries if not isinstance(e, PaddingRow)]
     written = batch.layout.slot_mapping[batch.layout.slot_mapping >= 0]
     assert len(written) == sum(e.num_new_tokens for e in real) == 13
+
+
+def test_dynamic_policy_collects_a_group_within_its_window():
+    import time
+
+    kv = KVCacheManager(100, 4, True)
+    sched = make_scheduler(SchedulerLimits(64, 3, 512, "dynamic", batch_window_s=0.05), kv)
+    now = time.monotonic()
+    first, second, third, fourth = (
+        Request(f"d{i}", [100 + i, 7, 8], SamplingParams(max_tokens=2), max_tokens=2,
+                eos_token_id=EOS, arrival_time=now) for i in range(4))
+    for r in (first, second):
+        sched.add_request(r)
+    assert sched.schedule().is_empty and 0 < sched.idle_for() <= 0.05  # still collecting
+    sched.add_request(third)  # max_num_seqs wait: the group starts at once
+    assert sched.idle_for() == 0
+    _, out = fake_step(sched)
+    assert [s.request for s in out.scheduled] == [first, second, third]
+    sched.add_request(fourth)
+    while not third.is_finished:
+        _, out = fake_step(sched)
+        assert fourth.status == RequestStatus.WAITING  # nobody joins a running group
+    fourth.arrival_time = time.monotonic()
+    assert fake_step(sched)[1].is_empty and sched.idle_for() > 0  # its own window
+    time.sleep(sched.idle_for())
+    while sched.has_unfinished_requests():
+        fake_step(sched)
+    assert fourth.num_output_tokens == 2 and kv.num_used_blocks == 0

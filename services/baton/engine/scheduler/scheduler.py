@@ -28,6 +28,7 @@ class SchedulerLimits:
     max_model_len: int
     policy: str = "fcfs"
     max_loras: int | None = None  # distinct LoRA adapters a step may hold (None: no LoRA)
+    batch_window_s: float = 0.0  # the dynamic policy's collection window
 
 
 class Scheduler:
@@ -86,6 +87,12 @@ class Scheduler:
             self._release(req)
             ended.append(req)
         return ended
+
+    def idle_for(self) -> float:
+        """Seconds before `schedule()` will have work for a step although requests wait
+        (the dynamic policy's window), 0 when it has some now. The engine may sleep that
+        long; a new request wakes it."""
+        return 0.0
 
     # -- the KV connector ------------------------------------------------------------------
     @property
