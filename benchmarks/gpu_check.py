@@ -19,6 +19,8 @@ its own, cut to what is left of the deadline, so a piece that hangs loses only i
 - `bench_kernels`, `bench_engine`: decode attention's KV read rate as a share of the copy
   bandwidth; the 8B-shaped engine's decode tok/s and its batch-1 step over the weight-streaming
   floor (benchmarks.gpu_bench);
+- `bench_quant`: an 8B-shaped decode step's linears in bf16, W4A16 and FP8, each as a ratio
+  of bf16's (benchmarks.gpu_quant_bench);
 - `colocated`, `kv_tcp`, `kv_nixl` (one GPU) and `kv_nccl`, `tp2` (two GPUs): `baton up`
   clusters answering the OpenAI client, prefill + decode equal to colocated, no KV block or
   lease left held (benchmarks.gpu_scenarios);
@@ -172,6 +174,10 @@ def headline_numbers(pieces: dict) -> dict:
         numbers["batch1_step_ms"] = round(floor["step_ms"], 3)
     for row in engine.get("batches", []):
         numbers[f"decode_tok_s_batch{row['batch']}"] = round(row["output_tok_s"], 1)
+    quant = pieces.get("bench_quant", {}).get("results", {}).get("formats", {})
+    for fmt in ("w4a16_g128", "fp8_channel", "fp8_block"):
+        if ratio := quant.get(fmt, {}).get("1", {}).get("vs_bf16"):
+            numbers[f"{fmt}_batch1_step_vs_bf16"] = ratio
     for name in ("kernel_tests", "engine_tests"):
         if "passed" in pieces.get(name, {}):
             numbers[name] = {k: pieces[name][k] for k in ("passed", "failed", "errors",

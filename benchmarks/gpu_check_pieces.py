@@ -43,6 +43,8 @@ PIECES = (
     Piece("engine_tests", 0, 90, "one_gpu", "graph replay == eager, greedy == transformers"),
     Piece("bench_kernels", 1, 40, "one_gpu", "decode attention GB/s as a share of copy "
           "bandwidth", False),
+    Piece("bench_quant", 1, 90, "one_gpu", "8B-shaped decode step's linears: bf16 vs W4A16 "
+          "vs FP8 (issue 39)", False),
     Piece("bench_engine", 1, 90, "one_gpu", "8B-shaped decode tok/s, batch-1 step vs weight "
           "floor"),
     Piece("kv_nccl", 2, 60, "multi_gpu", "prefill + decode on two GPUs, KV over nccl"),
@@ -91,6 +93,7 @@ class PieceRunner:
             "preflight": self.preflight, "probe": self.probe_result, "model": self.build_model,
             "kernel_tests": self.kernel_tests, "engine_tests": self.engine_tests,
             "bench_kernels": self.bench_kernels, "bench_engine": self.bench_engine,
+            "bench_quant": self.bench_quant,
             "engine_cpu": self.engine_cpu}  # the rest: baton up scenarios
 
     def run(self, piece: Piece, timeout: float) -> dict:
@@ -157,6 +160,9 @@ class PieceRunner:
 
     def kernel_tests(self, piece: Piece, timeout: float) -> dict:
         return self.pytest(piece, timeout, ["tests/gpu/test_kernels.py",
+                                            "tests/gpu/test_quant_kernels.py",
+                                            "tests/kernels/test_quant_gemm.py",
+                                            "tests/kernels/test_fp8_gemm.py",
                                             "tests/kernels/test_compile.py"])
 
     def engine_tests(self, piece: Piece, timeout: float) -> dict:
@@ -168,15 +174,16 @@ class PieceRunner:
             timeout)
         return {**result, **(compared or {})}
 
-    def bench(self, piece: Piece, timeout: float, what: str) -> dict:
-        argv = ["-m", "benchmarks.gpu_bench", what]
+    def bench(self, piece: Piece, timeout: float, what: str,
+              module: str = "benchmarks.gpu_bench") -> dict:
+        argv = ["-m", module, *([what] if what else [])]
         if what == "engine":
             argv += ["--tokenizer-dir", str(self.model_dir)]
         result, measured = self.python_json(piece.name, argv, timeout)
         if measured is not None:  # written as it goes: a timeout keeps what was measured
             result["results"] = measured
         elif result["status"] == "ok":
-            result.update(status="error", error="gpu_bench wrote no JSON")
+            result.update(status="error", error=f"{module} wrote no JSON")
         return result
 
     def bench_kernels(self, piece: Piece, timeout: float) -> dict:
@@ -184,6 +191,9 @@ class PieceRunner:
 
     def bench_engine(self, piece: Piece, timeout: float) -> dict:
         return self.bench(piece, timeout, "engine")
+
+    def bench_quant(self, piece: Piece, timeout: float) -> dict:
+        return self.bench(piece, timeout, "", "benchmarks.gpu_quant_bench")
 
     def scenario(self, piece: Piece, timeout: float) -> dict:
         reference = self.scratch / "colocated.json"

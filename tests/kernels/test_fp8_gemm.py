@@ -100,7 +100,6 @@ def test_paths_by_capability():
     assert fp8_path((10, 0), 64, 72, None) == "w8a16"
 
 
-@pytest.mark.skipif(ON_GPU, reason="the refusal is of CPU tensors")
 def test_refuses_cpu_tensors_with_the_reason():
     w, scale, block = make_fp8_weight(64, 128, "channel")
     with pytest.raises(RuntimeError, match="runs on CUDA only.*de-quantize"):

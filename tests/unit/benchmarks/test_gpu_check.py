@@ -135,12 +135,15 @@ def test_headline_numbers_come_from_the_bench_and_scenarios():
         "bench_engine": {"results": {"engine": {
             "weight_floor": {"step_over_floor": 1.234, "step_ms": 6.1},
             "batches": [{"batch": 1, "output_tok_s": 160.04}]}}},
+        "bench_quant": {"results": {"formats": {"fp8_channel": {"1": {"vs_bf16": 0.55}},
+                                                "w4a16_g128": {"16": {"vs_bf16": 0.4}}}}},
         "kv_nixl": {"kv_pull": {"gbps": 41.5}},
     }
     assert headline_numbers(pieces) == {
         "decode_attention_share_of_copy": 0.812, "copy_gbps": 2900.0,
         "batch1_step_over_weight_floor": 1.23, "batch1_step_ms": 6.1,
-        "decode_tok_s_batch1": 160.0, "kv_nixl_pull_gbps": 41.5}
+        "decode_tok_s_batch1": 160.0, "fp8_channel_batch1_step_vs_bf16": 0.55,
+        "kv_nixl_pull_gbps": 41.5}
 
 
 # A piece that starts a server through a middle process that exits (so the server is
@@ -221,7 +224,7 @@ def test_the_deadline_cuts_each_piece_and_skips_what_it_cannot_start(tmp_path, m
     assert 0.3 < check.given["engine_tests"] < 2.0 - 1.2 - 0.2 + 0.05
     assert pieces["engine_tests"]["status"] == "timeout"
     late = [n for n, r in pieces.items() if r.get("reason", "").startswith("deadline")]
-    assert late == ["bench_kernels", "bench_engine", "engine_cpu"]
+    assert late == ["bench_kernels", "bench_quant", "bench_engine", "engine_cpu"]
     assert pieces["kv_nccl"]["reason"].startswith("needs 2 CUDA devices")
     assert json.loads((tmp_path / "r.json").read_text())["pieces"] == pieces  # written as it went
 
