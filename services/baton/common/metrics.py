@@ -125,6 +125,19 @@ ENGINE_SERIES = {
     "baton:kv_offload_disk_written_blocks_total": ("counter", "KV blocks written to the "
                                                    "disk tier."),
     "baton:kv_offload_disk_blocks_held": ("gauge", "KV blocks held by the disk tier."),
+    "baton:kv_offload_disk_queue_depth": ("gauge", "Disk tier reads and writes queued on "
+                                          "its worker thread."),
+    "baton:kv_offload_disk_spills_dropped_total": ("counter", "KV blocks the host tier "
+                                                   "evicted that never reached the disk "
+                                                   "tier: its write queue was full, or the "
+                                                   "write failed."),
+    "baton:kv_offload_disk_read_failures_total": ("counter", "Disk tier reads that found "
+                                                  "the block missing or damaged."),
+    "baton:kv_offload_load_fallbacks_total": ("counter", "Offload tier loads that failed; "
+                                              "the request computed those tokens."),
+    "baton:kv_offload_load_queue_blocks": ("gauge", "KV blocks admitted requests still "
+                                           "wait to load from the offload tiers (a step "
+                                           "copies a bounded number)."),
 }
 
 

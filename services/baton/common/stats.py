@@ -39,6 +39,11 @@ class KVTierStats:
     disk_read_blocks_total: int = 0  # the disk pool under the host one (`--kv-disk-dir`)
     disk_written_blocks_total: int = 0
     disk_blocks_held: int = 0
+    disk_queue_depth: int = 0  # the disk worker's reads and spills queued or in progress
+    disk_spills_dropped_total: int = 0  # its queue was full (or the write failed)
+    disk_read_failures_total: int = 0  # a block missing or damaged: its load recomputed
+    load_fallbacks_total: int = 0  # loads that failed and computed their tokens instead
+    load_queue_blocks: int = 0  # blocks admitted loads have still to copy (per-step bound)
 
     def series(self) -> dict[str, float]:
         return {"baton:kv_offload_hit_blocks_total": self.hit_blocks_total,
@@ -51,7 +56,12 @@ class KVTierStats:
                 "baton:kv_offload_queue_depth": self.offload_queue_depth,
                 "baton:kv_offload_disk_read_blocks_total": self.disk_read_blocks_total,
                 "baton:kv_offload_disk_written_blocks_total": self.disk_written_blocks_total,
-                "baton:kv_offload_disk_blocks_held": self.disk_blocks_held}
+                "baton:kv_offload_disk_blocks_held": self.disk_blocks_held,
+                "baton:kv_offload_disk_queue_depth": self.disk_queue_depth,
+                "baton:kv_offload_disk_spills_dropped_total": self.disk_spills_dropped_total,
+                "baton:kv_offload_disk_read_failures_total": self.disk_read_failures_total,
+                "baton:kv_offload_load_fallbacks_total": self.load_fallbacks_total,
+                "baton:kv_offload_load_queue_blocks": self.load_queue_blocks}
 
 
 @dataclass(frozen=True)

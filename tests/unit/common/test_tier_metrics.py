@@ -13,7 +13,9 @@ from baton.common.stats import EngineStats, KVTierStats
 
 TIER = KVTierStats(hit_blocks_total=3, hit_tokens_total=48, offloaded_bytes_total=4096,
                    loaded_bytes_total=2048, offload_skipped_total=1, blocks_held=5,
-                   blocks_total=8, offload_queue_depth=2)
+                   blocks_total=8, offload_queue_depth=2, disk_queue_depth=4,
+                   disk_spills_dropped_total=6, disk_read_failures_total=7,
+                   load_fallbacks_total=9, load_queue_blocks=11)
 
 
 def scrape(stats: EngineStats) -> str:

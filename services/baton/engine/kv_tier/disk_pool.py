@@ -5,18 +5,25 @@ One file per block, `<root>/<fingerprint>/<block hash, 16 hex>.kv`: the magic, t
 BLAKE2b-256 digest of the payload, then the payload (the host block's bytes). The
 fingerprint names the model and the cache layout (`fingerprint()`), so blocks of another
 model, dtype or block shape are never read. A file is written to a temporary name and
-renamed, so a crash leaves whole files or none; one whose size, magic or digest does not
-match is deleted and reported missing. Least recently used files go first when the
-directory holds `num_blocks`; at start the files there are indexed oldest (mtime) first.
-Reads and writes run on the engine thread, a block at a time.
+renamed, so a crash leaves whole files or none (temporary files left by one are deleted at
+start); one whose size, magic or digest does not match is deleted and reported missing.
+Least recently used files go first when the directory holds `num_blocks`; at start the files
+there are indexed oldest (mtime) first.
+
+Threads: `store` and `read` do the file I/O and run on the tier's `DiskWorker` thread (or on
+the engine thread once the worker has stopped, at a graceful stop); the index they share
+with the engine thread (`in`, `touch`, `hashes`) is under a lock that no I/O holds. The
+hashes of files that went (size bound, damage) wait in `take_dropped()` for the engine
+thread, which unpublishes them.
 """
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import os
+import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -51,43 +58,53 @@ class DiskKVPool:
         self.block_bytes = block_bytes
         self.num_blocks = num_blocks
         self.written = 0  # blocks written since start
-        self._on_drop: Callable[[int], None] | None = None
+        self._lock = threading.Lock()
+        self._dropped: collections.deque[int] = collections.deque()
+        for tmp in self.dir.glob("*.tmp"):  # a write a crash cut short
+            tmp.unlink(missing_ok=True)
         files = sorted(self.dir.glob("*" + _SUFFIX), key=lambda p: p.stat().st_mtime_ns)
         self._files: OrderedDict[int, Path] = OrderedDict(
             (int(p.stem, 16), p) for p in files if _is_hash(p.stem))
-        self._trim()
-
-    def on_drop(self, listener: Callable[[int], None]) -> None:
-        """Call `listener(block_hash)` when a block's file goes (size bound, damage)."""
-        self._on_drop = listener
+        self._unlink(self._trim())
 
     def __contains__(self, block_hash: int) -> bool:
-        return block_hash in self._files
+        with self._lock:
+            return block_hash in self._files
 
     def __len__(self) -> int:
         return len(self._files)
 
+    def touch(self, block_hash: int) -> None:
+        """Mark a held block most recently used (no-op for one not held)."""
+        with self._lock:
+            if block_hash in self._files:
+                self._files.move_to_end(block_hash)
+
     def store(self, block_hash: int, block: torch.Tensor) -> None:
         """Write `block` (a contiguous CPU tensor, its copies complete) under `block_hash`;
-        a held hash is only touched."""
+        a held hash is only touched. Raises OSError when the file cannot be written."""
         if block.device.type != "cpu":
             raise ValueError(f"DiskKVPool stores host blocks, got one on {block.device}")
-        if block_hash in self._files:
-            self._files.move_to_end(block_hash)
-            return
+        with self._lock:
+            if block_hash in self._files:
+                self._files.move_to_end(block_hash)
+                return
         payload = block.view(torch.uint8).view(-1).numpy().tobytes()
         path = self.dir / f"{block_hash:016x}{_SUFFIX}"
-        tmp = path.with_suffix(".tmp")
+        tmp = path.with_suffix(f".{threading.get_ident()}.tmp")  # one writer per name
         tmp.write_bytes(MAGIC + hashlib.blake2b(payload, digest_size=_DIGEST).digest() + payload)
         os.replace(tmp, path)
-        self._files[block_hash] = path
-        self.written += 1
-        self._trim()
+        with self._lock:
+            self._files[block_hash] = path
+            self.written += 1
+            gone = self._trim()
+        self._unlink(gone)
 
     def read(self, block_hash: int, out: torch.Tensor) -> bool:
         """Read the block into `out` (a contiguous CPU tensor of the block's size) and touch
         it. False, the file deleted: missing, cut short or not what was written."""
-        path = self._files.get(block_hash)
+        with self._lock:
+            path = self._files.get(block_hash)
         if path is None:
             return False
         try:
@@ -99,25 +116,39 @@ class DiskKVPool:
         if (len(payload) != self.block_bytes or data[:len(MAGIC)] != MAGIC
                 or hashlib.blake2b(payload, digest_size=_DIGEST).digest()
                 != data[len(MAGIC):head]):
-            self._drop(block_hash)
+            with self._lock:
+                self._files.pop(block_hash, None)
+            self._unlink([(block_hash, path)])
             return False
         out.view(torch.uint8).view(-1).copy_(torch.frombuffer(bytearray(payload),
                                                               dtype=torch.uint8))
-        self._files.move_to_end(block_hash)
+        self.touch(block_hash)
         return True
 
-    def hashes(self) -> Iterable[int]:
-        return iter(self._files)
+    def hashes(self) -> list[int]:
+        """Every hash held (a snapshot, any thread)."""
+        with self._lock:
+            return list(self._files)
 
-    def _trim(self) -> None:
+    def take_dropped(self) -> list[int]:
+        """The hashes whose files went since the last call (size bound, damage)."""
+        out = []
+        while self._dropped:
+            out.append(self._dropped.popleft())
+        return out
+
+    def _trim(self) -> list[tuple[int, Path]]:
+        """Under the lock: take the least recently used files over the size out of the
+        index; the caller unlinks them outside it."""
+        gone = []
         while len(self._files) > self.num_blocks:
-            self._drop(next(iter(self._files)))
+            gone.append(self._files.popitem(last=False))
+        return gone
 
-    def _drop(self, block_hash: int) -> None:
-        path = self._files.pop(block_hash)
-        path.unlink(missing_ok=True)
-        if self._on_drop is not None:
-            self._on_drop(block_hash)
+    def _unlink(self, gone: list[tuple[int, Path]]) -> None:
+        for block_hash, path in gone:
+            path.unlink(missing_ok=True)
+            self._dropped.append(block_hash)
 
 
 def _is_hash(stem: str) -> bool:

@@ -1,7 +1,7 @@
 """The disk tier: blocks round-trip bit for bit, the directory stays within its size (least
 recently used first), a damaged file is dropped rather than read, another fingerprint's
 files are never seen, and a new pool over the same directory finds what the last one wrote;
-under a host pool, its evictions spill there and come back through `promote`."""
+under a host pool, its evictions spill there and come back through reads on its worker."""
 
 from __future__ import annotations
 
@@ -49,23 +49,31 @@ def test_a_new_pool_finds_the_last_ones_blocks_of_its_fingerprint_only(tmp_path)
     first = DiskKVPool(tmp_path, "model-a", BYTES, 4)
     for h in (11, 12, 13):
         first.store(h, block(float(h)))
+    stray = tmp_path / "model-a" / f"{14:016x}.123.tmp"  # a write a crash cut short
+    stray.write_bytes(b"BATONKV1")
     again = DiskKVPool(tmp_path, "model-a", BYTES, 2)  # smaller: the oldest file goes
-    assert sorted(again.hashes()) == [12, 13]
+    assert sorted(again.hashes()) == [12, 13] and not stray.exists()
+    assert again.take_dropped() == [11]
     out = torch.zeros(SHAPE)
     assert again.read(13, out) and torch.equal(out, block(13.0))
     assert len(DiskKVPool(tmp_path, "model-b", BYTES, 4)) == 0
 
 
-def test_the_host_pool_spills_to_disk_and_promotes_back(tmp_path):
+def test_the_host_pool_spills_to_disk_and_reads_back(tmp_path):
     cache = torch.stack([torch.full((2, 2, 4, 1, 3), float(i)) for i in range(4)], dim=2)
     disk = DiskKVPool(tmp_path, "fp", BYTES, 8)
     host = HostKVPool(cache, 2, disk=disk)  # (layers, K/V, 4 blocks, bs, KVH, D) above
+    assert host.io is not None
     for h, block_id in ((10, 0), (11, 1), (12, 2)):
         host.store(h, block_id)
-    assert 10 not in host and 10 in disk  # evicted from the host pool, written below it
-    assert host.promote(10) and 10 in host and host.disk_hits == 1
+    assert 10 not in host and host.on_disk(10)  # evicted, its spill queued or written
+    assert host.io.wait_idle(10) and 10 in disk
+    assert host.start_read(10) and host.reading(10) and 10 not in host
+    assert host.io.wait_idle(10)
+    assert host.finish_reads() == [] and 10 in host and host.disk_hits == 1
     host.load(10, 3)  # back into device block 3: block 0's KV
     assert torch.equal(cache[:, :, 3], torch.zeros_like(cache[:, :, 3]))
-    assert not host.promote(99)  # on neither
-    host.flush()
+    assert not host.start_read(99)  # on neither
+    assert host.close() and not host.io.running
+    host.flush()  # on this thread now
     assert all(h in disk for h in (10, 11, 12))

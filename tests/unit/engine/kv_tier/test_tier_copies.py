@@ -61,10 +61,10 @@ def test_an_evicted_block_comes_back_bit_for_bit():
             cache[:, :, block_id] = value
 
     again, _ = run_prefix_evicted_then_hit(cache, kv, tier, write)
+    assert tier.num_loading == 1 and tier.has_pending
+    assert tier.poll().loaded == [again]  # the next step copies the blocks and runs it
     for i, block_id in enumerate(kv.get_block_ids("a2")):
         assert torch.equal(cache[:, :, block_id], torch.full_like(cache[:, :, 0], i + 1.0))
-    assert tier.num_loading == 1 and tier.has_pending
-    assert tier.poll().loaded == [again]  # the next step runs it
     assert tier.num_loading == 0 and not tier.has_pending
     stats = tier.tier_stats()
     assert stats.hit_blocks_total == 4 and stats.hit_tokens_total == 4 * BS
@@ -106,10 +106,10 @@ def test_the_copy_path_runs_on_meta_with_copies_only():
     cache, kv, tier = make_tier(device="meta")
     with CopyRecorder(meta) as rec:
         again, _ = run_prefix_evicted_then_hit(cache, kv, tier)
+        assert tier.poll().loaded == [again]
     assert rec.host_reads == []
     # 4 + 4 offloads and 4 loads, each one non-blocking copy_
     assert rec.copy_calls == 12 and rec.blocking == 0
-    assert tier.poll().loaded == [again]
 
 
 class CopyRecorder(Recorder):

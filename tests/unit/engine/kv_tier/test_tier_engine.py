@@ -114,6 +114,33 @@ def test_a_restarted_engine_serves_the_next_turn_from_the_disk_tier(texts, plain
     again.engine.check_integrity()
 
 
+def test_a_damaged_disk_block_is_computed_again_with_the_same_tokens(texts, plain, tmp_path):
+    disk = dict(kv_offload_gib=0.1, kv_disk_dir=str(tmp_path), kv_disk_gib=0.1)
+    first = LLM(**ENGINE, **disk)
+    answer = list(first.generate([texts["turn1"]], GREEDY, use_tqdm=False)[0]
+                  .outputs[0].token_ids)
+    first.engine.close()
+    worker = first.engine.connector.host.io
+    assert worker is not None and worker.stopped  # the disk tier's thread ends with it
+    again = LLM(**ENGINE, **disk)
+    prompt2 = texts["turn1"] + answer + texts["more"]
+    probe = again.engine.make_request("probe", prompt2, GREEDY)
+    again.engine.kv.get_computed_blocks(probe)  # computes its block hashes
+    (path,) = tmp_path.glob(f"*/{probe.block_hashes[2]:016x}.kv")
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x55  # one bit pattern flipped in block 2's payload
+    path.write_bytes(bytes(data))
+    out = again.generate([prompt2], GREEDY, use_tqdm=False)[0]
+    assert list(out.outputs[0].token_ids) == plain[0][-1]  # as without any tier
+    assert out.num_cached_tokens == 2 * BLOCK  # blocks 0 and 1; from 2 on, computed
+    tier = again.engine.metrics_snapshot().kv_tier
+    assert tier is not None and tier.load_fallbacks_total == 1
+    assert tier.disk_read_failures_total == 1 and not path.exists()
+    again.engine.check_integrity()
+    assert again.engine.kv.num_used_blocks == 0
+    again.engine.close()
+
+
 def test_the_disk_tier_needs_the_host_tier_and_a_size(tmp_path):
     with pytest.raises(ValueError, match="kv_disk_gib"):
         LLM(**ENGINE, kv_disk_dir=str(tmp_path), kv_disk_gib=0.1)

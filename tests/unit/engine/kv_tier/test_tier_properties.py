@@ -2,7 +2,8 @@
 aborts, no model: a fake forward writes each token's id as its KV and checks, before every
 step, that each scheduled request's computed tokens hold their ids — so a block the tier
 loaded back carries exactly the KV it evicted. Integrity after every step, every request
-ends, the pool returns to all-free, and the tier never holds more than its size."""
+ends, the pool returns to all-free, and the tier never holds more than its size; the same
+over a disk tier whose files get damaged."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ from hypothesis import strategies as st
 
 from baton.common.sampling_params import SamplingParams
 from baton.engine.kv_cache import KVCacheManager
-from baton.engine.kv_tier import HostKVPool, TierConnector
+from baton.engine.kv_tier import DiskKVPool, HostKVPool, TierConnector
 from baton.engine.request import Request, RequestStatus
 from baton.engine.scheduler import SchedulerLimits, make_scheduler
 
@@ -60,6 +61,43 @@ def test_random_conversations_load_the_kv_they_evicted(specs, num_blocks, host_b
     cache = torch.full((1, 2, num_blocks, block_size, 1, 1), -1.0, dtype=torch.float64)
     kv = KVCacheManager(num_blocks, block_size)
     tier = TierConnector(kv, HostKVPool(cache, host_blocks), max_offloads_per_step=6)
+    drive(cache, kv, tier, specs, budget, aborts)
+    assert len(tier.host) <= host_blocks
+
+
+@settings(max_examples=25, deadline=None)
+@given(specs=conversations, host_blocks=st.integers(1, 12), disk_blocks=st.integers(1, 40),
+       loads=st.integers(1, 8), spills=st.integers(1, 4),
+       aborts=st.lists(st.tuples(st.integers(0, 11), st.integers(0, 30)), max_size=3),
+       damage=st.lists(st.integers(0, 40), max_size=4))
+def test_random_conversations_over_a_damaged_disk_tier(tmp_path_factory, specs, host_blocks,
+                                                       disk_blocks, loads, spills, aborts,
+                                                       damage):
+    """The same with a disk tier under a small host tier (its spills and reads on the
+    worker, its queue and the per-step loads bounded), some of its files garbled on the
+    way: a damaged block is computed again, never read."""
+    block_size, num_blocks = 4, 20
+    cache = torch.full((1, 2, num_blocks, block_size, 1, 1), -1.0, dtype=torch.float64)
+    kv = KVCacheManager(num_blocks, block_size)
+    disk = DiskKVPool(tmp_path_factory.mktemp("disk"), "fp", block_size * 2 * 8, disk_blocks)
+    host = HostKVPool(cache, host_blocks, disk=disk, max_queued_spills=spills)
+    tier = TierConnector(kv, host, max_offloads_per_step=6, max_loads_per_step=loads)
+
+    def before_step(step: int) -> None:
+        assert host.io is not None and host.io.wait_idle(10)  # every read lands in order
+        if step in damage:
+            for path in sorted(disk.dir.glob("*.kv"))[:1]:
+                path.write_bytes(path.read_bytes()[:-1] + b"\xff")
+
+    drive(cache, kv, tier, specs, 24, aborts, before_step)
+    assert len(host) <= host_blocks and len(disk) <= disk_blocks
+    tier.close()
+
+
+def drive(cache, kv, tier, specs, budget, aborts, before_step=lambda step: None) -> None:
+    """Run the conversations through a scheduler over the tier until every request ended,
+    checking the pool's integrity after every step; the pool ends all free."""
+    block_size = kv.block_size
     sched = make_scheduler(SchedulerLimits(budget, 4, 512), kv, tier)
     reqs = [make_request(i, base, plen, mt) for i, (base, plen, mt, _) in enumerate(specs)]
     arrivals = {i: spec[3] for i, spec in enumerate(specs)}
@@ -73,14 +111,14 @@ def test_random_conversations_load_the_kv_they_evicted(specs, num_blocks, host_b
             if at == step:
                 ended.update(r.request_id for r in sched.finish_requests(
                     [rid], RequestStatus.FINISHED_ABORTED))
+        before_step(step)
         ended.update(r.request_id for r in fake_forward(sched, cache, block_size))
         ended.update(r.request_id for r in sched.drain_ended())
         kv.check_integrity()
-        assert len(tier.host) <= host_blocks
         if step > max(arrivals.values()) and not sched.has_unfinished_requests():
             break
     assert ended == {r.request_id for r in reqs}
-    assert kv.num_used_blocks == 0 and tier.num_loading == 0
+    assert kv.num_used_blocks == 0 and tier.num_loading == 0 and not tier.loads.pinned
     stats = tier.tier_stats()
     assert stats.hit_tokens_total == stats.hit_blocks_total * block_size
 
