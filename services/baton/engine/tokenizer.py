@@ -83,9 +83,16 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_ids: list[int], stop: list[str],
                  include_stop: bool, skip_special_tokens: bool) -> None:
         self.tokenizer = tokenizer
-        # a fast tokenizer's own decoder: what transformers' decode calls for it (without
-        # cleanup, as here), minus ~5 us of argument handling per call, twice a token
-        self._backend = getattr(tokenizer, "backend_tokenizer", None)
+        # a fast tokenizer's own streaming decoder (one call per token, in Rust, with a few
+        # prompt tokens as context); else two decodes of a window per token (below)
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._stream = None
+        if backend is not None:
+            from tokenizers.decoders import DecodeStream
+
+            self._backend = backend
+            self._stream = DecodeStream(ids=list(prompt_ids[-6:]),
+                                        skip_special_tokens=skip_special_tokens)
         self.ids = list(prompt_ids[-6:])
         self.prefix_offset = max(len(self.ids) - 5, 0)
         self.read_offset = len(self.ids)
@@ -99,6 +106,10 @@ class IncrementalDetokenizer:
     def add(self, token_id: int) -> tuple[str, str | None]:
         """Append one token. Returns (new text to show, matched stop string or None).
         After a match the text is final."""
+        if self._stream is not None:
+            self.text += self._stream.step(self._backend, token_id) or ""
+            matched = self._find_stop()
+            return self._take_delta(withhold=not matched), matched
         self.ids.append(token_id)
         prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
         full = self._decode(self.ids[self.prefix_offset:])
@@ -113,8 +124,6 @@ class IncrementalDetokenizer:
         return self._take_delta(withhold=False)
 
     def _decode(self, ids: list[int]) -> str:
-        if self._backend is not None:
-            return self._backend.decode(ids, skip_special_tokens=self.skip_special)
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special,
                                      clean_up_tokenization_spaces=False)
 
