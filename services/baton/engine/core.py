@@ -18,7 +18,7 @@ from baton.common.stats import EngineStats
 from baton.common.step_timing import StepTiming
 from baton.engine import tokenizer as tok
 from baton.engine.config import Device, EngineConfig, LiveSettings
-from baton.engine.context_window import check_context, fit_kv_pool
+from baton.engine.context_window import fit_kv_pool
 from baton.engine.errors import EngineStepError, InvalidRequestError
 from baton.engine.kv_cache import KVCacheManager
 from baton.engine.kv_connector.factory import make_connector
@@ -27,6 +27,7 @@ from baton.engine.lora.requests import LoRAAdapter, check_lora_request
 from baton.engine.models.loader import resolve_model_dir
 from baton.engine.outputs import EngineOutput
 from baton.engine.request import Request, RequestStatus
+from baton.engine.request_checks import check_handoff, check_params, check_prompt
 from baton.engine.runner import ModelRunner
 from baton.engine.sampler import TokenLogprobs
 from baton.engine.scheduler import SchedulerLimits, make_scheduler
@@ -119,9 +120,9 @@ class EngineCore:
         output's grammar is advanced over (in `add`; a spec that does not compile raises).
         `grammar`: `params.structured` compiled already (`structured.compile`, off this
         thread: the worker's `AsyncEngine.compile_grammar`); else it is compiled here."""
-        n = len(prompt_token_ids)
-        self._check_prompt(prompt_token_ids)
-        self._check_params(params)
+        n, vocab = len(prompt_token_ids), self.model_config.vocab_size
+        check_prompt(prompt_token_ids, vocab, self.max_model_len, self.kv)
+        check_params(params, vocab, self.tokenizer is not None)
         room = self.max_model_len - n
         req = Request(request_id, list(prompt_token_ids), params,
                       max_tokens=min(params.max_tokens or room, room),
@@ -138,52 +139,12 @@ class EngineCore:
         req.num_presampled = presampled
         req.lora = check_lora_request(lora, kv, self.runner.lora)
         if kv is not None:
-            self._check_handoff(kv, n, params)
+            check_handoff(kv, n, params, self.connector is not None, self.kv, vocab)
             req.kv_handoff = kv
         if isinstance(kv, PullKV):
             req.output_token_ids.append(kv.params.first_token)
             req.num_presampled += 1
         return req
-
-    def _check_prompt(self, prompt_token_ids: list[int]) -> None:
-        n = len(prompt_token_ids)
-        if n == 0:
-            raise InvalidRequestError("the prompt is empty")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in prompt_token_ids if not (isinstance(t, int) and 0 <= t < vocab)]
-        if bad:
-            raise InvalidRequestError(f"prompt token ids {bad[:5]} are outside [0, {vocab})")
-        check_context(n, None, self.max_model_len)
-        if self.kv.blocks_for(n + 1) > self.kv.num_blocks:
-            raise InvalidRequestError(
-                f"the prompt needs {self.kv.blocks_for(n + 1)} KV blocks but the pool has "
-                f"{self.kv.num_blocks}; raise num_kv_blocks or shorten the prompt")
-
-    def _check_params(self, params: SamplingParams) -> None:
-        """What SamplingParams cannot check alone: token ids against this vocabulary."""
-        if params.stop and self.tokenizer is None:  # matched in the text, which it has not
-            raise InvalidRequestError(tok.NO_TOKENIZER_STOP, param="stop")
-        vocab = self.model_config.vocab_size
-        for name, ids in (("stop_token_ids", params.stop_token_ids),
-                          ("logit_bias", params.logit_bias or ())):
-            bad = [t for t in ids if not 0 <= t < vocab]
-            if bad:
-                raise InvalidRequestError(f"{name} token ids {bad[:5]} are outside this "
-                                          f"model's vocabulary [0, {vocab})", param=name)
-
-    def _check_handoff(self, kv: KVHandoff, num_prompt: int, params: SamplingParams) -> None:
-        if self.connector is None:
-            raise InvalidRequestError("this engine has no KV transport (kv_transport=None)")
-        if isinstance(kv, PullKV):
-            if params.prompt_logprobs is not None:  # only the prefill engine sees the prompt
-                raise InvalidRequestError("prompt_logprobs come from the engine that computes "
-                                          "the prompt, not one pulling its KV",
-                                          param="prompt_logprobs")
-            try:
-                kv.check(num_prompt, self.kv.blocks_for(num_prompt),
-                         self.model_config.vocab_size)
-            except ValueError as err:
-                raise InvalidRequestError(str(err)) from None
 
     def add(self, req: Request) -> list[EngineOutput]:
         """Queue a request; returns the outputs of tokens it arrived with (sampled elsewhere:
