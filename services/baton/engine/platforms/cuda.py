@@ -19,6 +19,11 @@ class CudaPlatform(Platform):
         self.cuda_graphs = cuda_graphs  # False: `--enforce-eager`
 
     def warm_up(self, runner: ModelRunner) -> None:
+        from baton.engine.quant.gpu_linear import GPUQuantLinear
+
+        for module in runner.model.modules():  # quantized GEMMs' variants, before capture
+            if isinstance(module, GPUQuantLinear):
+                module.warm_up()
         warmup = getattr(runner.backend, "warmup", None)
         if warmup is not None:
             # Every kernel variant compiled now (eager mixed and prefill steps too), so no

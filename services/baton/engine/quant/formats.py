@@ -101,7 +101,7 @@ def read_weight(spec: QuantSpec, prefix: str, get: Getter) -> QuantWeight:
         return _awq(scheme, get)
     if scheme.kind == "float":
         return _fp8(scheme, get)
-    if spec.format == "pack-quantized":
+    if get("weight_packed") is not None:  # as a group's own format may say, not the config's
         return _ct_packed(scheme, get)
     return _ct_int8(scheme, get)
 

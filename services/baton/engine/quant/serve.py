@@ -6,7 +6,9 @@ On CPU (bfloat16, no tensor parallelism, the native kernels built): int4 / int8 
 runs of 32-input blocks become GGUF blocks (`gguf_blocks.py`) served by
 `baton_cpu.quant_linear.QuantLinear`, exactly as a GGUF file's are. FP8 weights, act-order
 GPTQ and asymmetric int8 stay de-quantized to bfloat16 (no native CPU kernel; logged).
-On other devices the weights stay de-quantized (logged).
+On CUDA (no tensor parallelism): every int and fp8 linear becomes a `GPUQuantLinear`
+(`gpu_linear.py`, Triton / `_scaled_mm`). Tensor parallelism serves the de-quantized
+weights (logged).
 
 Which checkpoint rows make which of our rows is asked of the model itself: its
 `checkpoint_weights` maps each quantized linear's `weight` — given row indices in place of
@@ -26,7 +28,7 @@ from torch import nn
 from baton.engine.models.base import CausalLM
 from baton.engine.models.loader import checkpoint_files
 from baton.engine.quant.checkpoint import QuantCheckpoint, read_checkpoint_spec
-from baton.engine.quant.formats import IntWeight, QuantWeight
+from baton.engine.quant.formats import FP8Weight, IntWeight, QuantWeight
 from baton.engine.quant.gguf_blocks import block_type, to_blocks
 
 log = logging.getLogger(__name__)
@@ -103,23 +105,61 @@ def cpu_parts(weights: list[QuantWeight], sources: torch.Tensor
     return parts, ""
 
 
+def _slice_rows(w: QuantWeight, first: int, count: int) -> QuantWeight | None:
+    if isinstance(w, IntWeight):
+        return _rows_of(w, first, count)
+    if count == w.shape[0]:
+        return w
+    if w.block is not None:
+        if first % w.block[0] or (count % w.block[0] and first + count != w.shape[0]):
+            return None  # the slice would split a block's scale
+        bn = w.block[0]
+        scales = w.scales[first // bn:-(-(first + count) // bn)]
+    else:
+        scales = w.scales.expand(w.shape[0], 1)[first:first + count]
+    return FP8Weight(w.values[first:first + count], scales, w.block, w.input_scale)
+
+
+def gpu_layer(weights: list[QuantWeight], sources: torch.Tensor, old: nn.Linear,
+              device: torch.device, dtype: torch.dtype,
+              capability: tuple[int, int] | None = None) -> tuple[nn.Module | None, str]:
+    """One of our linears as a GPUQuantLinear, or None and why it cannot be."""
+    from baton.engine.quant.gpu_linear import GPUQuantLinear, merge_rows
+
+    if bool((sources < 0).any()):
+        return None, "some rows are not quantized in the checkpoint"
+    parts = [_slice_rows(weights[p], first, count) for p, first, count in _runs(sources)]
+    merged = None if any(p is None for p in parts) else merge_rows(
+        [p for p in parts if p is not None])
+    if merged is None:
+        return None, "its fused parts differ in format or layout"
+    return GPUQuantLinear(merged, old.bias, device, dtype, capability), ""
+
+
+def _serving_reason(device: torch.device, dtype: torch.dtype, tp_size: int) -> str | None:
+    if device.type not in ("cpu", "cuda"):
+        return f"the device is {device.type}"
+    if tp_size != 1:
+        return "tensor parallelism is on"
+    if device.type == "cpu" and dtype != torch.bfloat16:
+        return f"the dtype is {dtype}, not bfloat16"
+    return None
+
+
 def keep_quantized_checkpoint(model: CausalLM, model_dir: Path, device: torch.device,
                               dtype: torch.dtype, tp_size: int, cache_dir: Path) -> int:
-    """Swap (in place) the linears of `model` that the native kernels serve; returns how
-    many were swapped. A checkpoint that is not quantized returns 0 at once."""
+    """Swap (in place) the linears of `model` that quantized kernels serve on `device`;
+    returns how many were swapped. A checkpoint that is not quantized returns 0 at once."""
     spec = read_checkpoint_spec(model_dir)
     if spec is None:
         return 0
-    why = (f"the device is {device.type}; quantized kernels for it are not wired yet"
-           if device.type != "cpu" else f"the dtype is {dtype}, not bfloat16"
-           if dtype != torch.bfloat16 else "tensor parallelism is on" if tp_size != 1 else None)
-    native = None
-    if why is None:
+    why, native = _serving_reason(device, dtype, tp_size), None
+    if why is None and device.type == "cpu":
         from baton_cpu.quant_linear import load_quant_kernels
 
         native = load_quant_kernels(cache_dir)
         why = None if native is not None else "the quantized kernels cannot be built here"
-    if why is not None or native is None:
+    if why is not None:
         log.info("--quantization auto: %s is served de-quantized (%s)", spec.describe(), why)
         return 0
     with QuantCheckpoint(checkpoint_files(model_dir), spec) as ckpt:
@@ -128,27 +168,32 @@ def keep_quantized_checkpoint(model: CausalLM, model_dir: Path, device: torch.de
                                                      zip(ckpt.prefixes, weights, strict=True)})
     kept, reasons = 0, Counter[str]()
     for module, rows in sources.items():
-        parts, why = cpu_parts(weights, rows)
-        if parts is None:
+        parent_name, _, leaf = module.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        old = getattr(parent, leaf)
+        if not isinstance(old, nn.Linear):
+            continue
+        if native is not None:
+            parts, why = cpu_parts(weights, rows)
+            layer = None if parts is None else _cpu_layer(module, old, parts, native)
+        else:
+            layer, why = gpu_layer(weights, rows, old, device, dtype)
+        if layer is None:
             reasons[why] += 1
             continue
-        _swap(model, module, parts, native)
+        setattr(parent, leaf, layer)
         kept += 1
-    log.info("--quantization auto: %d linears of %s kept quantized (%s kernels)%s", kept,
-             spec.describe(), native.isa, "".join(f"; {n} de-quantized: {why}"
-                                                 for why, n in reasons.items()))
+    log.info("--quantization auto: %d linears of %s kept quantized (%s)%s", kept,
+             spec.describe(), native.isa if native is not None else "Triton / _scaled_mm",
+             "".join(f"; {n} de-quantized: {why}" for why, n in reasons.items()))
     return kept
 
 
-def _swap(model: CausalLM, module: str, parts: list, native) -> None:
+def _cpu_layer(module: str, old: nn.Linear, parts: list, native) -> nn.Module:
+    """The QuantLinear of `parts`, checked against the weights the loader made."""
     from baton_cpu.quant_linear import QuantLinear
     from baton_cpu.quant_reference import dequantize
 
-    parent_name, _, leaf = module.rpartition(".")
-    parent = model.get_submodule(parent_name) if parent_name else model
-    old = getattr(parent, leaf)
-    if not isinstance(old, nn.Linear):
-        return
     ours = torch.cat([dequantize(raw, qtype, old.in_features) for raw, qtype in parts])
     err = (ours - old.weight.float()).abs().max().item()
     if tuple(ours.shape) != tuple(old.weight.shape) or err > 1e-2 * max(
@@ -158,4 +203,4 @@ def _swap(model: CausalLM, module: str, parts: list, native) -> None:
     layer = QuantLinear.fused(parts, old.in_features, old.bias, native)
     if module == "lm_head":
         layer.set_dequant_rows(0)
-    setattr(parent, leaf, layer)
+    return layer

@@ -59,8 +59,8 @@ def checkpoints(tmp_path_factory):
     return {name: make(root / name) for name, make in CHECKPOINTS.items()}
 
 
-def greedy(llm: LLM) -> list[tuple[list[int], list[float]]]:
-    outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+def greedy(llm: LLM, prompts=PROMPTS, params=GREEDY) -> list[tuple[list[int], list[float]]]:
+    outs = llm.generate(prompts, params, use_tqdm=False)
     return [(o.outputs[0].token_ids, [next(iter(lp.values())).logprob if isinstance(lp, dict)
                                       else lp.logprob for lp in o.outputs[0].logprobs])
             for o in outs]
