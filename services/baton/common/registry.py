@@ -5,7 +5,9 @@ deployment sharing a Redis):
 
     {prefix}:worker:{id}      the worker's record (JSON), SET with a TTL and refreshed by
                               every heartbeat: a worker that stops disappears by itself
-    {prefix}:blocks:{id}      a SET of the KV block hashes it holds (hex), same TTL
+    {prefix}:blocks:{id}      a SET of the KV block hashes it holds (hex), same TTL; a
+                              block its offload tiers hold is "h:<hex>" (host) or
+                              "d:<hex>" (disk), so one block may appear in several
     {prefix}:blockseq:{id}    the number of the last block event folded into that set
     {prefix}:events           the pub/sub channel every change is announced on
     {prefix}:response:{id}    a stored Response of /v1/responses (routers write and read
@@ -155,6 +157,17 @@ def _block_event(msg: dict[str, Any]) -> bool:
 
 def hash_hex(block_hash: int) -> str:
     return format(block_hash, "x")
+
+
+# Where a worker holds a published block: its device KV pool, or the offload tiers under it
+# (`engine.kv_tier`): host memory, local disk. Each tier's blocks are published apart.
+DEVICE, HOST, DISK = "", "h", "d"
+TIERS = (DEVICE, HOST, DISK)
+
+
+def member(block_hash: str, tier: str = DEVICE) -> str:
+    """The block set's member for hex hash `block_hash` held in `tier`."""
+    return f"{tier}:{block_hash}" if tier else block_hash
 
 
 def redis_client(url: str, timeout_s: float = 2.0) -> Redis:

@@ -7,9 +7,12 @@ the shared prefix). The `prefix` scorer prefers upstreams with long matches; the
 disaggregation decider subtracts the match from the prompt before comparing it with
 `min_prefill_tokens`.
 
-- `BlockIndex` (exact): the engine's own block hashes of each worker's pool, mirrored from
-  the Redis registry's block events (`router.redis_discovery`); the router hashes the prompt
-  the engine's way (`router.tokens`).
+- `BlockIndex` (exact): the engine's own block hashes of each worker's pool and of the
+  offload tiers under it (host memory, disk: `engine.kv_tier`), mirrored from the Redis
+  registry's block events (`router.redis_discovery`); the router hashes the prompt the
+  engine's way (`router.tokens`). A block counts wherever the worker holds it (`match`: the
+  P/D decider's cached tokens); the prefix scorer weighs it by its best tier
+  (`weighted_match`, `TIER_WEIGHTS`).
 - `ApproximatePrefixIndex` (llm-d's "approximate" prefix-cache mode): without the registry
   or before a model's tokenizer is fetched, the prompts the router itself sent each
   upstream, cut into 64-character (or 16-token-id) blocks, about one 16-token KV block
@@ -25,12 +28,22 @@ from typing import Any, Protocol
 
 from baton.common.internal import OpenAIBody
 from baton.common.protocol import ChatCompletionRequest, CompletionRequest
-from baton.common.registry import hash_hex
+from baton.common.registry import DEVICE, DISK, HOST, TIERS, hash_hex, member
 from baton.router.discovery import Upstream
 
 CHARS_PER_BLOCK = 64
 TOKENS_PER_BLOCK = 16
 _HASH_MASK = (1 << 64) - 1  # Python's hash() is signed; a hex spelling needs it unsigned
+
+# What a cached block is worth to the prefix scorer, by the tier that holds it: the share of
+# its prefill a hit saves, 1 - (seconds to bring the block into the device pool) / (seconds
+# to prefill it). Measured per 16-token block of the bundled model on our CPU
+# (`benchmarks/kv_tier_bench.py`): a prefill ~32 ms (2,000 tokens ~4 s), a host tier copy
+# ~0.07 ms (368 KiB), a disk tier read with its BLAKE2b check ~1.5 ms. So a device hit
+# outweighs a host hit, a host hit a disk hit, a disk hit nothing: 1, 0.998, 0.953, 0.
+BLOCK_PREFILL_S = 32e-3
+TIER_LOAD_S = {DEVICE: 0.0, HOST: 0.07e-3, DISK: 1.5e-3}
+TIER_WEIGHTS = {tier: 1.0 - load_s / BLOCK_PREFILL_S for tier, load_s in TIER_LOAD_S.items()}
 
 
 class PrefixIndex(Protocol):
@@ -38,6 +51,10 @@ class PrefixIndex(Protocol):
 
     def match(self, upstream: Upstream, hashes: Sequence[str]) -> int:
         """How many of `hashes`, from the first, `upstream` holds. Mutates nothing."""
+
+    def weighted_match(self, upstream: Upstream, hashes: Sequence[str]) -> float:
+        """Those leading blocks weighed by where `upstream` holds each (`TIER_WEIGHTS`;
+        at most `match`). Mutates nothing."""
 
     def add(self, upstream: Upstream, hashes: Sequence[str]) -> None:
         """The router sent (or prefilled) this prompt on `upstream`: it now holds its blocks."""
@@ -97,6 +114,10 @@ class ApproximatePrefixIndex:
         held = self._held.get(upstream.url)
         return leading_matches(held, hashes) if held else 0
 
+    def weighted_match(self, upstream: Upstream, hashes: Sequence[str]) -> float:
+        """`match`: what the router sent is taken to be in the device pool."""
+        return float(self.match(upstream, hashes))
+
     def add(self, upstream: Upstream, hashes: Sequence[str]) -> None:
         held = self._held.setdefault(upstream.url, OrderedDict())
         for h in hashes:
@@ -113,15 +134,29 @@ class ApproximatePrefixIndex:
 class BlockIndex:
     """A `PrefixIndex` of the engine's block hashes per worker id (the process behind an
     upstream's URL, so a restarted worker starts empty), fed by the registry's block
-    events; `add` and `forget` do nothing: the workers themselves say what they hold."""
+    events; each member names a block and its tier (`registry.member`). `add` and `forget`
+    do nothing: the workers themselves say what they hold."""
 
     def __init__(self) -> None:
         self.held: dict[str, set[str]] = {}  # worker id -> hashes (hex)
         self.seq: dict[str, int] = {}  # worker id -> the last block event folded in
 
     def match(self, upstream: Upstream, hashes: Sequence[str]) -> int:
-        held = self.held.get(upstream.worker_id) if upstream.worker_id else None
-        return leading_matches(held, hashes) if held else 0
+        return len(self._leading_tiers(upstream, hashes))
+
+    def weighted_match(self, upstream: Upstream, hashes: Sequence[str]) -> float:
+        return sum(TIER_WEIGHTS[tier] for tier in self._leading_tiers(upstream, hashes))
+
+    def _leading_tiers(self, upstream: Upstream, hashes: Sequence[str]) -> list[str]:
+        """The best tier of each leading block of `hashes` the worker holds somewhere."""
+        held = self.held.get(upstream.worker_id, set()) if upstream.worker_id else set()
+        tiers: list[str] = []
+        for h in hashes if held else ():
+            tier = next((t for t in TIERS if member(h, t) in held), None)
+            if tier is None:
+                break
+            tiers.append(tier)
+        return tiers
 
     def add(self, upstream: Upstream, hashes: Sequence[str]) -> None:
         """Nothing: the worker publishes its blocks once it has them."""
@@ -130,7 +165,9 @@ class BlockIndex:
         """Nothing: a worker that left stops heartbeating and is dropped."""
 
     def blocks_held(self, upstream: Upstream) -> int:
-        return len(self.held.get(upstream.worker_id, ())) if upstream.worker_id else 0
+        """Distinct blocks the worker holds, in any tier."""
+        held = self.held.get(upstream.worker_id, ()) if upstream.worker_id else ()
+        return len({m.rpartition(":")[2] for m in held})
 
     def apply(self, event: dict[str, Any]) -> bool:
         """Fold a block event in; False when it skips a number (catch up from the keys)."""

@@ -138,26 +138,29 @@ class Registration:
         if not self._synced:
             await self._snapshot()
             return
-        added, removed, reset = self._drain()
-        if reset is None:  # the pool's event queue overflowed: resend everything
+        drained = self._drain()
+        if drained is None:  # events lost to the queue's bound, or the pool was reset
             await self._snapshot()
             return
-        if not (added or removed or reset):
+        added, removed = drained
+        if not (added or removed):
             return
-        await self._send(added, removed, reset)
+        await self._send(added, removed, reset=False)
 
     async def _snapshot(self) -> None:
         self._drain()
         assert self.pool is not None  # _flush checked
-        await self._send(self.pool.cached_hashes(), [], reset=True)
+        await self._send(self.pool.held_hashes(), [], reset=True)
         if not self._synced:
             log.info("registry: registered at %s as %s", self.url, self.id)
         self._synced = True
 
-    async def _send(self, added: list[int], removed: list[int], reset: bool) -> None:
+    async def _send(self, added: list[tuple[int, str]], removed: list[tuple[int, str]],
+                    reset: bool) -> None:
+        """Fold (hash, tier) changes into the block set and announce them."""
         self._seq += 1
-        add = [reg.hash_hex(h) for h in added]
-        rem = [reg.hash_hex(h) for h in removed]
+        add = [reg.member(reg.hash_hex(h), tier) for h, tier in added]
+        rem = [reg.member(reg.hash_hex(h), tier) for h, tier in removed]
         ttl_ms = int(3 * self.interval_s * 1000)
         key = self.keys.blocks(self.id)
         async with self._client.pipeline(transaction=True) as p:
@@ -172,32 +175,30 @@ class Registration:
             p.publish(self.keys.channel, reg.blocks(self.id, self._seq, add, rem, reset))
             await p.execute()
 
-    def _drain(self) -> tuple[list[int], list[int], bool | None]:
-        """The pool's events since the last drain, netted: (added, removed, reset), with
-        reset None when some were lost to the queue's bound."""
+    def _drain(self) -> tuple[list[tuple[int, str]], list[tuple[int, str]]] | None:
+        """The pool's (hash, tier) events since the last drain, netted: (added, removed);
+        None when some were lost to the queue's bound or the pool was reset (the tiers
+        under it were not: resend a snapshot)."""
         pool = self.pool
         events = pool.events if pool is not None else None
         if pool is None or events is None:
-            return [], [], False
+            return [], []
         appended = pool.events_appended  # read before len: a racing append is no loss
         lost = appended - self._popped - len(events)
-        added: dict[int, None] = {}
-        removed: dict[int, None] = {}
+        added: dict[tuple[int, str], None] = {}
+        removed: dict[tuple[int, str], None] = {}
         reset = False
         while events:
-            stored, h = events.popleft()
+            stored, h, tier = events.popleft()
             self._popped += 1
-            if h is None:  # the whole cache was cleared
-                added.clear()
-                removed.clear()
+            if h is None:  # the pool's cache was cleared
                 reset = True
             elif stored:
-                removed.pop(h, None)
-                added[h] = None
+                removed.pop((h, tier), None)
+                added[(h, tier)] = None
             else:
-                added.pop(h, None)
-                removed[h] = None
+                added.pop((h, tier), None)
+                removed[(h, tier)] = None
         if lost > 0:  # the deque dropped the oldest: count them as seen, resend everything
             self._popped += lost
-            return [], [], None
-        return list(added), list(removed), reset
+        return None if lost > 0 or reset else (list(added), list(removed))

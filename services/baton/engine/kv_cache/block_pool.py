@@ -5,16 +5,17 @@ until they are handed out again; the least recently freed go first.
 
 Once `record_events()` is called (by a pod that publishes what it holds for prefix-aware
 routing), every change to the set of findable hashes is appended to `events` as
-`(stored, hash)` (`stored` False for an eviction), and `(False, None)` for a reset of the
-whole cache. The engine thread appends; the publisher on another thread pops (a deque is
-safe for one appender and one popper). The deque is bounded: a publisher that fell behind
-sees `events_appended` run ahead of what it popped and resends a snapshot instead.
+`(stored, hash, tier)` (`stored` False for an eviction; `tier` the registry's
+`DEVICE` for this pool), and `(False, None, DEVICE)` for a reset of the whole cache. The
+engine thread appends; the publisher on another thread pops (a deque is safe for one
+appender and one popper). The deque is bounded: a publisher that fell behind sees
+`events_appended` run ahead of what it popped and resends a snapshot instead.
 
 An eviction listener (`on_evict`, the host offload tier) hears of each cached block handed
-out again while its KV is still intact: the next forward overwrites it. When the listener
-keeps the block's KV (returns True), the hash stays published: this engine still serves it,
-from the tier, and the tier reports it with `tier_dropped` once it lets it go. `cached_hashes`
-then lists the tier's hashes too (`on_evict`'s `also_held`).
+out again while its KV is still intact: the next forward overwrites it, so the listener may
+copy it away. The tiers under the pool publish their own blocks through the same queue
+(`tier_event`, tagged `HOST` / `DISK`), and `held_hashes` lists them with the pool's
+(`on_evict`'s `also_held`), so a router knows in which tier a pod holds each block.
 """
 
 from __future__ import annotations
@@ -22,6 +23,8 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass
+
+from baton.common.registry import DEVICE
 
 
 @dataclass(eq=False)
@@ -41,10 +44,10 @@ class BlockPool:
         # Free blocks, least recently freed first. Both cached and empty ones live here.
         self._free: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
         self._cached: dict[int, KVBlock] = {}  # block hash -> block
-        self.events: deque[tuple[bool, int | None]] | None = None
+        self.events: deque[tuple[bool, int | None, str]] | None = None
         self.events_appended = 0
-        self._on_evict: Callable[[int, int], bool] | None = None
-        self._also_held: Callable[[], list[int]] | None = None
+        self._on_evict: Callable[[int, int], None] | None = None
+        self._also_held: Callable[[], list[tuple[int, str]]] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -103,42 +106,45 @@ class BlockPool:
         self._cached.clear()
         self._event(False, None)
 
-    def on_evict(self, listener: Callable[[int, int], bool],
-                 also_held: Callable[[], list[int]] | None = None) -> None:
+    def on_evict(self, listener: Callable[[int, int], None],
+                 also_held: Callable[[], list[tuple[int, str]]] | None = None) -> None:
         """Call `listener(block_id, block_hash)` (engine thread) each time a findable block
         is taken by `allocate`: its KV stays intact until the next forward writes the
-        block, so the listener may copy it away now; True: it did, the hash stays
-        published. `also_held()` (any thread, a snapshot): every hash kept that way."""
+        block, so the listener may copy it away now. `also_held()` (any thread, a
+        snapshot): the (hash, tier) of every block the tiers under the pool hold."""
         self._on_evict, self._also_held = listener, also_held
 
-    def tier_dropped(self, block_hash: int) -> None:
-        """The tier under the pool no longer holds `block_hash`: publish its eviction
-        unless the pool holds it again."""
-        if block_hash not in self._cached:
-            self._event(False, block_hash)
+    def tier_event(self, tier: str, stored: bool, block_hash: int) -> None:
+        """A tier under the pool (`registry.HOST`, `DISK`) took or let go `block_hash`:
+        published like the pool's own changes, tagged with the tier (engine thread)."""
+        self._event(stored, block_hash, tier)
 
     def _evict(self, block: KVBlock) -> None:
         if block.block_hash is not None:
             if self._cached.get(block.block_hash) is block:
                 del self._cached[block.block_hash]
-                kept = self._on_evict is not None and self._on_evict(block.block_id,
-                                                                     block.block_hash)
-                if not kept:
-                    self._event(False, block.block_hash)
+                self._event(False, block.block_hash)
+                if self._on_evict is not None:
+                    self._on_evict(block.block_id, block.block_hash)
             block.block_hash = None
 
     def record_events(self, capacity: int = 1 << 16) -> None:
         self.events = deque(maxlen=capacity)
 
-    def _event(self, stored: bool, block_hash: int | None) -> None:
+    def _event(self, stored: bool, block_hash: int | None, tier: str = DEVICE) -> None:
         if self.events is not None:
-            self.events.append((stored, block_hash))
+            self.events.append((stored, block_hash, tier))
             self.events_appended += 1
 
     def cached_hashes(self) -> list[int]:
-        """Every hash this engine serves now, the tier's included (a snapshot; safe from
-        another thread: `list` of a dict's keys runs without releasing the GIL)."""
-        held = list(self._cached)
+        """Every hash findable in the pool now (a snapshot; safe from another thread:
+        `list` of a dict's keys runs without releasing the GIL)."""
+        return list(self._cached)
+
+    def held_hashes(self) -> list[tuple[int, str]]:
+        """(hash, tier) of every block this engine serves now: the pool's (`DEVICE`) and
+        the tiers' under it (a snapshot, any thread)."""
+        held = [(h, DEVICE) for h in self._cached]
         return held if self._also_held is None else held + self._also_held()
 
     def counts(self) -> tuple[int, int, int]:

@@ -151,9 +151,9 @@ class KVCacheManager:
         """`BlockPool.on_evict`: hear of cached blocks handed out again (the offload tier)."""
         self.pool.on_evict(listener, also_held)
 
-    def tier_dropped(self, block_hash: int) -> None:
-        """`BlockPool.tier_dropped`: the tier let `block_hash` go."""
-        self.pool.tier_dropped(block_hash)
+    def tier_event(self, tier: str, stored: bool, block_hash: int) -> None:
+        """`BlockPool.tier_event`: a tier under the pool took or let go `block_hash`."""
+        self.pool.tier_event(tier, stored, block_hash)
 
     # -- internals -------------------------------------------------------------------------
     def _num_out_of_window(self, request: Request, num_computed: int) -> int:

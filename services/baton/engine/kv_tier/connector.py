@@ -20,6 +20,10 @@ in its usage (`loads_locally`). A load one of whose reads failed (a damaged or v
 file) is reported for `recompute`, the P/D pull's fallback: the request waits first in line
 and, admitted again, loads what the tiers still hold and computes the rest.
 
+Routing: the host pool reports each block joining or leaving it or the disk pool under it,
+and the pool's event queue publishes them tagged with the tier (`KVCacheManager.tier_event`),
+so a router weighs where a pod holds a prompt's blocks (`router.prefix`).
+
 P/D: the tier wraps the engine's transport connector (`inner`), if any. A request the inner
 connector loads (a `PullKV`) is its alone; every other hook is passed on, so leases, pulls
 and their failure policies work as without a tier.
@@ -62,27 +66,17 @@ class TierConnector(KVConnector):
         self._planned: dict[str, tuple[int, list[int]]] = {}
         self._failed: set[str] = set()  # requests whose tier load failed: no disk reads
         kv.on_evict(self._offload, host.hashes)
-        host.on_drop(self._dropped)
+        host.on_change(kv.tier_event)  # the pod publishes each tier's blocks
 
     # -- offload ---------------------------------------------------------------------------
-    def _offload(self, block_id: int, block_hash: int) -> bool:
-        """True: the tier holds the block (the pool keeps its hash published)."""
+    def _offload(self, block_id: int, block_hash: int) -> None:
         if block_hash in self.host:
             self.host.touch(block_hash)
-            return True
-        if self._offloads_this_step >= self.max_offloads_per_step:
+        elif self._offloads_this_step >= self.max_offloads_per_step:
             self._counts["skipped"] += 1
-            return self.host.on_disk(block_hash)
-        if self.host.store(block_hash, block_id, self.loads.pinned):
+        elif self.host.store(block_hash, block_id, self.loads.pinned):
             self._offloads_this_step += 1
             self._counts["offloaded"] += 1
-            return True
-        return self.host.on_disk(block_hash)
-
-    def _dropped(self, block_hash: int) -> None:
-        """A tier let `block_hash` go: unpublished unless another still holds it."""
-        if block_hash not in self.host and not self.host.on_disk(block_hash):
-            self.kv.tier_dropped(block_hash)
 
     # -- admission -------------------------------------------------------------------------
     def num_remote_tokens(self, req: Request, num_cached: int) -> int:
@@ -157,9 +151,7 @@ class TierConnector(KVConnector):
         """A new step begins: the disk reads that landed join the host pool, the loads copy
         what it holds (within the step's bound), and a new step's offload bound starts."""
         updates = self.inner.poll() if self.inner is not None else KVUpdates()
-        for block_hash in self.host.take_lost():
-            self._dropped(block_hash)
-        self.host.finish_reads()
+        self.host.finish_io()
         done, failed = self.loads.advance()
         for load in done:
             self._counts["hit_blocks"] += load.num_blocks

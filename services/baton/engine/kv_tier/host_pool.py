@@ -12,7 +12,7 @@ On CPU the copies are plain memcpys.
 With a `DiskKVPool` under it, its file I/O runs on a `DiskWorker` thread: a block the pool
 evicts is handed to the worker to be written (`spill`), and a disk block a load needs is
 read into a host block reserved for it (`start_read`), which joins the pool when the worker
-reports it (`finish_reads`, at a step's start). On CUDA the host touches a host block only
+reports it (`finish_io`, at a step's start). On CUDA the host touches a host block only
 once the device copies that last used it have landed (each records an event). `close` stops
 the worker; `flush` then writes every held block (a graceful stop, so a restart finds
 them).
@@ -25,6 +25,7 @@ from collections.abc import Callable, Collection
 
 import torch
 
+from baton.common.registry import DISK, HOST
 from baton.engine.kv_tier.disk_pool import DiskKVPool
 from baton.engine.kv_tier.disk_worker import MAX_QUEUED_SPILLS, DiskWorker
 
@@ -55,12 +56,13 @@ class HostKVPool:
         self.disk_hits = self.disk_read_failures = 0
         # CUDA with a disk: each host block's last device copy, on the stream that issued it
         self._landed: dict[int, torch.cuda.Event] = {}
-        self._on_drop: Callable[[int], None] | None = None
+        self._on_change: Callable[[str, bool, int], None] | None = None
 
-    def on_drop(self, listener: Callable[[int], None]) -> None:
-        """Call `listener(block_hash)` (engine thread) when a block leaves this pool without
-        reaching the disk pool (no disk pool, its spill dropped)."""
-        self._on_drop = listener
+    def on_change(self, listener: Callable[[str, bool, int], None]) -> None:
+        """Call `listener(tier, stored, block_hash)` (engine thread) when a block joins
+        (`stored`) or leaves this pool (tier `HOST`) or the disk pool under it (`DISK`; a
+        block counts as there once its spill is queued): what the pod publishes."""
+        self._on_change = listener
 
     def __contains__(self, block_hash: int) -> bool:
         return block_hash in self._slots
@@ -86,6 +88,7 @@ class HostKVPool:
         self.cache[slot].copy_(self.device_cache[:, :, block_id], non_blocking=True)
         self._record(slot)
         self._slots[block_hash] = slot
+        self._tell(HOST, True, block_hash)
         return True
 
     def load(self, block_hash: int, block_id: int) -> None:
@@ -96,11 +99,13 @@ class HostKVPool:
         self._record(slot)
         self.touch(block_hash)
 
-    def hashes(self) -> list[int]:
-        """Every hash held here or on the disk pool, or on its way there (a snapshot, any
-        thread)."""
-        held = list(self._slots)
-        return held if self.io is None else held + self.io.disk.hashes() + self.io.queued()
+    def hashes(self) -> list[tuple[int, str]]:
+        """(hash, tier) of every block held here (`HOST`) or on the disk pool, or on its way
+        there (`DISK`): a snapshot, any thread."""
+        held = [(h, HOST) for h in list(self._slots)]
+        if self.io is None:
+            return held
+        return held + [(h, DISK) for h in self.io.disk.hashes() + self.io.queued()]
 
     # -- the disk pool under it ------------------------------------------------------------
     def on_disk(self, block_hash: int) -> bool:
@@ -128,30 +133,30 @@ class HostKVPool:
         self.io.read(block_hash, self.cache[slot])
         return True
 
-    def finish_reads(self) -> list[int]:
-        """Engine thread, at a step's start: the reads the worker finished join the pool
-        (most recently used); a failed one's host block is freed. Returns the failed
-        reads' hashes."""
+    def finish_io(self) -> list[int]:
+        """Engine thread, at a step's start: what the worker did since — blocks that left
+        the disk pool (size bound, damage) or never reached it are published gone, the
+        reads it finished join this pool (most recently used), a failed read's host block
+        is freed. Returns the failed reads' hashes."""
+        if self.io is None:
+            return []
+        for block_hash in self.io.disk.take_dropped() + self.io.take_lost():
+            if not self.on_disk(block_hash):  # (a later spill may have queued it again)
+                self._tell(DISK, False, block_hash)
         failed = []
-        for block_hash, ok in self.io.take_done() if self.io is not None else ():
+        for block_hash, ok in self.io.take_done():
             slot = self._reading.pop(block_hash)
             if ok and block_hash in self._slots:  # offloaded again meanwhile: same KV
                 self._free.append(slot)
             elif ok:
                 self._slots[block_hash] = slot
                 self.disk_hits += 1
+                self._tell(HOST, True, block_hash)
             else:
                 self._free.append(slot)
                 self.disk_read_failures += 1
                 failed.append(block_hash)
         return failed
-
-    def take_lost(self) -> list[int]:
-        """Hashes that left the disk pool (size bound, damage) or never reached it (a spill
-        the worker could not write) since the last call."""
-        if self.io is None:
-            return []
-        return self.io.disk.take_dropped() + self.io.take_lost()
 
     def close(self) -> bool:
         """Stop the disk worker once its queued spills are written; later spills are
@@ -175,21 +180,24 @@ class HostKVPool:
         if victim is None:
             return None
         slot = self._slots.pop(victim)
+        self._tell(HOST, False, victim)
         self._spill(victim, slot)
         return slot
 
     def _spill(self, block_hash: int, slot: int) -> None:
         if self.io is None:
-            if self._on_drop is not None:
-                self._on_drop(block_hash)
             return
         self._settle(slot)
         if not self.io.running:  # stopped: a graceful stop writes here
             self.io.disk.store(block_hash, self.cache[slot])
         elif block_hash in self.io.disk:
             self.io.disk.touch(block_hash)
-        elif not self.io.spill(block_hash, self.cache[slot]) and self._on_drop is not None:
-            self._on_drop(block_hash)
+        elif self.io.spill(block_hash, self.cache[slot]):
+            self._tell(DISK, True, block_hash)
+
+    def _tell(self, tier: str, stored: bool, block_hash: int) -> None:
+        if self._on_change is not None:
+            self._on_change(tier, stored, block_hash)
 
     def _record(self, slot: int) -> None:
         if self.disk is not None and self.device_cache.device.type == "cuda":

@@ -32,11 +32,12 @@ def queue(endpoints: list[Upstream], ctx: RoutingContext) -> list[float]:
 
 @register("prefix")
 def prefix(endpoints: list[Upstream], ctx: RoutingContext) -> list[float]:
-    """A longer share of the prompt probably cached on the worker is better (router.prefix)."""
+    """A longer share of the prompt probably cached on the worker is better, each block
+    weighed by the tier that holds it: device over host over disk (`router.prefix`)."""
     hashes, index = ctx.prefix_hashes, ctx.prefix_index
     if not hashes or index is None:
         return [0.0] * len(endpoints)
-    return [index.match(e, hashes) / len(hashes) for e in endpoints]
+    return [index.weighted_match(e, hashes) / len(hashes) for e in endpoints]
 
 
 @register("kv_usage")

@@ -70,7 +70,7 @@ def test_the_host_pool_spills_to_disk_and_reads_back(tmp_path):
     assert host.io.wait_idle(10) and 10 in disk
     assert host.start_read(10) and host.reading(10) and 10 not in host
     assert host.io.wait_idle(10)
-    assert host.finish_reads() == [] and 10 in host and host.disk_hits == 1
+    assert host.finish_io() == [] and 10 in host and host.disk_hits == 1
     host.load(10, 3)  # back into device block 3: block 0's KV
     assert torch.equal(cache[:, :, 3], torch.zeros_like(cache[:, :, 3]))
     assert not host.start_read(99)  # on neither
