@@ -192,7 +192,8 @@ class EngineCore:
     # -- the step --------------------------------------------------------------------------
     def idle_for(self) -> float:
         """Seconds the next step would be empty although requests wait (the dynamic
-        policy's window): the caller may sleep that long."""
+        policy's window; a poll interval while only KV loads are in flight): the caller
+        may sleep that long."""
         return self.scheduler.idle_for()
 
     @property

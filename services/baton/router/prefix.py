@@ -37,12 +37,13 @@ _HASH_MASK = (1 << 64) - 1  # Python's hash() is signed; a hex spelling needs it
 
 # What a cached block is worth to the prefix scorer, by the tier that holds it: the share of
 # its prefill a hit saves, 1 - (seconds to bring the block into the device pool) / (seconds
-# to prefill it). Measured per 16-token block of the bundled model on our CPU
-# (`benchmarks/kv_tier_bench.py`): a prefill ~32 ms (2,000 tokens ~4 s), a host tier copy
-# ~0.07 ms (368 KiB), a disk tier read with its BLAKE2b check ~1.5 ms. So a device hit
-# outweighs a host hit, a host hit a disk hit, a disk hit nothing: 1, 0.998, 0.953, 0.
-BLOCK_PREFILL_S = 32e-3
-TIER_LOAD_S = {DEVICE: 0.0, HOST: 0.07e-3, DISK: 1.5e-3}
+# to prefill it). Measured per 16-token block of the bundled model (bf16, its Q4_1 weights,
+# one thread) on our 2-core EPYC: a prefill ~11 ms (2,048 tokens in 1.5 s), a host tier copy
+# ~0.023 ms (368 KiB), a disk tier read with its BLAKE2b check ~0.30 ms (page cache warm).
+# So a device hit outweighs a host hit, a host hit a disk hit, a disk hit nothing:
+# 1, 0.998, 0.973, 0.
+BLOCK_PREFILL_S = 11e-3
+TIER_LOAD_S = {DEVICE: 0.0, HOST: 0.023e-3, DISK: 0.30e-3}
 TIER_WEIGHTS = {tier: 1.0 - load_s / BLOCK_PREFILL_S for tier, load_s in TIER_LOAD_S.items()}
 
 

@@ -89,10 +89,12 @@ class DiskKVPool:
             if block_hash in self._files:
                 self._files.move_to_end(block_hash)
                 return
-        payload = block.view(torch.uint8).view(-1).numpy().tobytes()
+        payload = block.view(torch.uint8).view(-1).numpy().data  # the block's own bytes
         path = self.dir / f"{block_hash:016x}{_SUFFIX}"
         tmp = path.with_suffix(f".{threading.get_ident()}.tmp")  # one writer per name
-        tmp.write_bytes(MAGIC + hashlib.blake2b(payload, digest_size=_DIGEST).digest() + payload)
+        with open(tmp, "wb") as f:
+            f.write(MAGIC + hashlib.blake2b(payload, digest_size=_DIGEST).digest())
+            f.write(payload)
         os.replace(tmp, path)
         with self._lock:
             self._files[block_hash] = path
@@ -101,27 +103,27 @@ class DiskKVPool:
         self._unlink(gone)
 
     def read(self, block_hash: int, out: torch.Tensor) -> bool:
-        """Read the block into `out` (a contiguous CPU tensor of the block's size) and touch
-        it. False, the file deleted: missing, cut short or not what was written."""
+        """Read the block into `out` (a contiguous CPU tensor of the block's size, filled in
+        place: no staging copy) and touch it. False, the file deleted and `out` undefined:
+        missing, cut short, too long or not what was written."""
         with self._lock:
             path = self._files.get(block_hash)
         if path is None:
             return False
+        dest = out.view(torch.uint8).view(-1).numpy().data  # filled in place
+        head = bytearray(len(MAGIC) + _DIGEST)
         try:
-            data = path.read_bytes()
+            with open(path, "rb") as f:
+                whole = (f.readinto(head) == len(head) and f.readinto(dest) == self.block_bytes
+                         and not f.read(1))
         except OSError:
-            data = b""
-        head = len(MAGIC) + _DIGEST
-        payload = data[head:]
-        if (len(payload) != self.block_bytes or data[:len(MAGIC)] != MAGIC
-                or hashlib.blake2b(payload, digest_size=_DIGEST).digest()
-                != data[len(MAGIC):head]):
+            whole = False
+        if not whole or head[:len(MAGIC)] != MAGIC or hashlib.blake2b(
+                dest, digest_size=_DIGEST).digest() != head[len(MAGIC):]:
             with self._lock:
                 self._files.pop(block_hash, None)
             self._unlink([(block_hash, path)])
             return False
-        out.view(torch.uint8).view(-1).copy_(torch.frombuffer(bytearray(payload),
-                                                              dtype=torch.uint8))
         self.touch(block_hash)
         return True
 

@@ -5,7 +5,7 @@ The engine thread hands it spills (a host block the host pool evicts, copied out
 its host block is reused at once) and reads (a disk block into a host block the host pool
 reserved for it), and collects finished reads with `take_done()` at the next step. Reads go
 first (a request waits on them); spills queue behind, at most `max_queued_spills` of them
-(the copies they hold bound the memory): past that a spill is dropped and counted, its block
+(128 MiB of blocks unless told: the copies they hold bound the memory): past that a spill is dropped and counted, its block
 lost to the tier as if evicted. A read of a block whose spill is still queued is served from
 that spill's copy, so a read never misses a write issued before it.
 
@@ -26,15 +26,19 @@ from baton.engine.kv_tier.disk_pool import DiskKVPool
 
 log = logging.getLogger(__name__)
 
-# Spills queued at most: each holds a copy of its block (a bf16 block of the bundled model
-# is 368 KiB: 64 ~ 23 MiB), and a full queue means the disk is slower than the evictions.
-MAX_QUEUED_SPILLS = 64
+# Bytes of spills queued at most: each holds a copy of its block (a bf16 block of the
+# bundled model is 368 KiB: 355 blocks; of a Llama-3-8B, 2 MiB: 64), and a full queue means
+# the disk is slower than the evictions.
+MAX_QUEUED_SPILL_BYTES = 128 << 20
 CLOSE_TIMEOUT_S = 30.0
 
 
 class DiskWorker:
-    def __init__(self, disk: DiskKVPool, max_queued_spills: int = MAX_QUEUED_SPILLS) -> None:
-        """Starts the thread. Raises ValueError for `max_queued_spills` < 1."""
+    def __init__(self, disk: DiskKVPool, max_queued_spills: int | None = None) -> None:
+        """Starts the thread. `max_queued_spills` (None: `MAX_QUEUED_SPILL_BYTES` of
+        blocks, at least one). Raises ValueError for `max_queued_spills` < 1."""
+        if max_queued_spills is None:
+            max_queued_spills = max(1, MAX_QUEUED_SPILL_BYTES // disk.block_bytes)
         if max_queued_spills < 1:
             raise ValueError(f"max_queued_spills must be >= 1, got {max_queued_spills}")
         self.disk = disk

@@ -27,13 +27,13 @@ import torch
 
 from baton.common.registry import DISK, HOST
 from baton.engine.kv_tier.disk_pool import DiskKVPool
-from baton.engine.kv_tier.disk_worker import MAX_QUEUED_SPILLS, DiskWorker
+from baton.engine.kv_tier.disk_worker import DiskWorker
 
 
 class HostKVPool:
     def __init__(self, device_cache: torch.Tensor, num_blocks: int,
                  host_device: torch.device | str = "cpu", disk: DiskKVPool | None = None,
-                 max_queued_spills: int = MAX_QUEUED_SPILLS) -> None:
+                 max_queued_spills: int | None = None) -> None:
         """`device_cache`: the engine's KV cache, (layers, K/V, blocks, block_size, KVH, D).
         `host_device`: where the host blocks live (cpu; meta in the tests of the device
         path). With `disk`, starts its worker thread. Raises ValueError for `num_blocks`

@@ -20,6 +20,10 @@ from baton.engine.request import Request, RequestStatus
 from baton.engine.scheduler.output import EngineEnd, ScheduledRequest, SchedulerOutput
 from baton.engine.scheduler.queues import make_queue
 
+# How long an engine with only KV loads in flight sleeps between polls (`idle_for`): a load
+# (a disk tier read, a pull) takes milliseconds, so this adds little to it.
+LOAD_POLL_S = 0.001
+
 
 @dataclass(frozen=True)
 class SchedulerLimits:
@@ -91,8 +95,12 @@ class Scheduler:
     def idle_for(self) -> float:
         """Seconds before `schedule()` will have work for a step although requests wait
         (the dynamic policy's window), 0 when it has some now. The engine may sleep that
-        long; a new request wakes it."""
-        return 0.0
+        long; a new request wakes it. With nothing to run but KV loads in flight, a short
+        poll interval: an engine spinning on `poll()` would hold the GIL that the threads
+        doing the loads (the disk tier's worker, a transport's) need to finish them."""
+        if self.running or self.waiting or not self._num_loading:
+            return 0.0
+        return LOAD_POLL_S
 
     # -- the KV connector ------------------------------------------------------------------
     @property

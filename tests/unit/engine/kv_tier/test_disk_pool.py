@@ -39,10 +39,14 @@ def test_a_damaged_file_is_dropped_not_read(tmp_path):
     path.write_bytes(bytes(data))
     out = torch.zeros(SHAPE)
     assert not disk.read(7, out) and 7 not in disk and not path.exists()
-    assert torch.equal(out, torch.zeros(SHAPE))
     disk.store(8, block(8.0))
     (tmp_path / "fp" / f"{8:016x}.kv").write_bytes(b"BATONKV1")  # cut short
     assert not disk.read(8, out) and 8 not in disk
+    disk.store(9, block(9.0))
+    longer = tmp_path / "fp" / f"{9:016x}.kv"
+    longer.write_bytes(longer.read_bytes() + b"\0")  # one byte too many
+    assert not disk.read(9, out) and 9 not in disk
+    assert disk.take_dropped() == [7, 8, 9]
 
 
 def test_a_new_pool_finds_the_last_ones_blocks_of_its_fingerprint_only(tmp_path):

@@ -3,7 +3,7 @@ its reads on the worker and `poll()` reports the request loaded only once they l
 damaged block sends the request back to compute those tokens (the P/D pull's recompute
 fallback) with the KV a forward reads still right; a request that ends mid-read frees its
 blocks at once; and a step copies at most `max_loads_per_step` blocks, the rest waiting for
-the next step."""
+the next step; an engine with only such loads in flight polls instead of spinning."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import torch
 from baton.engine.kv_cache import KVCacheManager
 from baton.engine.kv_tier import DiskKVPool, HostKVPool, TierConnector
 from baton.engine.scheduler import SchedulerLimits, make_scheduler
+from baton.engine.scheduler.scheduler import LOAD_POLL_S
 from tests.unit.engine.kv_tier.test_disk_worker import GatedDisk
 from tests.unit.engine.kv_tier.test_tier_copies import (
     BS,
@@ -121,38 +122,60 @@ def test_a_step_copies_at_most_its_bound_and_the_rest_waits():
     assert tier.tier_stats().load_queue_blocks == 0
 
 
+def scheduled_engine(root: Path, disk_cls=DiskKVPool):
+    """A scheduler over a 16-block pool of 4-token blocks, a host tier and a disk tier in
+    `root`: its cache (a token's KV is its id: `fake_forward`), pool, tier, scheduler, disk."""
+    cache = torch.full((1, 2, 16, 4, 1, 1), -1.0, dtype=torch.float64)
+    kv = KVCacheManager(16, 4)
+    disk = disk_cls(root, "fp", cache[:, :, 0].numel() * 8, 64)
+    tier = TierConnector(kv, HostKVPool(cache, 32, disk=disk))
+    return cache, kv, tier, make_scheduler(SchedulerLimits(64, 4, 512), kv, tier), disk
+
+
+def run_turn(turn, cache, sched) -> None:
+    sched.add_request(turn)
+    deadline = time.monotonic() + 30  # steps spin while the reads are on the worker
+    while sched.has_unfinished_requests():
+        assert time.monotonic() < deadline, f"{turn.request_id} never finished"
+        fake_forward(sched, cache, 4)
+
+
 def test_the_scheduler_computes_what_a_damaged_block_held(tmp_path):
     """Through the scheduler, a fake forward checking every token's KV: a conversation's
     turn, a restart, one of its blocks damaged on disk; the next turn loads the blocks before
     it, computes the rest, and every block comes back to the pool."""
-    block_size, num_blocks = 4, 16
-
-    def engine():
-        cache = torch.full((1, 2, num_blocks, block_size, 1, 1), -1.0, dtype=torch.float64)
-        kv = KVCacheManager(num_blocks, block_size)
-        disk = DiskKVPool(tmp_path, "fp", cache[:, :, 0].numel() * 8, 64)
-        tier = TierConnector(kv, HostKVPool(cache, 32, disk=disk))
-        return cache, kv, tier, make_scheduler(SchedulerLimits(64, 4, 512), kv, tier)
-
-    def run(turn, cache, sched) -> None:
-        sched.add_request(turn)
-        deadline = time.monotonic() + 30  # steps spin while the reads are on the worker
-        while sched.has_unfinished_requests():
-            assert time.monotonic() < deadline, f"{turn.request_id} never finished"
-            fake_forward(sched, cache, block_size)
-
-    cache, kv, tier, sched = engine()
+    cache, kv, tier, sched, _ = scheduled_engine(tmp_path)
     first = make_turn(0, 0, 30, 2)
-    run(first, cache, sched)
+    run_turn(first, cache, sched)
     tier.close()  # a graceful stop: the turn's 7 full blocks go to disk
     path = tmp_path / "fp" / f"{first.block_hashes[3]:016x}.kv"
     path.write_bytes(b"BATONKV1" + path.read_bytes()[8:][::-1])  # block 3 garbled
-    cache, kv, tier, sched = engine()
+    cache, kv, tier, sched, _ = scheduled_engine(tmp_path)
     second = make_turn(1, 0, 40, 2)
-    run(second, cache, sched)
-    assert second.num_cached_tokens == 3 * block_size  # blocks 0-2, loaded again
+    run_turn(second, cache, sched)
+    assert second.num_cached_tokens == 3 * 4  # blocks 0-2, loaded again
     stats = tier.tier_stats()
     assert stats.load_fallbacks_total == 1 and stats.disk_read_failures_total == 1
     assert kv.num_used_blocks == 0 and tier.num_loading == 0
+    kv.check_integrity()
+    tier.close()
+
+
+def test_an_engine_with_only_loads_in_flight_polls_instead_of_spinning(tmp_path):
+    cache, _, tier, sched, _ = scheduled_engine(tmp_path)
+    run_turn(make_turn(0, 0, 30, 2), cache, sched)
+    tier.close()
+    cache, kv, tier, sched, disk = scheduled_engine(tmp_path, GatedDisk)
+    sched.add_request(make_turn(1, 0, 40, 2))
+    assert sched.idle_for() == 0  # a request waits to be admitted
+    fake_forward(sched, cache, 4)  # admitted: its blocks are read from disk (held back)
+    assert sched.num_running == 0 and tier.num_loading == 1
+    assert sched.idle_for() == LOAD_POLL_S  # nothing to run: the engine may sleep
+    disk.gate.set()
+    assert tier.host.io is not None and tier.host.io.wait_idle(10)
+    fake_forward(sched, cache, 4)  # loaded: it runs
+    assert sched.num_running == 1 and sched.idle_for() == 0
+    while sched.has_unfinished_requests():
+        fake_forward(sched, cache, 4)
     kv.check_integrity()
     tier.close()
