@@ -28,7 +28,7 @@ import platform
 import statistics
 import tempfile
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 BLOCK = 16
@@ -42,12 +42,19 @@ class RunResult:
     cached_tokens: int  # prompt tokens served from a cache, every turn
     tokens: list[list[int]]  # each turn's greedy output
     disk_read_blocks: int = 0  # blocks the disk tier read back
+    disk_spills_dropped: int = 0  # evicted blocks its full write queue turned away
+    # each schedule()'s seconds: the engine thread's time outside the forward, where the
+    # tier's loads (and, before its worker thread, its disk I/O) run and stall every request
+    schedule_s: list[float] = field(default_factory=list)
 
     def summary(self) -> dict:
+        ms = sorted(t * 1e3 for t in self.schedule_s)
         return {"ttft_p50_s": statistics.median(self.ttft_s),
                 "ttft_mean_s": statistics.fmean(self.ttft_s),
                 "prefill_tokens": self.prefill_tokens, "cached_tokens": self.cached_tokens,
-                "disk_read_blocks": self.disk_read_blocks}
+                "disk_read_blocks": self.disk_read_blocks,
+                "disk_spills_dropped": self.disk_spills_dropped,
+                "schedule_max_ms": ms[-1], "schedule_p99_ms": ms[int(0.99 * (len(ms) - 1))]}
 
 
 def conversations(tokenizer, sessions: int, turns: int) -> list[list[list[int]]]:
@@ -81,8 +88,17 @@ def run(convs: list[list[list[int]]], max_tokens: int, **engine_args) -> RunResu
 
     gc.collect()
     core = EngineCore(EngineConfig.from_args(**engine_args))
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     result = RunResult([], 0, 0, [])
+    schedule = core.scheduler.schedule
+
+    def timed_schedule():
+        t0 = time.perf_counter()
+        out = schedule()
+        result.schedule_s.append(time.perf_counter() - t0)
+        return out
+
+    core.scheduler.schedule = timed_schedule  # type: ignore[method-assign]
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     before = core.stats.prompt_tokens_total
     for t in range(len(convs[0])):
         for s, session in enumerate(convs):
@@ -92,6 +108,7 @@ def run(convs: list[list[list[int]]], max_tokens: int, **engine_args) -> RunResu
             first = None
             tokens: list[int] = []
             while core.has_unfinished_requests() or core.needs_polling:
+                time.sleep(core.idle_for())  # only loads in flight: poll, do not spin
                 for o in core.step():
                     if first is None and o.new_token_ids:
                         first = time.perf_counter() - t0
@@ -103,7 +120,9 @@ def run(convs: list[list[list[int]]], max_tokens: int, **engine_args) -> RunResu
             result.tokens.append(tokens)
     result.prefill_tokens = core.stats.prompt_tokens_total - before
     tier = core.metrics_snapshot().kv_tier
-    result.disk_read_blocks = tier.disk_read_blocks_total if tier is not None else 0
+    if tier is not None:
+        result.disk_read_blocks = tier.disk_read_blocks_total
+        result.disk_spills_dropped = tier.disk_spills_dropped_total
     core.check_integrity()
     core.close()
     return result
