@@ -33,15 +33,17 @@ def _free(port: int) -> bool:
             return False
 
 
-def wait_ready(url: str, proc: subprocess.Popen, timeout: float) -> None:
-    """Until `url/ready` answers 200; fails at once if the process exits."""
+def wait_ready(url: str, proc: subprocess.Popen, timeout: float, probe: str = "/ready"
+               ) -> None:
+    """Until `url` + `probe` answers 200 (another server's probe: llama-server's `/health`);
+    fails at once if the process exits."""
     from baton.launch import http_status
 
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"{proc.args} exited with {proc.returncode}")
-        if http_status(url + "/ready") == 200:
+        if http_status(url + probe) == 200:
             return
         time.sleep(0.2)
     raise TimeoutError(f"{url} not ready after {timeout}s")
