@@ -96,6 +96,7 @@ def test_close_over_a_hung_disk_gives_up_and_drops_the_queue(tmp_path):
     worker = DiskWorker(disk)
     for h in (1, 2, 3):
         worker.spill(h, block(float(h)))
+    assert disk.entered.wait(10)  # writing 1: the disk hangs
     assert not worker.close(timeout=0.2)
     assert worker.spills_dropped == 2 and sorted(worker.take_lost()) == [2, 3]
     assert not worker.running and not worker.stopped
