@@ -20,8 +20,6 @@ import logging
 import os
 import signal
 import time
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -48,6 +46,7 @@ from baton.worker.internal import install_internal_routes
 from baton.worker.pipeline import Call
 from baton.worker.responses import install_responses_routes
 from baton.worker.state import WorkerSettings, WorkerState
+from baton.worker.threads import on_a_thread_that_ends
 
 __all__ = ["WorkerSettings", "WorkerState", "build_app"]
 
@@ -240,21 +239,6 @@ def _install_openai_routes(app: FastAPI, state: WorkerState) -> None:
     async def detokenize(request: Request):
         req = parse_request(DetokenizeRequest, await request.body())
         return state.require_pipeline().detokenize(req)
-
-
-async def on_a_thread_that_ends(fn: Callable[[], None]) -> None:
-    """fn() on a thread of its own that ends after it, not on the event loop's shared
-    executor. Why: OpenMP (libgomp, torch's and our kernels') keeps a pool of worker threads
-    for every thread that ran a parallel region, as long as that thread lives, and once the
-    process holds more of them than CPUs each barrier sleeps on a futex instead of
-    spinning. The load runs parallel regions; on an executor thread its pool stayed beside
-    the engine thread's, and `baton serve --num-threads 2` on 2 cores (the default there)
-    decoded 118-129 tokens/s at batch 1 against 317-360 with the loading thread gone."""
-    pool = ThreadPoolExecutor(1, thread_name_prefix="baton-load")
-    try:
-        await asyncio.get_running_loop().run_in_executor(pool, fn)
-    finally:
-        pool.shutdown(wait=False)  # its one thread ends now that fn returned
 
 
 async def _load(state: WorkerState) -> None:

@@ -6,13 +6,12 @@ their base as `parent`, and their counters on `/metrics`."""
 
 from __future__ import annotations
 
-import asyncio
-
 from baton.common.errors import OpenAIError
 from baton.common.lora_protocol import LoadLoRAAdapterRequest, UnloadLoRAAdapterRequest
 from baton.engine.lora import LoRAError, UnknownLoRAError
 from baton.engine.lora.adapter import LoRAAdapter
 from baton.engine.lora.registry import AdapterRegistry
+from baton.worker.threads import on_a_thread_that_ends
 
 
 class WorkerLoRA:
@@ -35,7 +34,8 @@ class WorkerLoRA:
         if self.registry is None:
             raise self.not_found(model)
         try:
-            return await asyncio.to_thread(self.registry.get, model)
+            registry = self.registry  # a load may run torch's OpenMP regions: its own thread
+            return await on_a_thread_that_ends(lambda: registry.get(model))
         except UnknownLoRAError:
             raise self.not_found(model) from None
         except LoRAError as err:  # its files changed or went away since it was loaded
@@ -57,7 +57,7 @@ class WorkerLoRA:
             raise OpenAIError(400, f"{body.lora_name!r} is the base model's name",
                               param="lora_name")
         try:
-            await asyncio.to_thread(registry.add, body.lora_name, body.lora_path)
+            await on_a_thread_that_ends(lambda: registry.add(body.lora_name, body.lora_path))
         except LoRAError as err:
             raise OpenAIError(400, str(err), param="lora_path") from None
         return f"Success: LoRA adapter '{body.lora_name}' added successfully."

@@ -43,3 +43,40 @@ def test_a_load_failure_reaches_the_caller_from_its_thread():
 
     with pytest.raises(RuntimeError, match="no such model"):
         asyncio.run(on_a_thread_that_ends(fail))
+
+
+class _RecordingRegistry:
+    """An adapter registry (the calls WorkerLoRA makes) recording the thread of each."""
+
+    def __init__(self) -> None:
+        self.threads: list[threading.Thread] = []
+
+    def add(self, name: str, path: str) -> None:
+        self.threads.append(threading.current_thread())
+
+    def get(self, name: str):
+        self.threads.append(threading.current_thread())
+        return "adapter"
+
+    def names(self) -> list[str]:
+        return ["ad"]
+
+
+def test_lora_loads_run_on_threads_that_end_too():
+    """A run-time adapter load (and a host copy read again) copies tensors, which may run
+    OpenMP regions: on a thread that ends, like the engine's load."""
+    from baton.common.lora_protocol import LoadLoRAAdapterRequest
+    from baton.worker.lora import WorkerLoRA
+
+    registry = _RecordingRegistry()
+    lora = WorkerLoRA(registry, ("base",))  # type: ignore[arg-type]
+
+    async def main() -> list[bool]:
+        await lora.load(LoadLoRAAdapterRequest(lora_name="ad", lora_path="/x"))
+        assert await lora.adapter_for("ad") == "adapter"
+        for thread in registry.threads:
+            thread.join(timeout=10)
+        return [t.is_alive() for t in registry.threads]
+
+    assert asyncio.run(main()) == [False, False]
+    assert threading.main_thread() not in registry.threads
