@@ -2,13 +2,14 @@
 model with the de-quantized weights (the reference path, `--quantization none`), each of
 our linears whose checkpoint rows are all served natively is swapped for a quantized one.
 
-On CPU (bfloat16, no tensor parallelism, the native kernels built): int4 / int8 weights in
+On CPU (bfloat16, the native kernels built): int4 / int8 weights in
 runs of 32-input blocks become GGUF blocks (`gguf_blocks.py`) served by
 `baton_cpu.quant_linear.QuantLinear`, exactly as a GGUF file's are. FP8 weights, act-order
 GPTQ and asymmetric int8 stay de-quantized to bfloat16 (no native CPU kernel; logged).
-On CUDA (no tensor parallelism): every int and fp8 linear becomes a `GPUQuantLinear`
-(`gpu_linear.py`, Triton / `_scaled_mm`). Tensor parallelism serves the de-quantized
-weights (logged).
+On CUDA: every int and fp8 linear becomes a `GPUQuantLinear` (`gpu_linear.py`, Triton /
+`_scaled_mm`). Under tensor parallelism each rank keeps its share: a column-parallel linear
+its rows (scales and zeros with them), a row-parallel one its columns with their groups
+(`_rank_columns`; a share that would split a group or FP8 block stays de-quantized).
 
 Which checkpoint rows make which of our rows is asked of the model itself: its
 `checkpoint_weights` maps each quantized linear's `weight` — given row indices in place of
@@ -25,6 +26,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from baton.engine.distributed import TPGroup
 from baton.engine.models.base import CausalLM
 from baton.engine.models.loader import checkpoint_files
 from baton.engine.quant.checkpoint import QuantCheckpoint, read_checkpoint_spec
@@ -33,6 +35,7 @@ from baton.engine.quant.gguf_blocks import block_type, to_blocks
 
 log = logging.getLogger(__name__)
 ROW_BITS = 32  # a source row is encoded as prefix index << ROW_BITS | row
+SPLIT_GROUP = "this rank's share of its inputs would split a quantization group"
 
 
 class _Rows:
@@ -87,7 +90,7 @@ def _rows_of(w: IntWeight, first: int, count: int) -> IntWeight:
                      w.bits, w.group_size, w.g_idx)
 
 
-def cpu_parts(weights: list[QuantWeight], sources: torch.Tensor
+def cpu_parts(weights: list[QuantWeight | None], sources: torch.Tensor
               ) -> tuple[list | None, str]:
     """The (raw blocks, type) parts of one of our linears from its rows' sources, or None
     and why they cannot be served natively."""
@@ -96,6 +99,8 @@ def cpu_parts(weights: list[QuantWeight], sources: torch.Tensor
     parts = []
     for prefix, first, count in _runs(sources):
         w = weights[prefix]
+        if w is None:
+            return None, SPLIT_GROUP
         if not isinstance(w, IntWeight):
             return None, "fp8 weights have no native CPU kernel"
         qtype, why = block_type(w)
@@ -103,6 +108,36 @@ def cpu_parts(weights: list[QuantWeight], sources: torch.Tensor
             return None, why
         parts.append((to_blocks(_rows_of(w, first, count), qtype), qtype))
     return parts, ""
+
+
+def _rank_columns(w: QuantWeight, in_features: int, tp: TPGroup) -> QuantWeight | None:
+    """`w` as a linear of `in_features` inputs holds it under `tp`: whole, or this rank's
+    share of its columns (a row-parallel linear) with their scales, None where a share
+    would split a group or block."""
+    k = w.shape[1]
+    if in_features == k:
+        return w
+    first, n = tp.split(k, "a quantized linear's input")
+    if isinstance(w, FP8Weight):
+        if w.block is None:
+            return FP8Weight(w.values[:, first:first + n], w.scales, None, w.input_scale)
+        bk = w.block[1]
+        if first % bk:
+            return None
+        return FP8Weight(w.values[:, first:first + n],
+                         w.scales[:, first // bk:-(-(first + n) // bk)], w.block, w.input_scale)
+    codes = w.codes[:, first:first + n]
+    if w.g_idx is not None:  # groups by index: every scale column stays addressable
+        return IntWeight(codes, w.scales, w.zeros, w.bits, w.group_size,
+                         w.g_idx[first:first + n])
+    if w.group_size >= k:  # one scale per row
+        return IntWeight(codes, w.scales, w.zeros, w.bits, n)
+    size = w.group_size
+    if first % size or n % size:
+        return None
+    groups = slice(first // size, (first + n) // size)
+    zeros = None if w.zeros is None else w.zeros[:, groups]
+    return IntWeight(codes, w.scales[:, groups], zeros, w.bits, size)
 
 
 def _slice_rows(w: QuantWeight, first: int, count: int) -> QuantWeight | None:
@@ -120,7 +155,7 @@ def _slice_rows(w: QuantWeight, first: int, count: int) -> QuantWeight | None:
     return FP8Weight(w.values[first:first + count], scales, w.block, w.input_scale)
 
 
-def gpu_layer(weights: list[QuantWeight], sources: torch.Tensor, old: nn.Linear,
+def gpu_layer(weights: list[QuantWeight | None], sources: torch.Tensor, old: nn.Linear,
               device: torch.device, dtype: torch.dtype,
               capability: tuple[int, int] | None = None) -> tuple[nn.Module | None, str]:
     """One of our linears as a GPUQuantLinear, or None and why it cannot be."""
@@ -128,7 +163,11 @@ def gpu_layer(weights: list[QuantWeight], sources: torch.Tensor, old: nn.Linear,
 
     if bool((sources < 0).any()):
         return None, "some rows are not quantized in the checkpoint"
-    parts = [_slice_rows(weights[p], first, count) for p, first, count in _runs(sources)]
+    runs = _runs(sources)
+    if any(weights[p] is None for p, _, _ in runs):
+        return None, SPLIT_GROUP
+    parts = [_slice_rows(w, first, count) for p, first, count in runs
+             if (w := weights[p]) is not None]
     merged = None if any(p is None for p in parts) else merge_rows(
         [p for p in parts if p is not None])
     if merged is None:
@@ -136,24 +175,23 @@ def gpu_layer(weights: list[QuantWeight], sources: torch.Tensor, old: nn.Linear,
     return GPUQuantLinear(merged, old.bias, device, dtype, capability), ""
 
 
-def _serving_reason(device: torch.device, dtype: torch.dtype, tp_size: int) -> str | None:
+def _serving_reason(device: torch.device, dtype: torch.dtype) -> str | None:
     if device.type not in ("cpu", "cuda"):
         return f"the device is {device.type}"
-    if tp_size != 1:
-        return "tensor parallelism is on"
     if device.type == "cpu" and dtype != torch.bfloat16:
         return f"the dtype is {dtype}, not bfloat16"
     return None
 
 
 def keep_quantized_checkpoint(model: CausalLM, model_dir: Path, device: torch.device,
-                              dtype: torch.dtype, tp_size: int, cache_dir: Path) -> int:
-    """Swap (in place) the linears of `model` that quantized kernels serve on `device`;
-    returns how many were swapped. A checkpoint that is not quantized returns 0 at once."""
+                              dtype: torch.dtype, tp: TPGroup, cache_dir: Path) -> int:
+    """Swap (in place) the linears of `model` (this rank's slice under `tp`) that quantized
+    kernels serve on `device`; returns how many were swapped. A checkpoint that is not
+    quantized returns 0 at once."""
     spec = read_checkpoint_spec(model_dir)
     if spec is None:
         return 0
-    why, native = _serving_reason(device, dtype, tp_size), None
+    why, native = _serving_reason(device, dtype), None
     if why is None and device.type == "cpu":
         from baton_cpu.quant_linear import load_quant_kernels
 
@@ -173,11 +211,13 @@ def keep_quantized_checkpoint(model: CausalLM, model_dir: Path, device: torch.de
         old = getattr(parent, leaf)
         if not isinstance(old, nn.Linear):
             continue
+        # a row-parallel linear holds this rank's columns only
+        weights_here = [_rank_columns(w, old.in_features, tp) for w in weights]
         if native is not None:
-            parts, why = cpu_parts(weights, rows)
+            parts, why = cpu_parts(weights_here, rows)
             layer = None if parts is None else _cpu_layer(module, old, parts, native)
         else:
-            layer, why = gpu_layer(weights, rows, old, device, dtype)
+            layer, why = gpu_layer(weights_here, rows, old, device, dtype)
         if layer is None:
             reasons[why] += 1
             continue

@@ -177,8 +177,8 @@ class ModelRunner:
 
             keep_quantized(self.model, config.checkpoint.model, self.device, self.dtype,
                            self.tp.size, cache_dir)
-            keep_quantized_checkpoint(self.model, model_dir, self.device, self.dtype,
-                                      self.tp.size, cache_dir)
+            keep_quantized_checkpoint(self.model, model_dir, self.device, self.dtype, self.tp,
+                                      cache_dir)
         self.platform.prepare(self.model)  # e.g. packed weights and fused kernels on CPU
         return targets
 

@@ -184,3 +184,42 @@ def test_tensor_parallel_shards_the_dequantized_weights(checkpoints):
         assert [tokens for tokens, _ in greedy(llm)] == reference_greedy(reference)
     finally:
         llm.engine.close()
+
+
+def test_tensor_parallel_serves_each_ranks_share_quantized(checkpoints):
+    """--quantization auto under tensor parallelism: column-parallel linears take their rows,
+    row-parallel ones their columns with those columns' groups, still GGUF blocks on CPU;
+    the served logprobs stay those of one rank within the int8 activations' noise."""
+    from baton_cpu.quant_linear import QuantLinear
+
+    path = checkpoints["gptq-int4-g32"][1]
+    one = greedy(LLM(str(path), dtype="bfloat16", quantization="auto", **TINY))
+    llm = LLM(str(path), dtype="bfloat16", quantization="auto", tensor_parallel_size=2,
+              num_threads=1, **TINY)
+    try:
+        layers = [m for m in llm.engine.runner.model.modules() if isinstance(m, QuantLinear)]
+        assert len(layers) == 8
+        assert {m.in_features for m in layers} == {128, 64}  # o_proj: half of 128 inputs
+        two = greedy(llm)
+    finally:
+        llm.engine.close()
+    for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(two, one, strict=True):
+        assert tokens[0] == ref_tokens[0] and abs(logprobs[0] - ref_logprobs[0]) < 0.12
+
+
+@pytest.mark.parametrize("name", ["gptq-int4-asym-g64-act-order", "ct-int8-channel-pack",
+                                  "fp8-block64", "ct-fp8-channel"])
+def test_a_ranks_share_of_columns_is_those_columns_of_the_weight(checkpoints, tmp_path, name):
+    from baton.engine.distributed import TPGroup
+    from baton.engine.quant.serve import _rank_columns
+
+    path = (save_compressed_tensors(tmp_path / name, "pack-quantized", INT8_CHANNEL)[1]
+            if name == "ct-int8-channel-pack" else checkpoints[name][1])
+    with QuantCheckpoint(checkpoint_files(path), read_checkpoint_spec(path)) as ckpt:
+        weight = ckpt.weight("model.layers.0.mlp.down_proj")  # (128, 256)
+    for rank in (0, 1):
+        share = _rank_columns(weight, 128, TPGroup(rank, 2))
+        assert share is not None and share.shape == (128, 128)
+        torch.testing.assert_close(share.dequantize(),
+                                   weight.dequantize()[:, 128 * rank:128 * (rank + 1)])
+    assert _rank_columns(weight, 256, TPGroup(1, 2)) is weight  # not row-parallel: whole
