@@ -223,3 +223,17 @@ def test_a_ranks_share_of_columns_is_those_columns_of_the_weight(checkpoints, tm
         torch.testing.assert_close(share.dequantize(),
                                    weight.dequantize()[:, 128 * rank:128 * (rank + 1)])
     assert _rank_columns(weight, 256, TPGroup(1, 2)) is weight  # not row-parallel: whole
+
+
+def test_an_fp8_kv_cache_beside_quantized_weights(checkpoints):
+    from baton_cpu.quant_linear import QuantLinear
+
+    path = checkpoints["awq-g32"][1]
+    plain = greedy(LLM(str(path), dtype="bfloat16", quantization="none", kv_cache_dtype="fp8",
+                       **TINY))
+    llm = LLM(str(path), dtype="bfloat16", quantization="auto", kv_cache_dtype="fp8", **TINY)
+    assert str(llm.engine.runner.kv_dtype) == "torch.float8_e4m3fn"
+    assert sum(isinstance(m, QuantLinear) for m in llm.engine.runner.model.modules()) == 8
+    for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(greedy(llm), plain, strict=True):
+        # fp8 keys and values round the weights' fp16-scale differences up a bucket
+        assert tokens[0] == ref_tokens[0] and abs(logprobs[0] - ref_logprobs[0]) < 0.3
