@@ -124,7 +124,6 @@ def _check_int_args(x, packed, scales, zeros, g_idx, group_size, bits, n, k) -> 
     if k % per_word:
         raise ValueError(f"K = {k} is not a multiple of {per_word}: int{bits} weights pack "
                          f"{per_word} codes per int32 along K")
-    groups = -(-k // group_size)
     check_tensor("packed", packed, 2, (torch.int32,))
     if tuple(packed.shape) != (k // per_word, n) or not packed.is_contiguous():
         raise ValueError(f"packed must be contiguous int32 [{k // per_word}, {n}] "
@@ -132,6 +131,9 @@ def _check_int_args(x, packed, scales, zeros, g_idx, group_size, bits, n, k) -> 
     if x.shape[1] != k:
         raise ValueError(f"x has {x.shape[1]} columns, the weight's K is {k}")
     check_tensor("scales", scales, 2, SCALE_DTYPES)
+    # act-order: g_idx names each column's group, so any G (a row-parallel rank's share of
+    # the columns keeps every group of the checkpoint's weight); else one per group_size run
+    groups = scales.shape[1] if g_idx is not None else -(-k // group_size)
     if tuple(scales.shape) != (n, groups):
         raise ValueError(f"scales must be [N={n}, G={groups}], got {tuple(scales.shape)}")
     if zeros is not None:
@@ -155,7 +157,7 @@ def int_weight_gemm(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor,
     """``y [M, N] = x [M, K] @ w.T`` in x's dtype (bf16 / fp16), w the integer weight of
     `quant_reference` packed by `pack_int_weight` (bits 4 or 8). scales ``[N, G]``, zeros
     uint8 ``[N, G]`` or None (symmetric), ``G = ceil(K / group_size)`` (``group_size >= K``:
-    per channel); any strides, fastest `group_major`. g_idx int32 ``[K]`` only for act-order
+    per channel; with g_idx any G, e.g. a row-parallel rank's columns); any strides, fastest `group_major`. g_idx int32 ``[K]`` only for act-order
     (GPTQ checkpoints without it carry ``g_idx == k // group_size``: pass None, the faster
     path); its values must lie in ``[0, G)`` (not checked: that would sync the device).
     ValueError for arguments that do not fit; CUDA tensors, or CPU under TRITON_INTERPRET."""

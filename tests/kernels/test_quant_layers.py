@@ -70,3 +70,22 @@ def test_parts_that_cannot_share_a_call_are_not_merged():
     assert merge_rows([a, fp8]) is None
     merged = merge_rows([fp8, FP8Weight(fp8.values, torch.full((1, 1), 2.0))])
     assert merged.scales.shape == (128, 1) and merged.scales[64:].eq(2).all()
+
+
+def test_a_row_parallel_share_of_an_act_order_weight_multiplies_as_its_columns(tmp_path):
+    """Under tensor parallelism a row-parallel rank keeps half the columns of an act-order
+    GPTQ weight and every group's scales (its columns' g_idx name any of them): the GEMM
+    takes scales wider than its own K's groups."""
+    from baton.engine.distributed import TPGroup
+    from baton.engine.quant.serve import _rank_columns
+
+    _, path = qc.save_gptq(tmp_path / "g", 4, 32, sym=False, desc_act=True)
+    with QuantCheckpoint(checkpoint_files(path), read_checkpoint_spec(path)) as ckpt:
+        weight = ckpt.weight("model.layers.0.mlp.down_proj")  # (128, 256), 8 groups
+    x = torch.randn(3, 128, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    for rank in (0, 1):
+        share = _rank_columns(weight, 128, TPGroup(rank, 2))
+        assert share is not None and share.g_idx is not None and share.scales.shape[1] == 8
+        layer = GPUQuantLinear(share, None, torch.device("cpu"), torch.bfloat16)
+        want = (x.float() @ share.dequantize().T).to(torch.bfloat16)
+        assert_gemm_close(layer(x), want)
