@@ -120,12 +120,16 @@ def _need(get: Getter, name: str) -> torch.Tensor:
     return tensor
 
 
+def _per_row(t: torch.Tensor, n: int) -> torch.Tensor:
+    """(N, G): a per-tensor value (scale or zero) repeated per row."""
+    if t.numel() == 1:
+        return t.reshape(1, 1).expand(n, 1).contiguous()
+    return t.reshape(n, -1)
+
+
 def _scales_2d(scales: torch.Tensor, n: int) -> torch.Tensor:
-    """Scales as (N, G) float32: a per-tensor scale repeated per row."""
-    scales = scales.float()
-    if scales.numel() == 1:
-        return scales.reshape(1, 1).expand(n, 1).contiguous()
-    return scales.reshape(n, -1)
+    """Scales as (N, G) float32."""
+    return _per_row(scales.float(), n)
 
 
 def _group_size(scheme: WeightScheme, k: int, groups: int) -> int:
@@ -147,9 +151,9 @@ def _ct_packed(scheme: WeightScheme, get: Getter) -> IntWeight:
         zp = _need(get, "weight_zero_point")
         if zp.dtype == torch.int32:  # packed along N, offset like the codes
             zeros = unpack_words(zp, scheme.bits, dim=0)[:n].to(torch.int16)
-        else:  # stored signed
+        else:  # stored signed (per tensor: one)
             zeros = zp.to(torch.int16) + offset
-        zeros = zeros.reshape(n, -1)
+        zeros = _per_row(zeros, n)
     return IntWeight(codes.contiguous(), scales, zeros, scheme.bits,
                      _group_size(scheme, k, scales.shape[1]), _g_idx(get("weight_g_idx"), k))
 
@@ -162,7 +166,7 @@ def _ct_int8(scheme: WeightScheme, get: Getter) -> IntWeight:
     scales = _scales_2d(_need(get, "weight_scale"), n)
     zp = get("weight_zero_point")
     zeros = (None if scheme.symmetric or zp is None
-             else zp.reshape(n, -1).to(torch.int16) + 128)
+             else _per_row(zp.to(torch.int16) + 128, n))
     return IntWeight((weight.to(torch.int16) + 128).to(torch.uint8), scales, zeros, 8,
                      _group_size(scheme, k, scales.shape[1]), _g_idx(get("weight_g_idx"), k))
 

@@ -27,6 +27,8 @@ GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=1
 TINY = dict(skip_tokenizer_init=True, num_kv_blocks=64)
 INT4_SYM = dict(num_bits=4, type="int", symmetric=True, strategy="group", group_size=32)
 INT4_ASYM = dict(num_bits=4, type="int", symmetric=False, strategy="group", group_size=128)
+INT4_ASYM_TENSOR = dict(num_bits=4, type="int", symmetric=False, strategy="tensor")
+INT8_ASYM_TENSOR = dict(num_bits=8, type="int", symmetric=False, strategy="tensor")
 INT8_CHANNEL = dict(num_bits=8, type="int", symmetric=True, strategy="channel")
 INT8_TOKEN = dict(num_bits=8, type="int", symmetric=True, strategy="token", dynamic=True)
 FP8_CHANNEL = dict(num_bits=8, type="float", symmetric=True, strategy="channel")
@@ -37,6 +39,11 @@ FP8_TOKEN = dict(num_bits=8, type="float", symmetric=True, strategy="token", dyn
 CHECKPOINTS = {
     "ct-int4-g32": lambda p: save_compressed_tensors(p, "pack-quantized", INT4_SYM),
     "ct-int4-asym-g128": lambda p: save_compressed_tensors(p, "pack-quantized", INT4_ASYM),
+    # one zero point per tensor (kept signed, not packed)
+    "ct-int4-asym-tensor": lambda p: save_compressed_tensors(p, "pack-quantized",
+                                                             INT4_ASYM_TENSOR),
+    "ct-int8-asym-tensor": lambda p: save_compressed_tensors(p, "int-quantized",
+                                                             INT8_ASYM_TENSOR),
     "ct-w8a8-int8": lambda p: save_compressed_tensors(p, "int-quantized", INT8_CHANNEL,
                                                       INT8_TOKEN),
     "ct-fp8-channel": lambda p: save_compressed_tensors(p, "float-quantized", FP8_CHANNEL,
