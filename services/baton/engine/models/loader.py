@@ -17,7 +17,7 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Set
 from pathlib import Path
 
 import torch
@@ -101,21 +101,26 @@ def convert_gguf(gguf: Path, cache: Path) -> Path:
 
 
 def load_model(model_dir: Path, dtype: torch.dtype, device: torch.device,
-               max_positions: int, load_format: str = "auto") -> tuple[CausalLM, ModelConfig]:
+               max_positions: int, load_format: str = "auto",
+               before_load: Callable[[CausalLM], set[str]] | None = None
+               ) -> tuple[CausalLM, ModelConfig]:
     """Build the checkpoint's architecture on `device` and load its weights tensor by
     tensor, shard by shard, each copied straight into its parameter on `device`: the host
     holds one memory-mapped shard's pages and one tensor at a time, never the checkpoint
     (tests/unit/engine/test_loader_memory.py measures it).
     `load_format="dummy"` reads only config.json and fills the weights with small random
-    values on the device (benchmarks of large shapes without their weight files)."""
+    values on the device (benchmarks of large shapes without their weight files).
+    `before_load(model)`, on the meta-device model: swaps modules (quantized linears) and
+    returns the checkpoint prefixes whose weights they hold, which are then not loaded."""
     cfg = ModelConfig.from_dir(model_dir)
     with torch.device("meta"):
         model = model_class(cfg.architecture)(cfg, max_positions)
+    held = before_load(model) if before_load is not None and load_format != "dummy" else set()
     model = materialise(model, dtype, device)
     if load_format == "dummy":
         _fill_dummy(model)
     else:
-        model.load_weights(float_tensors(model_dir))
+        model.load_weights(float_tensors(model_dir, held))
     model.rotary = RotaryEmbedding(cfg, max_positions).to(device)  # buffers were on meta
     model.eval()
     return model, cfg
@@ -167,9 +172,11 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     raise FileNotFoundError(f"no *.safetensors weights in {model_dir}")
 
 
-def float_tensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+def float_tensors(model_dir: Path, held: Set[str] = frozenset()
+                  ) -> Iterator[tuple[str, torch.Tensor]]:
     """The checkpoint's tensors as float weights: a quantized checkpoint's linears
-    de-quantized (`engine.quant`; `--quantization auto` then swaps in quantized modules)."""
+    de-quantized (`engine.quant`), but for the `held` prefixes' (already quantized
+    modules)."""
     from baton.engine.quant.checkpoint import QuantCheckpoint, read_checkpoint_spec
 
     spec = read_checkpoint_spec(model_dir)
@@ -178,7 +185,7 @@ def float_tensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
         return
     log.info("%s: %s checkpoint", model_dir.name, spec.describe())
     with QuantCheckpoint(checkpoint_files(model_dir), spec) as quantized:
-        yield from quantized.float_tensors()
+        yield from quantized.float_tensors(held)
 
 
 def checkpoint_tensors(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:

@@ -11,7 +11,7 @@ g_idx, shapes, static activation scales) are read only through `weight(prefix)`.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Iterator, Set
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -78,9 +78,10 @@ class QuantCheckpoint:
         """The canonical weight of the quantized linear `prefix`."""
         return read_weight(self.spec, prefix, lambda s: self.tensor(f"{prefix}.{s}"))
 
-    def float_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
+    def float_tensors(self, held: Set[str] = frozenset()) -> Iterator[tuple[str, torch.Tensor]]:
         """(name, tensor) as an unquantized checkpoint would hold them: each quantized
-        linear's `weight` de-quantized (float32), its other tensors left out."""
+        linear's `weight` de-quantized (float32), its other tensors left out; nothing of
+        the `held` prefixes' weights (modules already hold them quantized)."""
         quantized = set(self.prefixes)
         for name in self._where:
             prefix, _, suffix = name.rpartition(".")
@@ -89,4 +90,5 @@ class QuantCheckpoint:
                     continue
             yield name, self._where[name].get_tensor(name)
         for prefix in self.prefixes:
-            yield f"{prefix}.weight", self.weight(prefix).dequantize()
+            if prefix not in held:
+                yield f"{prefix}.weight", self.weight(prefix).dequantize()

@@ -1,6 +1,7 @@
-"""`--quantization auto` for quantized safetensors checkpoints: after the loader filled the
-model with the de-quantized weights (the reference path, `--quantization none`), each of
-our linears whose checkpoint rows are all served natively is swapped for a quantized one.
+"""`--quantization auto` for quantized safetensors checkpoints: each of our linears whose
+checkpoint rows are all served natively is swapped for a quantized one, on the meta-device
+model before its weights load (their float weights are never made; the loader skips what
+they hold) or, with LoRA on, after the load (`--quantization none`: all de-quantized).
 
 On CPU (bfloat16, the native kernels built): int4 / int8 weights in
 runs of 32-input blocks become GGUF blocks (`gguf_blocks.py`) served by
@@ -172,7 +173,8 @@ def gpu_layer(weights: list[QuantWeight | None], sources: torch.Tensor, old: nn.
         [p for p in parts if p is not None])
     if merged is None:
         return None, "its fused parts differ in format or layout"
-    return GPUQuantLinear(merged, old.bias, device, dtype, capability), ""
+    bias = None if old.weight.is_meta else old.bias  # before the load: set by the caller
+    return GPUQuantLinear(merged, bias, device, dtype, capability), ""
 
 
 def _serving_reason(device: torch.device, dtype: torch.dtype) -> str | None:
@@ -183,14 +185,16 @@ def _serving_reason(device: torch.device, dtype: torch.dtype) -> str | None:
     return None
 
 
-def keep_quantized_checkpoint(model: CausalLM, model_dir: Path, device: torch.device,
-                              dtype: torch.dtype, tp: TPGroup, cache_dir: Path) -> int:
+def swap_quantized_linears(model: CausalLM, model_dir: Path, device: torch.device,
+                           dtype: torch.dtype, tp: TPGroup, cache_dir: Path) -> set[str]:
     """Swap (in place) the linears of `model` (this rank's slice under `tp`) that quantized
-    kernels serve on `device`; returns how many were swapped. A checkpoint that is not
-    quantized returns 0 at once."""
+    kernels serve on `device`. `model` may still be on the meta device (before its weights
+    load: the swapped linears' float weights are then never made, and their biases load
+    into the new modules) or loaded. Returns the checkpoint prefixes whose weights the
+    swapped modules now hold (the loader skips them); empty for an unquantized checkpoint."""
     spec = read_checkpoint_spec(model_dir)
     if spec is None:
-        return 0
+        return set()
     why, native = _serving_reason(device, dtype), None
     if why is None and device.type == "cpu":
         from baton_cpu.quant_linear import load_quant_kernels
@@ -199,12 +203,12 @@ def keep_quantized_checkpoint(model: CausalLM, model_dir: Path, device: torch.de
         why = None if native is not None else "the quantized kernels cannot be built here"
     if why is not None:
         log.info("--quantization auto: %s is served de-quantized (%s)", spec.describe(), why)
-        return 0
+        return set()
     with QuantCheckpoint(checkpoint_files(model_dir), spec) as ckpt:
-        weights = [ckpt.weight(p) for p in ckpt.prefixes]
-        sources = row_sources(model, ckpt.prefixes, {p: w.shape[0] for p, w in
-                                                     zip(ckpt.prefixes, weights, strict=True)})
-    kept, reasons = 0, Counter[str]()
+        prefixes, weights = ckpt.prefixes, [ckpt.weight(p) for p in ckpt.prefixes]
+        sources = row_sources(model, prefixes, {p: w.shape[0] for p, w in
+                                                zip(prefixes, weights, strict=True)})
+    swapped, reasons = set(), Counter[str]()
     for module, rows in sources.items():
         parent_name, _, leaf = module.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
@@ -221,12 +225,24 @@ def keep_quantized_checkpoint(model: CausalLM, model_dir: Path, device: torch.de
         if layer is None:
             reasons[why] += 1
             continue
+        if old.weight.is_meta and old.bias is not None:
+            layer.bias = old.bias  # loaded by the checkpoint's bias, through its loader
         setattr(parent, leaf, layer)
-        kept += 1
-    log.info("--quantization auto: %d linears of %s kept quantized (%s)%s", kept,
+        swapped.add(module)
+    log.info("--quantization auto: %d linears of %s kept quantized (%s)%s", len(swapped),
              spec.describe(), native.isa if native is not None else "Triton / _scaled_mm",
              "".join(f"; {n} de-quantized: {why}" for why, n in reasons.items()))
-    return kept
+    return held_prefixes(prefixes, sources, swapped)
+
+
+def held_prefixes(prefixes: list[str], sources: dict[str, torch.Tensor],
+                  swapped: set[str]) -> set[str]:
+    """The prefixes all of whose rows went into `swapped` modules."""
+    kept: dict[int, bool] = {}
+    for module, rows in sources.items():
+        for index in set((rows[rows >= 0] >> ROW_BITS).tolist()):
+            kept[index] = kept.get(index, True) and module in swapped
+    return {prefixes[i] for i, held in kept.items() if held}
 
 
 def _cpu_layer(module: str, old: nn.Linear, parts: list, native) -> nn.Module:
@@ -234,6 +250,8 @@ def _cpu_layer(module: str, old: nn.Linear, parts: list, native) -> nn.Module:
     from baton_cpu.quant_linear import QuantLinear
     from baton_cpu.quant_reference import dequantize
 
+    if old.weight.is_meta:  # before the load: nothing to check against
+        return QuantLinear.fused(parts, old.in_features, None, native)
     ours = torch.cat([dequantize(raw, qtype, old.in_features) for raw, qtype in parts])
     err = (ours - old.weight.float()).abs().max().item()
     if tuple(ours.shape) != tuple(old.weight.shape) or err > 1e-2 * max(

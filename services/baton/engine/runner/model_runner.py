@@ -17,6 +17,7 @@ from baton.engine.distributed import TPGroup
 from baton.engine.logprobs import TokenLogprobs, prompt_logprob_table, read_prompt_logprobs
 from baton.engine.lora.manager import LoRAManager
 from baton.engine.lora.targets import LoRATarget, lora_targets
+from baton.engine.models.base import CausalLM
 from baton.engine.models.layers import local_heads
 from baton.engine.models.loader import default_cache_dir, load_model
 from baton.engine.platforms import make_platform
@@ -166,19 +167,28 @@ class ModelRunner:
         quantized (`--quantization auto`) and prepare the model for the platform; returns,
         when LoRA is on, the adaptable linears' layout, read before the platform swaps
         them (`engine.lora`)."""
-        config = self.config
-        with building_in(self.tp):  # this rank's slice of every weight
-            self.model, self.model_config = load_model(model_dir, self.dtype, self.device,
-                                                       max_model_len, config.checkpoint.load_format)
-        targets = lora_targets(self.model) if config.lora.enabled else None
-        if config.checkpoint.quantization == "auto":
-            from baton.engine.platforms.cpu_quant import keep_quantized
-            from baton.engine.quant.serve import keep_quantized_checkpoint
+        from baton.engine.platforms.cpu_quant import keep_quantized
+        from baton.engine.quant.serve import swap_quantized_linears
 
+        config = self.config
+        auto = config.checkpoint.quantization == "auto"
+
+        def swap(model: CausalLM) -> set[str]:  # quantized linears, before (or after) the load
+            return swap_quantized_linears(model, model_dir, self.device, self.dtype, self.tp,
+                                          cache_dir)
+
+        # LoRA reads the linears' layout from the loaded model: swap after it then
+        early = auto and not config.lora.enabled
+        with building_in(self.tp):  # this rank's slice of every weight
+            self.model, self.model_config = load_model(
+                model_dir, self.dtype, self.device, max_model_len,
+                config.checkpoint.load_format, swap if early else None)
+        targets = lora_targets(self.model) if config.lora.enabled else None
+        if auto:
             keep_quantized(self.model, config.checkpoint.model, self.device, self.dtype,
                            self.tp.size, cache_dir)
-            keep_quantized_checkpoint(self.model, model_dir, self.device, self.dtype, self.tp,
-                                      cache_dir)
+            if not early:
+                swap(self.model)
         self.platform.prepare(self.model)  # e.g. packed weights and fused kernels on CPU
         return targets
 

@@ -20,16 +20,22 @@ VOCAB = 1000
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def tiny_model(seed: int = 0):
-    """A 2-layer Llama, hidden 128 (groups of 128 fit; k and v have 64 rows)."""
+def tiny_model(seed: int = 0, bias: bool = False):
+    """A 2-layer Llama, hidden 128 (groups of 128 fit; k and v have 64 rows); `bias`:
+    q / k / v with random biases, as Qwen2-style checkpoints have (o's zero, not saved)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=256,
                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                       max_position_embeddings=512, initializer_range=0.2, eos_token_id=2,
-                      bos_token_id=1, tie_word_embeddings=False)
+                      bos_token_id=1, tie_word_embeddings=False, attention_bias=bias)
     torch.manual_seed(seed)
-    return LlamaForCausalLM(cfg).eval()
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("proj.bias"):  # q / k / v only (Qwen2's; ours has no o bias)
+                p.uniform_(-0.5, 0.5) if "o_proj" not in name else p.zero_()
+    return model
 
 
 def linears(model):
@@ -139,11 +145,11 @@ def pack_along(codes: torch.Tensor, bits: int, dim: int,
 
 
 def save_gptq(path: Path, bits: int = 4, group: int = 32, sym: bool = True,
-              desc_act: bool = False, seed: int = 0):
+              desc_act: bool = False, seed: int = 0, bias: bool = False):
     """A GPTQ (v1) checkpoint of the tiny model: returns (reference model, path)."""
-    model = tiny_model(seed)
+    model = tiny_model(seed, bias)
     tensors = {k: v for k, v in model.state_dict().items()
-               if not any(f"{lin}.weight" in k for lin in LINEARS)}
+               if not any(f"{lin}.weight" in k for lin in LINEARS) and "o_proj.bias" not in k}
     dequantized = {}
     gen = torch.Generator().manual_seed(seed + 1)
     for name, mod in linears(model):
@@ -161,7 +167,7 @@ def save_gptq(path: Path, bits: int = 4, group: int = 32, sym: bool = True,
     config = {"quant_method": "gptq", "bits": bits, "group_size": group, "sym": sym,
               "desc_act": desc_act, "checkpoint_format": "gptq"}
     _save(path, model, tensors, config)
-    return reference_model(tiny_model(seed), dequantized), path
+    return reference_model(tiny_model(seed, bias), dequantized), path
 
 
 def save_awq(path: Path, group: int = 32, seed: int = 0):

@@ -244,3 +244,23 @@ def test_an_fp8_kv_cache_beside_quantized_weights(checkpoints):
     for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(greedy(llm), plain, strict=True):
         # fp8 keys and values round the weights' fp16-scale differences up a bucket
         assert tokens[0] == ref_tokens[0] and abs(logprobs[0] - ref_logprobs[0]) < 0.3
+
+
+def test_quantized_linears_are_swapped_in_before_the_load(checkpoints, tmp_path):
+    """auto builds the quantized linears on the meta-device model, so their float weights
+    are never made (the load peaks at the quantized size); biases load into them through
+    the fused loaders; tokens as transformers' on the de-quantized weights."""
+    from baton_cpu.quant_linear import QuantLinear
+
+    reference, path = save_gptq(tmp_path / "bias", 4, 32, bias=True)
+    llm = LLM(str(path), dtype="bfloat16", quantization="auto", **TINY)
+    model = llm.engine.runner.model
+    assert sum(isinstance(m, QuantLinear) for m in model.modules()) == 8
+    assert not any(name.endswith("proj.weight") for name, _ in model.named_parameters())
+    qkv = model.layers[0].attn.qkv_proj
+    want = torch.cat([reference.model.layers[0].self_attn.__getattr__(f"{p}_proj").bias
+                      for p in "qkv"])
+    torch.testing.assert_close(qkv.bias.float(), want.float(), rtol=1e-2, atol=1e-2)
+    plain = greedy(LLM(str(path), dtype="bfloat16", quantization="none", **TINY))
+    for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(greedy(llm), plain, strict=True):
+        assert tokens[0] == ref_tokens[0] and abs(logprobs[0] - ref_logprobs[0]) < 0.12
