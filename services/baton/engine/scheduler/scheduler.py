@@ -97,8 +97,11 @@ class Scheduler:
         (the dynamic policy's window), 0 when it has some now. The engine may sleep that
         long; a new request wakes it. With nothing to run but KV loads in flight, a short
         poll interval: an engine spinning on `poll()` would hold the GIL that the threads
-        doing the loads (the disk tier's worker, a transport's) need to finish them."""
-        if self.running or self.waiting or not self._num_loading:
+        doing the loads (the disk tier's worker, a transport's) need to finish them. Requests
+        still waiting then do not shorten it: `schedule()` tried them and they wait on those
+        loads (their blocks, `max_num_seqs` slots, LoRA slots), and one that arrives wakes
+        the engine."""
+        if self.running or not self._num_loading:
             return 0.0
         return LOAD_POLL_S
 

@@ -179,3 +179,24 @@ def test_an_engine_with_only_loads_in_flight_polls_instead_of_spinning(tmp_path)
         fake_forward(sched, cache, 4)
     kv.check_integrity()
     tier.close()
+
+
+def test_requests_waiting_behind_loads_in_flight_do_not_make_the_engine_spin(tmp_path):
+    """Nothing runs, one load is in flight and a request waits for the blocks it holds:
+    schedule() can do nothing until the load ends, so the engine polls, not spins."""
+    cache, _, tier, sched, _ = scheduled_engine(tmp_path)
+    run_turn(make_turn(0, 0, 30, 2), cache, sched)
+    tier.close()
+    cache, kv, tier, sched, disk = scheduled_engine(tmp_path, GatedDisk)
+    sched.add_request(make_turn(1, 0, 40, 2))
+    fake_forward(sched, cache, 4)  # its blocks are read from disk (held back)
+    sched.add_request(make_turn(2, 5, 40, 2))  # 10 blocks: more than the 9 left
+    fake_forward(sched, cache, 4)
+    assert sched.num_running == 0 and sched.num_waiting == 1 and tier.num_loading == 1
+    assert sched.idle_for() == LOAD_POLL_S
+    disk.gate.set()
+    assert tier.host.io is not None and tier.host.io.wait_idle(10)
+    while sched.has_unfinished_requests():
+        fake_forward(sched, cache, 4)
+    kv.check_integrity()
+    tier.close()
