@@ -70,6 +70,11 @@ def encode_rendered(tokenizer, text: str) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
+# Prompt tokens decoded before a request's output: the context its first token's text (a
+# leading space, a byte-level piece) needs.
+CONTEXT_TOKENS = 6
+
+
 class IncrementalDetokenizer:
     """Turns one request's output tokens into text as they arrive.
 
@@ -83,6 +88,8 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer, prompt_ids: list[int], stop: list[str],
                  include_stop: bool, skip_special_tokens: bool) -> None:
         self.tokenizer = tokenizer
+        self.skip_special = skip_special_tokens
+        context = list(prompt_ids[-CONTEXT_TOKENS:])
         # a fast tokenizer's own streaming decoder (one call per token, in Rust, with a few
         # prompt tokens as context); else two decodes of a window per token (below)
         backend = getattr(tokenizer, "backend_tokenizer", None)
@@ -91,14 +98,19 @@ class IncrementalDetokenizer:
             from tokenizers.decoders import DecodeStream
 
             self._backend = backend
-            self._stream = DecodeStream(ids=list(prompt_ids[-6:]),
+            if backend.decode(context, skip_special_tokens=skip_special_tokens).endswith(
+                    "\ufffd"):
+                # a prompt ending in an incomplete character (or U+FFFD itself): DecodeStream
+                # would take the whole context as text not yet read, and give it back as
+                # the first token's
+                context = []
+            self._stream = DecodeStream(ids=list(context),
                                         skip_special_tokens=skip_special_tokens)
-        self.ids = list(prompt_ids[-6:])
+        self.ids = context
         self.prefix_offset = max(len(self.ids) - 5, 0)
         self.read_offset = len(self.ids)
         self.stop = stop
         self.include_stop = include_stop
-        self.skip_special = skip_special_tokens
         self.max_stop_len = max((len(s) for s in stop), default=0)
         self.text = ""
         self._emitted = 0  # chars of self.text already returned as deltas
@@ -106,11 +118,23 @@ class IncrementalDetokenizer:
     def add(self, token_id: int) -> tuple[str, str | None]:
         """Append one token. Returns (new text to show, matched stop string or None).
         After a match the text is final."""
-        if self._stream is not None:
-            self.text += self._stream.step(self._backend, token_id) or ""
-            matched = self._find_stop()
-            return self._take_delta(withhold=not matched), matched
         self.ids.append(token_id)
+        if self._stream is not None:
+            try:
+                piece = self._stream.step(self._backend, token_id)
+            except Exception:  # noqa: BLE001 - tokenizers raises a bare Exception
+                # "Invalid prefix": a byte-fallback decoder turned bytes it had decoded
+                # into U+FFFD once an invalid byte followed; windows from here on
+                self._stream = None
+                self.prefix_offset = max(self.read_offset - 5, 0)
+            else:
+                if piece:  # every token so far read: the windows' start if it falls back
+                    self.text += piece
+                    if len(self.ids) > 64:
+                        self.ids = self.ids[-5:]
+                    self.read_offset = len(self.ids)
+                matched = self._find_stop()
+                return self._take_delta(withhold=not matched), matched
         prefix = self._decode(self.ids[self.prefix_offset:self.read_offset])
         full = self._decode(self.ids[self.prefix_offset:])
         if len(full) > len(prefix) and not full.endswith("\ufffd"):

@@ -46,3 +46,60 @@ def test_stop_string_cuts_exactly(tokenizer, ids, stop, include):
 def test_earliest_of_several_stop_strings_wins(tokenizer, ids):
     text, matched, _ = stream(tokenizer, ids, ["code", "world"])
     assert matched == "world" and text == "Hello, "
+
+
+@pytest.mark.parametrize("prompt", ["Complete this: \ufffd", "Cut: 🎉"])
+def test_a_prompt_ending_in_an_incomplete_character_stays_out_of_the_output(tokenizer,
+                                                                             prompt):
+    """The prompt's last tokens are decoding context only, even when their text ends in
+    U+FFFD (an emoji cut before its last byte, or the character itself)."""
+    prompt_ids = tokenizer.encode(prompt)
+    if prompt.startswith("Cut"):
+        prompt_ids = prompt_ids[:-1]  # the emoji's last byte
+    assert tokenizer.decode(prompt_ids).endswith("\ufffd")
+    out = tokenizer.encode(" and more text")
+    d = IncrementalDetokenizer(tokenizer, prompt_ids, [], False, True)
+    assert "".join(d.add(t)[0] for t in out) + d.flush() == " and more text"
+
+
+@pytest.fixture(scope="module")
+def byte_fallback():
+    """A Llama / Mistral-style SentencePiece BPE (metaspace; byte fallback: a character it
+    lacks is its UTF-8 bytes as <0xNN> tokens, ordinary ones) trained here on ASCII lines,
+    as a fast tokenizer."""
+    import json
+
+    from tokenizers import Tokenizer, decoders, models, normalizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tk = Tokenizer(models.BPE(unk_token="<unk>", fuse_unk=True))
+    tk.normalizer = normalizers.Sequence([normalizers.Prepend("▁"),
+                                          normalizers.Replace(" ", "▁")])
+    tk.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(),
+                                    decoders.Fuse(), decoders.Strip(" ", 1, 0)])
+    tk.train_from_iterator(["Hello world, the quick brown fox; and more text"] * 20,
+                           trainers.BpeTrainer(vocab_size=120,
+                                               special_tokens=["<unk>", "<s>", "</s>"]))
+    spec = json.loads(tk.to_str())
+    vocab = spec["model"]["vocab"]
+    vocab.update({f"<0x{b:02X}>": len(vocab) + b for b in range(256)})
+    spec["model"]["byte_fallback"] = True
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(spec)),
+                                   bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+
+
+def test_byte_fallback_pieces_join_into_characters(byte_fallback):
+    ids = byte_fallback.encode("the 🎉 and 日本語 text", add_special_tokens=False)
+    assert "<0xF0>" in byte_fallback.convert_ids_to_tokens(ids)
+    text, matched, _ = stream(byte_fallback, ids)
+    assert matched is None and text == " the 🎉 and 日本語 text"  # the prompt's context
+
+
+def test_an_invalid_byte_after_byte_pieces_does_not_fail_the_request(byte_fallback):
+    """A byte-fallback decoder turns a run of byte pieces into U+FFFD once an invalid byte
+    joins it, so the text no longer extends what was shown ("9" then "��rain"); tokenizers'
+    DecodeStream raises on that. The request goes on decoding by windows."""
+    ids = byte_fallback.convert_tokens_to_ids(["<0x39>", "<0xFA>"])
+    ids += byte_fallback.encode("the quick", add_special_tokens=False)  # ▁the ▁quick
+    text, matched, _ = stream(byte_fallback, ids)
+    assert matched is None and text.startswith("9") and text.endswith(" the quick")
