@@ -251,14 +251,16 @@ def _cpu_layer(module: str, old: nn.Linear, parts: list, native) -> nn.Module:
     from baton_cpu.quant_reference import dequantize
 
     if old.weight.is_meta:  # before the load: nothing to check against
-        return QuantLinear.fused(parts, old.in_features, None, native)
-    ours = torch.cat([dequantize(raw, qtype, old.in_features) for raw, qtype in parts])
-    err = (ours - old.weight.float()).abs().max().item()
-    if tuple(ours.shape) != tuple(old.weight.shape) or err > 1e-2 * max(
-            ours.abs().max().item(), 1e-6):
-        raise ValueError(f"--quantization auto: {module}'s quantized rows differ from the "
-                         f"loaded weights (max error {err:.3g}); use --quantization none")
-    layer = QuantLinear.fused(parts, old.in_features, old.bias, native)
-    if module == "lm_head":
+        layer = QuantLinear.fused(parts, old.in_features, None, native)
+    else:
+        ours = torch.cat([dequantize(raw, qtype, old.in_features) for raw, qtype in parts])
+        err = (ours - old.weight.float()).abs().max().item()
+        if tuple(ours.shape) != tuple(old.weight.shape) or err > 1e-2 * max(
+                ours.abs().max().item(), 1e-6):
+            raise ValueError(f"--quantization auto: {module}'s quantized rows differ from "
+                             f"the loaded weights (max error {err:.3g}); use "
+                             "--quantization none")
+        layer = QuantLinear.fused(parts, old.in_features, old.bias, native)
+    if module == "lm_head":  # a decode batch's rows each step: the int8 path at any batch
         layer.set_dequant_rows(0)
     return layer

@@ -264,3 +264,30 @@ def test_quantized_linears_are_swapped_in_before_the_load(checkpoints, tmp_path)
     plain = greedy(LLM(str(path), dtype="bfloat16", quantization="none", **TINY))
     for (tokens, logprobs), (ref_tokens, ref_logprobs) in zip(greedy(llm), plain, strict=True):
         assert tokens[0] == ref_tokens[0] and abs(logprobs[0] - ref_logprobs[0]) < 0.12
+
+
+def test_a_quantized_lm_head_runs_every_batch_through_the_int8_path(tmp_path):
+    """GPTQModel's `lm_head: true`: the head's rows are a decode batch's each step, so its
+    QuantLinear takes the int8 path at any batch (as a GGUF head's), swapped before the
+    load or after it (LoRA on)."""
+    from safetensors.torch import load_file, save_file
+
+    from baton_cpu.quant_linear import QuantLinear
+    from tests.unit.engine.quant.quant_checkpoints import pack_along, rtn
+
+    _, path = save_gptq(tmp_path / "head", 4, 32)
+    tensors = load_file(str(path / "model.safetensors"))
+    head = tensors.pop("lm_head.weight").float()  # (1000, 128)
+    groups = torch.arange(128) // 32
+    codes, scales, zeros, _ = rtn(head, 4, groups, 4, sym=True, min_zero=1)
+    tensors.update({"lm_head.qweight": pack_along(codes.T, 4, dim=0),
+                    "lm_head.qzeros": pack_along((zeros - 1).T & 15, 4, 1),
+                    "lm_head.scales": scales.T.contiguous(),
+                    "lm_head.g_idx": groups.int()})
+    save_file(tensors, str(path / "model.safetensors"))
+    for lora in (False, True):
+        llm = LLM(str(path), dtype="bfloat16", quantization="auto", enable_lora=lora, **TINY)
+        lm_head = llm.engine.runner.model.lm_head
+        assert isinstance(lm_head, QuantLinear)
+        assert all(part.dequant_rows == 0 for part in lm_head._chain)
+        assert greedy(llm)[0][0]  # it serves
