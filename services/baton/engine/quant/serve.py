@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -43,19 +44,21 @@ class _Rows:
     """What a parameter's weight_loader writes into: one int64 per row (`.data`)."""
 
     def __init__(self, rows: int) -> None:
-        self.data = torch.full((rows, 1), -1, dtype=torch.int64)
+        self.data = torch.zeros((rows, 1), dtype=torch.int64)  # 0: no source row
         self.shape = self.data.shape
 
 
 def row_sources(model: CausalLM, prefixes: list[str], rows_of: dict[str, int]
                 ) -> dict[str, torch.Tensor]:
     """Our linear module -> (out,) int64: for each of its rows, the checkpoint row it holds
-    (`prefix index << ROW_BITS | row`), -1 where none does."""
+    (`prefix index << ROW_BITS | row`), -1 where none does. Rows travel through the loaders
+    plus one, so a row a loader fills with zeros (a vocabulary padded to the ranks) reads
+    as none, not as the first prefix's first row."""
     params = dict(model.named_parameters())
     holders: dict[str, _Rows] = {}
     for i, prefix in enumerate(prefixes):
         n = rows_of[prefix]
-        codes = (torch.arange(n, dtype=torch.int64) | (i << ROW_BITS)).unsqueeze(1)  # (n, 1)
+        codes = (torch.arange(n, dtype=torch.int64) | (i << ROW_BITS)).unsqueeze(1) + 1
         for pname, shard, piece in model.checkpoint_weights(f"{prefix}.weight", codes):
             param = params.get(pname)
             if param is None or not pname.endswith(".weight"):
@@ -70,7 +73,7 @@ def row_sources(model: CausalLM, prefixes: list[str], rows_of: dict[str, int]
                 if piece.shape[0] != holder.shape[0]:  # a loader that also cuts columns
                     continue
                 holder.data.copy_(piece)
-    return {pname.removesuffix(".weight"): h.data[:, 0] for pname, h in holders.items()}
+    return {pname.removesuffix(".weight"): h.data[:, 0] - 1 for pname, h in holders.items()}
 
 
 def _runs(sources: torch.Tensor) -> list[tuple[int, int, int]]:
@@ -91,7 +94,7 @@ def _rows_of(w: IntWeight, first: int, count: int) -> IntWeight:
                      w.bits, w.group_size, w.g_idx)
 
 
-def cpu_parts(weights: list[QuantWeight | None], sources: torch.Tensor
+def cpu_parts(weights: Mapping[int, QuantWeight | None], sources: torch.Tensor
               ) -> tuple[list | None, str]:
     """The (raw blocks, type) parts of one of our linears from its rows' sources, or None
     and why they cannot be served natively."""
@@ -156,7 +159,7 @@ def _slice_rows(w: QuantWeight, first: int, count: int) -> QuantWeight | None:
     return FP8Weight(w.values[first:first + count], scales, w.block, w.input_scale)
 
 
-def gpu_layer(weights: list[QuantWeight | None], sources: torch.Tensor, old: nn.Linear,
+def gpu_layer(weights: Mapping[int, QuantWeight | None], sources: torch.Tensor, old: nn.Linear,
               device: torch.device, dtype: torch.dtype,
               capability: tuple[int, int] | None = None) -> tuple[nn.Module | None, str]:
     """One of our linears as a GPUQuantLinear, or None and why it cannot be."""
@@ -204,35 +207,40 @@ def swap_quantized_linears(model: CausalLM, model_dir: Path, device: torch.devic
     if why is not None:
         log.info("--quantization auto: %s is served de-quantized (%s)", spec.describe(), why)
         return set()
-    with QuantCheckpoint(checkpoint_files(model_dir), spec) as ckpt:
-        prefixes, weights = ckpt.prefixes, [ckpt.weight(p) for p in ckpt.prefixes]
-        sources = row_sources(model, prefixes, {p: w.shape[0] for p, w in
-                                                zip(prefixes, weights, strict=True)})
     swapped, reasons = set(), Counter[str]()
-    for module, rows in sources.items():
-        parent_name, _, leaf = module.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        old = getattr(parent, leaf)
-        if not isinstance(old, nn.Linear):
-            continue
-        # a row-parallel linear holds this rank's columns only
-        weights_here = [_rank_columns(w, old.in_features, tp) for w in weights]
-        if native is not None:
-            parts, why = cpu_parts(weights_here, rows)
-            layer = None if parts is None else _cpu_layer(module, old, parts, native)
-        else:
-            layer, why = gpu_layer(weights_here, rows, old, device, dtype)
-        if layer is None:
-            reasons[why] += 1
-            continue
-        if old.weight.is_meta and old.bias is not None:
-            layer.bias = old.bias  # loaded by the checkpoint's bias, through its loader
-        setattr(parent, leaf, layer)
-        swapped.add(module)
+    with QuantCheckpoint(checkpoint_files(model_dir), spec) as ckpt:
+        prefixes = ckpt.prefixes
+        # each weight read once for its rows, dropped, read again by the one module it makes:
+        # host memory holds one linear's codes at a time, not the checkpoint's
+        sources = row_sources(model, prefixes, {p: ckpt.weight(p).shape[0] for p in prefixes})
+        for module, rows in sources.items():
+            parent_name, _, leaf = module.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            old = getattr(parent, leaf)
+            if not isinstance(old, nn.Linear):
+                continue
+            # a row-parallel linear holds this rank's columns only
+            weights = {i: _rank_columns(ckpt.weight(prefixes[i]), old.in_features, tp)
+                       for i in set((rows[rows >= 0] >> ROW_BITS).tolist())}
+            layer, why = (_cpu_module(module, old, weights, rows, native) if native is not None
+                          else gpu_layer(weights, rows, old, device, dtype))
+            if layer is None:
+                reasons[why] += 1
+                continue
+            if old.weight.is_meta and old.bias is not None:
+                layer.bias = old.bias  # loaded by the checkpoint's bias, through its loader
+            setattr(parent, leaf, layer)
+            swapped.add(module)
     log.info("--quantization auto: %d linears of %s kept quantized (%s)%s", len(swapped),
              spec.describe(), native.isa if native is not None else "Triton / _scaled_mm",
              "".join(f"; {n} de-quantized: {why}" for why, n in reasons.items()))
     return held_prefixes(prefixes, sources, swapped)
+
+
+def _cpu_module(module: str, old: nn.Linear, weights: Mapping[int, QuantWeight | None],
+                rows: torch.Tensor, native) -> tuple[nn.Module | None, str]:
+    parts, why = cpu_parts(weights, rows)
+    return (None, why) if parts is None else (_cpu_layer(module, old, parts, native), "")
 
 
 def held_prefixes(prefixes: list[str], sources: dict[str, torch.Tensor],
