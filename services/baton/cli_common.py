@@ -192,6 +192,10 @@ def _batching_flags(g) -> None:
                         "--batch-window-ms")
     g.add_argument("--batch-window-ms", type=float, default=engine_default("batch_window_ms"),
                    help="the dynamic policy's collection window")
+    g.add_argument("--async-scheduling", default="auto", choices=("auto", "on", "off"),
+                   help="schedule the next step while the device runs this one, its "
+                        "tokens filled in when read (auto: where the device runs "
+                        "asynchronously to the host: --device sim)")
     g.add_argument("--speculative-config", default=engine_default("speculative_config"),
                    help='speculative decoding, a JSON object: {"method": "ngram", '
                         '"num_speculative_tokens": 4, "prompt_lookup_max": 4, '
@@ -290,6 +294,7 @@ def engine_config(args: argparse.Namespace) -> EngineConfig:
         kv_cache_memory_bytes=(None if args.kv_cache_gib is None
                                else int(args.kv_cache_gib * _GIB)),
         enable_prefix_caching=not args.no_prefix_caching,
+        async_scheduling={"auto": None, "on": True, "off": False}[args.async_scheduling],
         lora_modules=args.lora_modules or (),
         kv_secret=internal_token())  # the deployment's internal token keys the KV port
 

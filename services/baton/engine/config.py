@@ -169,6 +169,10 @@ class SchedulerConfig:
     # `dynamic` policy: a group starts once max_num_seqs requests wait or its oldest has
     # waited this long
     batch_window_ms: float = 10.0
+    # Schedule step N+1 while step N runs (`EngineCore`): True / False, None (auto): on when
+    # the device runs a step while the host goes on (the simulated device; see
+    # docs/design.md), off with speculative decoding or the static / dynamic baselines
+    async_scheduling: bool | None = None
     # Speculative decoding (`engine.spec`); as a flat argument the JSON of
     # `--speculative-config` (None: off)
     speculative: SpeculativeConfig = SpeculativeConfig()
@@ -260,6 +264,7 @@ ARGS: dict[str, tuple[str, ...]] = {
     "max_num_seqs": ("scheduler", "max_num_seqs"),
     "scheduling_policy": ("scheduler", "policy"),
     "batch_window_ms": ("scheduler", "batch_window_ms"),
+    "async_scheduling": ("scheduler", "async_scheduling"),
     "speculative_config": ("scheduler", "speculative"),
     "tensor_parallel_size": ("parallel", "tensor_parallel_size"),
     "tp_step_timeout_s": ("parallel", "step_timeout_s"),

@@ -1,7 +1,7 @@
 """An engine's context window (`max_model_len`): prompt + output tokens of one sequence.
 
 Two limits bound it: the model's own (`max_position_embeddings`, extended by its rope
-scaling: `EngineCore._max_model_len`, checked before the weights load) and the KV pool's (one
+scaling: `model_context_limit`, checked before the weights load) and the KV pool's (one
 sequence can use at most every block): `fit_kv_pool`, once the pool is sized.
 A length the user asked for that does not fit is a ValueError naming both numbers; the
 model's default is lowered to what fits, with a warning (vLLM raises there; a pool sized
@@ -11,6 +11,7 @@ for a long context is often not what a small deployment wants).
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 from baton.engine.config import EngineConfig
 from baton.engine.errors import ContextLengthError
@@ -53,3 +54,20 @@ def fit_kv_pool(max_model_len: int, config: EngineConfig, num_blocks: int) -> in
                 "--num-kv-blocks) to serve the full length",
                 max_model_len, num_blocks, block_size, capacity, capacity)
     return capacity
+
+
+def model_context_limit(config: EngineConfig, model_dir: Path) -> int:
+    """The context window the model allows (its rope scaling extends it: yarn, dynamic),
+    or the `max_model_len` asked for when that fits in it (else a ValueError)."""
+    from baton.engine.models.config import ModelConfig
+    from baton.engine.models.rope import context_limit
+
+    limit = context_limit(ModelConfig.from_dir(model_dir))
+    asked = config.checkpoint.max_model_len
+    if asked is None:
+        return limit
+    if asked > limit:
+        raise ValueError(f"EngineConfig.max_model_len={asked} exceeds "
+                         f"the model's context length {limit} (max_position_embeddings, "
+                         f"extended by its rope scaling)")
+    return asked

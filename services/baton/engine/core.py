@@ -6,10 +6,11 @@ Single-threaded: `add_request`, `abort_requests` and `step` must be called from 
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import torch
 
@@ -18,22 +19,26 @@ from baton.common.stats import EngineStats
 from baton.common.step_timing import StepTiming
 from baton.engine import tokenizer as tok
 from baton.engine.config import Device, EngineConfig, LiveSettings
-from baton.engine.context_window import fit_kv_pool
+from baton.engine.context_window import fit_kv_pool, model_context_limit
 from baton.engine.errors import EngineStepError, InvalidRequestError
 from baton.engine.kv_cache import KVCacheManager
 from baton.engine.kv_connector.factory import make_connector
 from baton.engine.kv_connector.handoff import KVHandoff, PullKV
+from baton.engine.logprobs import arrived_logprobs
 from baton.engine.lora.requests import LoRAAdapter, check_lora_request
 from baton.engine.models.loader import resolve_model_dir
 from baton.engine.outputs import EngineOutput
 from baton.engine.request import Request, RequestStatus
 from baton.engine.request_checks import check_handoff, check_params, check_prompt
 from baton.engine.runner import ModelRunner
-from baton.engine.sampler import TokenLogprobs
+from baton.engine.runner.model_runner import StepResult
 from baton.engine.scheduler import SchedulerLimits, make_scheduler
+from baton.engine.scheduler.output import EngineEnd, ScheduledRequest
 from baton.engine.sim.runner import SimRunner
 from baton.engine.spec.decider import Speculator
 from baton.engine.spec.draft import load_draft
+from baton.engine.step_counters import StepCounters
+from baton.engine.step_pipeline import Launched, async_scheduling, fill_inputs, launched
 from baton.engine.stops import text_end, token_ends
 from baton.engine.structured.base import CompiledGrammar, GrammarCompileError
 from baton.engine.structured.manager import StructuredOutputs, rebuild
@@ -46,17 +51,6 @@ log = logging.getLogger(__name__)
 MAX_FAILED_STEPS = 3
 
 
-@dataclass
-class StepCounters:
-    """What the engine counts as it steps (the rest of `EngineStats` is read live)."""
-    prompt_tokens_total: int = 0
-    generation_tokens_total: int = 0
-    preemptions_total: int = 0
-    steps_total: int = 0
-    step_tokens_total: int = 0  # tokens the steps computed, padding included
-    padded_tokens_total: int = 0  # of which padding (the static and dynamic baselines')
-
-
 class EngineCore:
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
@@ -66,7 +60,8 @@ class EngineCore:
                                            checkpoint.revision)
         self.tokenizer = tok.load_tokenizer(self.model_dir, checkpoint.skip_tokenizer_init)
         self.runner = (SimRunner(config, self.model_dir) if config.compute.device == Device.SIM
-                       else ModelRunner(config, self.model_dir, self._max_model_len()))
+                       else ModelRunner(config, self.model_dir,
+                                        model_context_limit(config, self.model_dir)))
         self.max_model_len = max_len = fit_kv_pool(self.runner.max_model_len, config,
                                                    self.runner.num_blocks)
         self.model_config = self.runner.model_config
@@ -90,20 +85,13 @@ class EngineCore:
         self.stats = StepCounters()
         self.timing = StepTiming()
         self._failed_steps = 0  # in a row
-
-    def _max_model_len(self) -> int:
-        from baton.engine.models.config import ModelConfig
-        from baton.engine.models.rope import context_limit
-
-        limit = context_limit(ModelConfig.from_dir(self.model_dir))  # yarn / dynamic extend it
-        asked = self.config.checkpoint.max_model_len
-        if asked is None:
-            return limit
-        if asked > limit:
-            raise ValueError(f"EngineConfig.max_model_len={asked} exceeds "
-                             f"the model's context length {limit} (max_position_embeddings, "
-                             f"extended by its rope scaling)")
-        return asked
+        self.async_scheduling = async_scheduling(config, self.runner)  # `step_pipeline`
+        self._launched: Launched | None = None  # the step in flight (async scheduling)
+        self._step_t0 = 0.0  # when the current step() began
+        # What loading made (~10^6 objects) lives as long as the engine: frozen, a full
+        # collection scans only what serving makes (else ~200 ms, the device idle)
+        gc.collect()
+        gc.freeze()
 
     # -- requests --------------------------------------------------------------------------
     def make_request(self, request_id: str, prompt_token_ids: list[int],
@@ -163,7 +151,7 @@ class EngineCore:
             text, matched = self._detok_add(req, token)
             if status is None and (end := text_end(req, matched)) is not None:
                 status, req.stop_reason = end.status, end.reason
-            lp = _arrived_logprobs(req)
+            lp = arrived_logprobs(req)
             if status is not None:
                 self.scheduler.finish_requests([req.request_id], status)
                 return outputs + [self._final_output(req, [token], text,
@@ -206,36 +194,90 @@ class EngineCore:
         raises ends alone with finish reason "error"; a step that fails as a whole ends the
         requests it ran the same way, and after MAX_FAILED_STEPS such steps in a row raises
         EngineStepError. A step that ran is timed (`timing`)."""
-        t0, busy, steps = time.perf_counter(), self.runner.busy_seconds, self.stats.steps_total
+        self._step_t0 = t0 = time.perf_counter()
+        busy, idle, steps = self.runner.busy_seconds, self.runner.idle_seconds, self.stats.steps_total
         outputs = self._step()
         if self.stats.steps_total != steps:
-            self.timing.record(time.perf_counter() - t0, self.runner.busy_seconds - busy)
+            device, idle_now = self.runner.busy_seconds - busy, self.runner.idle_seconds
+            if self.async_scheduling and idle is not None and idle_now is not None:
+                # the host's time is what the device waited for it: the rest overlapped
+                self.timing.record(device + idle_now - idle, device)
+            else:
+                self.timing.record(time.perf_counter() - t0, device)
         return outputs
 
     def _step(self) -> list[EngineOutput]:
+        if self.async_scheduling:
+            return self._step_ahead()
         self.speculator.propose(self.scheduler.running)
         sched = self.scheduler.schedule()
         outputs = [self._final_output(r, [], "", None) for r in self.scheduler.drain_ended()]
         if sched.is_empty:
             return outputs
-        self.stats.steps_total += 1
-        self.stats.step_tokens_total += sched.num_tokens
-        self.stats.padded_tokens_total += sum(p.num_new_tokens for p in sched.padding)
-        self.stats.prompt_tokens_total += sum(
-            s.num_new_tokens for s in sched.scheduled
-            if s.request.num_computed_tokens < s.request.num_prompt_tokens)
+        self.stats.count(sched)
         try:
             result = self.runner.execute(sched, self.kv.get_block_ids)
         except Exception as err:  # noqa: BLE001 - whose fault it is decides what ends
             return outputs + self._step_failed(sched, err)
         self._failed_steps = 0
         sampled = self.scheduler.cut_at_stops(result.sampled)
-        advance_grammars([s.request for s in sched.scheduled], sampled, result.failed)
-        texts, ends = token_ends(sched.scheduled, sampled, result.failed, self._detok_add)
-        finished = {r.request_id
-                    for r in self.scheduler.update_from_output(sched, sampled, ends)}
+        scheduled = sched.scheduled
+        advance_grammars([s.request for s in scheduled], sampled, result.failed)
+        texts, ends = token_ends(scheduled, sampled, result.failed, self._detok_add)
+        finished = self.scheduler.update_from_output(sched, sampled, ends)
+        return outputs + self._outputs(scheduled, result, sampled, texts, ends, finished)
+
+    def _step_ahead(self) -> list[EngineOutput]:
+        """Async scheduling (`step_pipeline`): schedule and launch the next step, then read
+        the one in flight while the next runs."""
+        outputs: list[EngineOutput] = []
+        prev, self._launched = self._launched, None
+        if prev is not None and prev.sync:
+            outputs, prev = self._read(prev), None
+        sched = self.scheduler.schedule()
+        outputs += [self._final_output(r, [], "", None) for r in self.scheduler.drain_ended()]
+        if sched.is_empty:
+            return outputs + (self._read(prev) if prev is not None else [])
+        self.stats.count(sched)
+        if prev is not None and not self.runner.launches_async:
+            fill_inputs(prev)
+        try:
+            handle = self.runner.launch(sched, self.kv.get_block_ids, since=self._step_t0)
+        except Exception as err:  # noqa: BLE001 - as in a synchronous step
+            return (outputs + (self._read(prev) if prev is not None else [])
+                    + self._step_failed(sched, err))
+        step = launched(sched, handle)
+        if prev is not None:
+            outputs += self._read(prev)
+        if step.sync:
+            return outputs + self._read(step)
+        self._launched = step
+        return outputs
+
+    def _read(self, launched: Launched) -> list[EngineOutput]:
+        """A launched step's results, applied: its pending tokens filled in, the requests
+        it ends ended (those ended since it launched are left alone)."""
+        sched = launched.sched
+        try:
+            result = launched.handle.result()
+        except Exception as err:  # noqa: BLE001 - as in a synchronous step
+            return self._step_failed(sched, err)
+        self._failed_steps = 0
+        live = [s for s in sched.scheduled if not s.request.is_finished]
+        sampled = result.sampled
+        advance_grammars([s.request for s in live], sampled, result.failed)
+        texts, ends = token_ends(live, sampled, result.failed, self._detok_add)
+        finished = self.scheduler.resolve_pending(launched.sampling, sampled, ends)
+        return self._outputs(live, result, sampled, texts, ends, finished)
+
+    def _outputs(self, scheduled: list[ScheduledRequest], result: StepResult,
+                 sampled: dict[str, list[int]], texts: dict[str, str],
+                 ends: dict[str, EngineEnd], finished: list[Request]) -> list[EngineOutput]:
+        """The outputs of a step's requests once the scheduler has applied its results."""
+        ended = {r.request_id for r in finished}
         self.stats.preemptions_total = self.scheduler.num_preemptions
-        for s in sched.scheduled:
+        outputs = []
+        for s in scheduled:
             req = s.request
             rid = req.request_id
             if rid in result.guessed:
@@ -253,7 +295,7 @@ class EngineCore:
             self.stats.generation_tokens_total += len(tokens)
             lps = result.logprobs.get(rid)
             outputs.append(self._token_output(req, tokens, lps[:len(tokens)] if lps else None,
-                                              texts[rid], rid in finished))
+                                              texts[rid], rid in ended))
         return outputs
 
     def _step_failed(self, sched, err: Exception) -> list[EngineOutput]:
@@ -265,7 +307,7 @@ class EngineCore:
             raise EngineStepError(f"{self._failed_steps} steps in a row failed; the last: "
                                   f"{err!r}") from err
         log.exception("a step of %d requests failed; ending them", len(sched.scheduled))
-        reqs = [s.request for s in sched.scheduled]
+        reqs = [s.request for s in sched.scheduled if not s.request.is_finished]
         return self._fail(reqs, {r.request_id: f"{type(err).__name__}: {err}" for r in reqs})
 
     def _fail(self, reqs: list[Request], errors: dict[str, str]) -> list[EngineOutput]:
@@ -284,7 +326,8 @@ class EngineCore:
             return self._final_output(req, tokens, text, lps)
         out = EngineOutput(req.request_id, tokens, text, lps,
                            prompt_logprobs=req.take_prompt_logprobs())
-        if req.num_output_tokens == len(tokens):  # the first tokens: how they were reached
+        if req.num_output_tokens - req.num_pending == len(tokens):  # the first tokens: how
+            # they were reached
             out.queue_time, out.kv_transfer_time = self._queued(req), req.kv_transfer_time
         return out
 
@@ -355,18 +398,3 @@ class EngineCore:
         if self.connector is not None:
             self.connector.close()
         self.runner.close()
-
-
-def _arrived_logprobs(req: Request) -> TokenLogprobs | None:
-    """The logprobs of a pulled request's first token, as the prefill sampled it, when the
-    request asks for logprobs (cut to its `logprobs` top entries)."""
-    k = req.sampling_params.logprobs
-    handoff = req.kv_handoff
-    if k is None or not isinstance(handoff, PullKV):
-        return None
-    lp = handoff.params.first_token_logprobs
-    if lp is None:
-        return None
-    return TokenLogprobs(handoff.params.first_token, lp.logprob, lp.rank,
-                         [(t, v) for t, v in lp.top[:k]])
-

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
+from baton.engine.kv_connector.handoff import PullKV
+
 
 @dataclass
 class TokenLogprobs:
@@ -51,3 +53,18 @@ def read_prompt_logprobs(values: list[float], targets: list[int], k: int
     width = 2 + 2 * k
     return [read_logprobs(values[j * width:(j + 1) * width], t, k)
             for j, t in enumerate(targets)]
+
+
+def arrived_logprobs(req) -> TokenLogprobs | None:
+    """The logprobs of a pulled request's first token (an `engine.request.Request`), as the
+    prefill sampled it, when the request asks for logprobs (cut to its `logprobs` top
+    entries)."""
+    k = req.sampling_params.logprobs
+    handoff = req.kv_handoff
+    if k is None or not isinstance(handoff, PullKV):
+        return None
+    lp = handoff.params.first_token_logprobs
+    if lp is None:
+        return None
+    return TokenLogprobs(handoff.params.first_token, lp.logprob, lp.rank,
+                         [(t, v) for t, v in lp.top[:k]])

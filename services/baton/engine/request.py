@@ -17,6 +17,11 @@ if TYPE_CHECKING:
     from baton.engine.lora.adapter import LoRAAdapter
 
 
+# The id a token sampled by a step still in flight holds until its step's results are read
+# (async scheduling); never a vocabulary id, so a host path that reads one fails loudly.
+PENDING = -1
+
+
 class RequestStatus(enum.IntEnum):
     WAITING = enum.auto()
     WAITING_FOR_REMOTE_KV = enum.auto()
@@ -91,6 +96,9 @@ class Request:
     spec_token_ids: list[int] = field(default_factory=list)
     # The LoRA adapter it runs with (`engine.lora`: its host copy), None: the base model.
     lora: LoRAAdapter | None = None
+    # Async scheduling (`EngineCore`): tokens of steps launched but not read yet, held as
+    # PENDING at the end of `output_token_ids` until their step's results fill them in.
+    num_pending: int = 0
 
     def __post_init__(self) -> None:
         if self.sampling_params.prompt_logprobs is not None:
@@ -144,8 +152,30 @@ class Request:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property
+    def num_known_tokens(self) -> int:
+        """Prompt and output tokens whose ids are known (the pending ones are not)."""
+        return self.num_tokens - self.num_pending
+
+    @property
     def is_finished(self) -> bool:
         return self.status.is_finished
+
+    def add_pending(self) -> None:
+        """A step that samples this request was launched: its token is a placeholder until
+        the step's results are read."""
+        self.output_token_ids.append(PENDING)
+        self.num_pending += 1
+
+    def resolve_pending(self, token: int) -> None:
+        """The oldest pending token is `token`."""
+        self.output_token_ids[len(self.output_token_ids) - self.num_pending] = token
+        self.num_pending -= 1
+
+    def drop_pending(self) -> None:
+        """The request ended: tokens of steps still in flight are not its output."""
+        if self.num_pending:
+            del self.output_token_ids[-self.num_pending:]
+            self.num_pending = 0
 
     def token_ids(self, start: int, end: int) -> list[int]:
         """Tokens [start, end) of prompt + output without building the whole list."""

@@ -78,7 +78,7 @@ class KVCacheManager:
         least one token to compute (its logits are needed). Mutates nothing in the pool."""
         if not self.enable_caching or request.skips_prefix_cache:  # prompt logprobs
             return [], 0
-        self._extend_hashes(request, request.num_tokens)
+        self._extend_hashes(request, request.num_known_tokens)
         max_blocks = (request.num_tokens - 1) // self.block_size
         hits: list[KVBlock] = []
         for block_hash in request.block_hashes[:max_blocks]:
@@ -189,9 +189,11 @@ class KVCacheManager:
                            num_tokens: int) -> None:
         """Publish blocks that will be full once this step's tokens are written. Another
         request admitted in the same step may hit them: its attention runs after this
-        step's KV writes of the same layer, so that is safe."""
+        step's KV writes of the same layer, so that is safe. A block holding a token still
+        pending (async scheduling) waits for a later step: its hash needs the token."""
         if not self.enable_caching:
             return
+        num_tokens = min(num_tokens, request.num_known_tokens)
         num_full = min(num_tokens // self.block_size, len(blocks))
         start = self._num_hashed.get(request.request_id, 0)
         if num_full <= start:

@@ -51,6 +51,16 @@ class StepResult(NamedTuple):
     guessed: dict[str, tuple[int, int]] = {}
 
 
+class FinishedStep(NamedTuple):
+    """A step a synchronous runner has run already (`launch`'s answer): reading it never
+    waits."""
+
+    step: StepResult
+
+    def result(self) -> StepResult:
+        return self.step
+
+
 # Prompt positions whose logits are computed at once for prompt logprobs: (rows, vocab)
 # float32 logits, ~200 KB a row at a 49k vocabulary.
 PROMPT_LOGPROB_ROWS = 256
@@ -248,6 +258,18 @@ class ModelRunner:
         torch.sort(torch.softmax(logits, dim=-1), dim=-1, descending=True)  # top-p's sort
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
+
+    # `launch` runs the step before it returns (the sampler reads its tokens back on the
+    # host): the engine writes a step's pending token ids in before launching the next
+    launches_async = False
+    idle_seconds = None  # not tracked: the device waits on the host whenever it is not stepping
+
+    def launch(self, out: SchedulerOutput, block_ids_of: Callable[[str], list[int]],
+               since: float | None = None) -> FinishedStep:
+        """The engine's async-scheduling seam (`engine.step_pipeline`): this runner runs the
+        step now; its pending input ids (the previous step's tokens) were filled in on the
+        host."""
+        return FinishedStep(self.execute(out, block_ids_of))
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, block_ids_of: Callable[[str], list[int]]

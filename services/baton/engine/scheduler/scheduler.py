@@ -148,6 +148,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if req.num_pending and self._ends_by_length(req):
+                i += 1  # its token in flight is its last: it ends once that is read
+                continue
             known = req.num_tokens - req.num_computed_tokens
             num_new = min(known + len(req.spec_token_ids), budget)
             if self._allocate_or_preempt(req, num_new, i, out):
@@ -156,6 +159,11 @@ class Scheduler:
                 budget -= num_new
                 i += 1
         return budget
+
+    def _ends_by_length(self, req: Request) -> bool:
+        """Its tokens, the pending ones counted, reach max_tokens or the context window."""
+        return (req.num_output_tokens >= req.max_tokens
+                or req.num_tokens >= self.limits.max_model_len)
 
     def _allocate_or_preempt(self, req: Request, num_new: int, index: int,
                              out: SchedulerOutput) -> bool:
@@ -310,6 +318,36 @@ class Scheduler:
                 finished.append(req)
         return finished
 
+    def resolve_pending(self, sampling: list[Request], sampled: Mapping[str, list[int]],
+                        ends: Mapping[str, EngineEnd]) -> list[Request]:
+        """Async scheduling: the results of a launched step, read after the next step was
+        scheduled (`engine.step_pipeline`), for the requests it sampled (`sampling`, each
+        with a pending token since it launched). Fills each one's oldest pending token and
+        ends the requests it (or `ends`) stops, wherever they are now (running, or
+        preempted to the waiting queue); ones ended meanwhile (aborted, stopped by the step
+        before) are skipped. Returns those ended."""
+        finished = []
+        for req in sampling:
+            if req.is_finished:
+                continue
+            rid = req.request_id
+            tokens = sampled.get(rid)
+            end = ends.get(rid)
+            status = None
+            if tokens:
+                req.resolve_pending(tokens[0])
+                status = self.stop_status(req, tokens[0], ahead=-req.num_pending)
+            elif end is None:  # a sampling row without a token or an error: never so
+                end = EngineEnd(RequestStatus.FINISHED_ERROR, "its step sampled no token")
+            if end is not None:
+                status = end.status
+                if end.reason is not None or status == RequestStatus.FINISHED_ERROR:
+                    req.stop_reason = end.reason
+            if status is not None:
+                self.finish_requests([rid], status)
+                finished.append(req)
+        return finished
+
     def stop_status(self, req: Request, token: int, ahead: int = 0) -> RequestStatus | None:
         """How `token`, the request's latest output, ends it (None: it does not). `ahead`:
         tokens of this step not appended yet, `token` the last of them."""
@@ -345,6 +383,7 @@ class Scheduler:
     def _release(self, req: Request) -> None:
         """`req` has ended: its blocks are freed, unless the KV connector keeps them (a
         prefill's blocks leased to a puller, a pull still writing into them)."""
+        req.drop_pending()
         del self.requests[req.request_id]
         self._load_ends.pop(req.request_id, None)
         if self.connector is not None:

@@ -17,10 +17,16 @@ class SimDevice:
         self._clock, self._sleep = clock, sleep
         self._free_at = 0.0  # when the last queued step ends
         self.busy_s = 0.0  # modelled seconds of every step launched
+        self.idle_s = 0.0  # seconds the device waited on the host (launches with `since`)
 
-    def launch(self, seconds: float) -> float:
-        """Queue a step of `seconds`: it starts when the device is free. Returns its end."""
-        start = max(self._clock(), self._free_at)
+    def launch(self, seconds: float, since: float | None = None) -> float:
+        """Queue a step of `seconds`: it starts when the device is free. Returns its end.
+        `since`: when the host began the work that led to this launch; the device's wait
+        for it (from then, or from its last step's end if later) counts in `idle_s`."""
+        now = self._clock()
+        if since is not None:
+            self.idle_s += max(0.0, now - max(self._free_at, since))
+        start = max(now, self._free_at)
         self._free_at = start + seconds
         self.busy_s += seconds
         return self._free_at
@@ -32,3 +38,7 @@ class SimDevice:
             self._sleep(left - SPIN_S)
         while self._clock() < done_at:
             pass
+
+    def drain(self) -> None:
+        """Block until every step launched has ended."""
+        self.wait(self._free_at)

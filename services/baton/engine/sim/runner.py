@@ -24,6 +24,21 @@ from baton.engine.sim.roofline import StepRow, step_seconds
 from baton.engine.spec.rejection import RejectionSampler
 
 
+class SimStep:
+    """A launched step: `result()` waits for its modelled end, then reads its tokens."""
+
+    def __init__(self, runner: SimRunner, rows: list[tuple[str, int, int]],
+                 done_at: float) -> None:
+        self._runner, self._rows, self._done_at = runner, rows, done_at
+        self._result: StepResult | None = None
+
+    def result(self) -> StepResult:
+        if self._result is None:
+            self._runner.device.wait(self._done_at)
+            self._result = self._runner.draw(self._rows)
+        return self._result
+
+
 class SimRunner:
     def __init__(self, config, model_dir: Path) -> None:
         if (config.parallel.tensor_parallel_size > 1 or config.kv_transfer.transport
@@ -49,18 +64,33 @@ class SimRunner:
         self._vocab = self.model_config.vocab_size
         self._eos = eos
 
-    def execute(self, out: SchedulerOutput, block_ids_of) -> StepResult:
+    # `launch` returns at once and the step's tokens are read when it ends, as on a GPU;
+    # nothing reads a step's input ids, so a pending token needs no host value
+    launches_async = True
+
+    def launch(self, out: SchedulerOutput, block_ids_of, since: float | None = None
+               ) -> SimStep:
+        """Queue the step on the simulated device (`since`: `SimDevice.launch`); its tokens
+        are drawn when read."""
         rows = [StepRow(s.num_new_tokens, s.request.num_computed_tokens, s.num_sampled)
                 for s in out.scheduled]
-        done_at = self.device.launch(step_seconds(self.profile, rows))
+        rows_sampled = [(s.request.request_id, s.num_sampled, len(s.spec_token_ids))
+                        for s in out.scheduled if s.num_sampled]  # read now: they move on
+        return SimStep(self, rows_sampled,
+                       self.device.launch(step_seconds(self.profile, rows), since))
+
+    def execute(self, out: SchedulerOutput, block_ids_of) -> StepResult:
+        return self.launch(out, block_ids_of).result()
+
+    def draw(self, rows: list[tuple[str, int, int]]) -> StepResult:
+        """A step's results for its sampling rows (request id, rows that sample, guesses):
+        a token each, every guess rejected."""
         sampled: dict[str, list[int]] = {}
         guessed: dict[str, tuple[int, int]] = {}
-        for s in out.scheduled:  # host work while the step runs
-            if s.num_sampled:
-                sampled[s.request.request_id] = [self._token()]
-            if s.samples and s.spec_token_ids:
-                guessed[s.request.request_id] = (len(s.spec_token_ids), 0)
-        self.device.wait(done_at)
+        for rid, _, guesses in rows:
+            sampled[rid] = [self._token()]
+            if guesses:
+                guessed[rid] = (guesses, 0)
         return StepResult(sampled, {}, {}, {}, guessed)
 
     def _token(self) -> int:
@@ -73,6 +103,11 @@ class SimRunner:
     def busy_seconds(self) -> float:
         """Modelled seconds of device work so far."""
         return self.device.busy_s
+
+    @property
+    def idle_seconds(self) -> float:
+        """Seconds the device waited on the host between steps launched with `since`."""
+        return self.device.idle_s
 
     def close(self) -> None:
         """Nothing to stop."""
