@@ -73,3 +73,10 @@ def test_batching_baselines_match_hf(prompt_ids, hf_tokens, policy):
     _, tokens, _ = run(prompt_ids, block_size=32, scheduling_policy=policy, max_num_seqs=5,
                        batch_window_ms=20)
     assert tokens == hf_tokens
+
+
+def test_async_scheduling_matches_hf_under_preemption_and_chunking(prompt_ids, hf_tokens):
+    llm, tokens, _ = run(prompt_ids, block_size=16, num_kv_blocks=62, max_num_batched_tokens=300,
+                         async_scheduling=True)
+    assert llm.engine.async_scheduling and llm.engine.scheduler.num_preemptions > 0
+    assert tokens == hf_tokens
