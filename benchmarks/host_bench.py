@@ -18,7 +18,7 @@ process and of the client. Tokens are nonsense (the sim's), lengths
 exact (`ignore_eos`).
 
     python -m benchmarks.host_bench [--profile h100-llama3-8b] [--batches 1,8,64,256,512]
-        [--paths offline,mixed,serve] [--json out.json]
+        [--paths offline,mixed,serve] [--async-scheduling auto|on|off] [--json out.json]
 """
 
 from __future__ import annotations
@@ -154,12 +154,13 @@ async def _serve_point(url: str, pid: int, batch: int) -> dict:
             "worker_cpu_us_per_token": 1e6 * cpu / n, "client_cpu_us_per_token": 1e6 * me / n}
 
 
-def serve(profile: str, batches: list[int]) -> list[dict]:
+def serve(profile: str, batches: list[int], async_scheduling: str = "auto") -> list[dict]:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen([sys.executable, "-m", "baton.cli", "serve", "--port", str(port),
                              "--device", "sim", "--sim-profile", profile,
-                             "--served-model-name", "sim", "--max-num-seqs",
+                             "--served-model-name", "sim", "--async-scheduling",
+                             async_scheduling, "--max-num-seqs",
                              str(max(batches)), "--max-waiting", str(4 * max(batches)),
                              "--log-level", "warning"])
     try:
@@ -176,6 +177,8 @@ def main() -> None:
     parser.add_argument("--batches", default="1,8,64,256,512")
     parser.add_argument("--paths", default="offline,mixed,serve")
     parser.add_argument("--json", default=None)
+    parser.add_argument("--async-scheduling", default="auto", choices=("auto", "on", "off"),
+                        help="the engine's (auto: on, the simulated device runs asynchronously)")
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     paths = args.paths.split(",")
@@ -184,7 +187,9 @@ def main() -> None:
     if "offline" in paths or "mixed" in paths:
         from baton import LLM
 
-        llm = LLM(device="sim", sim_profile=args.profile, max_num_seqs=max(batches + [256]))
+        llm = LLM(device="sim", sim_profile=args.profile, max_num_seqs=max(batches + [256]),
+                  async_scheduling={"auto": None, "on": True, "off": False}[
+                      args.async_scheduling])
         llm.generate([[1, 2, 3]], use_tqdm=False)
         if "offline" in paths:
             result["offline"] = [offline_steady(llm, b) for b in batches]
@@ -199,7 +204,7 @@ def main() -> None:
                   f"ms/step", flush=True)
         del llm
     if "serve" in paths:
-        result["serve"] = serve(args.profile, batches)
+        result["serve"] = serve(args.profile, batches, args.async_scheduling)
         for r in result["serve"]:
             print(f"serve   b{r['batch']:<4} busy {r['busy']:.3f}  host "
                   f"{r['host_ms_per_step']:.3f} ms/step  worker "
