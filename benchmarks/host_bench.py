@@ -8,6 +8,10 @@
   prefills and decodes sharing steps as requests finish and others start.
 - `baton serve`, steady decode: B streaming clients (the load generator in this process)
   against one worker on the simulated device; the worker's own timing from `/metrics`.
+- `baton up --prefill 1 --decode 1`, mixed: the chat workload's lengths through the router,
+  `--pd-concurrency` streams at a time, KV pulled over tcp (the sim's stand-in cache: real
+  pulls of 16 bytes a token, so their time is not an H100's); the decode worker's busy
+  fraction over the run and while it stepped.
 
 Each reports the device-busy fraction (modelled device seconds over wall seconds) and the
 milliseconds per step the device sat idle (wall less device: the host's time per step that
@@ -18,7 +22,8 @@ process and of the client. Tokens are nonsense (the sim's), lengths
 exact (`ignore_eos`).
 
     python -m benchmarks.host_bench [--profile h100-llama3-8b] [--batches 1,8,64,256,512]
-        [--paths offline,mixed,serve] [--async-scheduling auto|on|off] [--json out.json]
+        [--paths offline,mixed,serve,pd] [--pd-concurrency 64] [--async-scheduling auto|on|off]
+        [--json out.json]
 """
 
 from __future__ import annotations
@@ -171,11 +176,59 @@ def serve(profile: str, batches: list[int], async_scheduling: str = "auto") -> l
         proc.wait(timeout=60)
 
 
+async def _pd_point(url: str, decode: str, requests, concurrency: int) -> dict:
+    """The mixed (chat) workload through the router, `concurrency` streams at a time; the
+    decode worker's device-busy fraction over the run and while it stepped."""
+    gate = asyncio.Semaphore(concurrency)
+
+    async def one(session, req) -> int:
+        async with gate:
+            return await _client(session, url, req.prompt_token_ids, req.max_tokens)
+
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                     timeout=aiohttp.ClientTimeout(total=900)) as session:
+        async with session.get(decode + "/metrics") as r:
+            m0 = _scrape(await r.text())
+        t0 = time.perf_counter()
+        tokens = await asyncio.gather(*(one(session, req) for req in requests))
+        wall = time.perf_counter() - t0
+        async with session.get(decode + "/metrics") as r:
+            m1 = _scrape(await r.text())
+    d = {k: m1[k] - m0.get(k, 0.0) for k in m1}
+    device = d["baton:engine_device_busy_seconds_total"]
+    return {"requests": len(requests), "concurrency": concurrency, "busy": device / wall,
+            "busy_while_stepping": device / d["baton:engine_step_seconds_total"],
+            "tokens_per_s": sum(tokens) / wall}
+
+
+def pd(profile: str, concurrency: int, async_scheduling: str = "auto") -> dict:
+    """`baton up --prefill 1 --decode 1` on the simulated device (KV over tcp, the sim's
+    stand-in cache), the chat workload's lengths (`ignore_eos`)."""
+    import tempfile
+    from pathlib import Path
+
+    from baton.engine.models.loader import resolve_model_dir
+    from baton.engine.tokenizer import load_tokenizer
+    from baton_loadtest.workload import chat_workload
+    from benchmarks.gpu_scenarios import baton_up
+
+    requests = chat_workload(load_tokenizer(resolve_model_dir(None)), 4 * concurrency, seed=5)
+    flags = ["--prefill", "1", "--decode", "1", "--kv-transport", "tcp", "--device", "sim",
+             "--sim-profile", profile, "--served-model-name", "sim", "--async-scheduling",
+             async_scheduling, "--max-num-seqs", str(max(concurrency, 8)),
+             "--max-waiting", str(8 * concurrency)]
+    with tempfile.TemporaryDirectory() as tmp, \
+            baton_up(flags, 2, 300, Path(tmp) / "up.log") as (url, workers):
+        return asyncio.run(_pd_point(url, workers[1], requests, concurrency))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--profile", default="h100-llama3-8b")
     parser.add_argument("--batches", default="1,8,64,256,512")
-    parser.add_argument("--paths", default="offline,mixed,serve")
+    parser.add_argument("--paths", default="offline,mixed,serve,pd")
+    parser.add_argument("--pd-concurrency", type=int, default=64,
+                        help="streams at once through `baton up --prefill 1 --decode 1`")
     parser.add_argument("--json", default=None)
     parser.add_argument("--async-scheduling", default="auto", choices=("auto", "on", "off"),
                         help="the engine's (auto: on, the simulated device runs asynchronously)")
@@ -210,6 +263,10 @@ def main() -> None:
                   f"{r['host_ms_per_step']:.3f} ms/step  worker "
                   f"{r['worker_cpu_us_per_token']:.0f} us/token  client "
                   f"{r['client_cpu_us_per_token']:.0f} us/token", flush=True)
+    if "pd" in paths:
+        r = result["pd"] = pd(args.profile, args.pd_concurrency, args.async_scheduling)
+        print(f"up P/D  c{r['concurrency']:<4} decode busy {r['busy']:.3f}  while stepping "
+              f"{r['busy_while_stepping']:.3f}  {r['tokens_per_s']:.0f} tokens/s", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=2)

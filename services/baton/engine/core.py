@@ -230,19 +230,19 @@ class EngineCore:
     def _step_ahead(self) -> list[EngineOutput]:
         """Async scheduling (`step_pipeline`): schedule and launch the next step, then read
         the one in flight while the next runs."""
-        outputs: list[EngineOutput] = []
-        prev, self._launched = self._launched, None
-        if prev is not None and prev.sync:
-            outputs, prev = self._read(prev), None
+        prev, self._launched = self._launched, None  # never a `sync` one: read at launch
         sched = self.scheduler.schedule()
-        outputs += [self._final_output(r, [], "", None) for r in self.scheduler.drain_ended()]
+        outputs = [self._final_output(r, [], "", None) for r in self.scheduler.drain_ended()]
         if sched.is_empty:
             return outputs + (self._read(prev) if prev is not None else [])
         self.stats.count(sched)
         if prev is not None and not self.runner.launches_async:
             fill_inputs(prev)
         try:
-            handle = self.runner.launch(sched, self.kv.get_block_ids, since=self._step_t0)
+            # the device's wait counts from its last step's end if one was in flight when
+            # this call began (the host owed it the next), else from the call's start
+            handle = self.runner.launch(sched, self.kv.get_block_ids,
+                                        since=0.0 if prev is not None else self._step_t0)
         except Exception as err:  # noqa: BLE001 - as in a synchronous step
             return (outputs + (self._read(prev) if prev is not None else [])
                     + self._step_failed(sched, err))

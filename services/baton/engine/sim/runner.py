@@ -6,7 +6,9 @@ request runs to its `max_tokens` (or a stop string its nonsense happens to conta
 Guesses (`engine.spec`) are verified as rows and always rejected; no logprobs are produced.
 
 The tokenizer (and its vocabulary, EOS, chat template) is the checkpoint's `--model` (the
-bundled model by default); the device's cost is the profile's model (`--sim-profile`)."""
+bundled model by default); the device's cost is the profile's model (`--sim-profile`).
+A disaggregated engine (a KV transport) holds a stand-in KV cache whose blocks the
+transports move for real; a pull's time is loopback's for those bytes, not modelled."""
 
 from __future__ import annotations
 
@@ -41,10 +43,9 @@ class SimStep:
 
 class SimRunner:
     def __init__(self, config, model_dir: Path) -> None:
-        if (config.parallel.tensor_parallel_size > 1 or config.kv_transfer.transport
-                or config.cache.kv_offload_gib):
-            raise ValueError("--device sim serves one colocated engine: tensor parallelism, "
-                             "KV transports and the KV offload tiers are not simulated")
+        if config.parallel.tensor_parallel_size > 1 or config.cache.kv_offload_gib:
+            raise ValueError("--device sim serves one engine's device: tensor parallelism "
+                             "and the KV offload tiers are not simulated")
         if config.lora.enabled:
             raise ValueError("--device sim does not simulate LoRA adapters")
         self.config = config
@@ -56,6 +57,11 @@ class SimRunner:
             self.profile.kv_pool_bytes // (self.block_size * model.kv_bytes_per_token))
         self.max_model_len = config.checkpoint.max_model_len or model.max_model_len
         self.device = SimDevice()
+        # A disaggregated engine's KV transport moves blocks of this stand-in cache (16 bytes
+        # a token for each of K and V, not the model's): handshakes, leases, pulls and their
+        # failures are real; their time is loopback's for those bytes, not the profile's.
+        self.kv_cache = None if not config.kv_transfer.transport else _stand_in_cache(
+            self.num_blocks, self.block_size)
         self.tp, self.tp_leader, self.lora = TPGroup(), None, None
         self.sampler = Sampler(config.compute.seed)  # the engine releases requests' state
         self.rejection = RejectionSampler(config.compute.seed)
@@ -113,3 +119,8 @@ class SimRunner:
         """Nothing to stop."""
 
 
+def _stand_in_cache(num_blocks: int, block_size: int):
+    """(layers, K/V, blocks, block_size, KV heads, head dim) = (1, 2, N, B, 1, 8) bf16."""
+    import torch  # only a disaggregated simulated engine holds one
+
+    return torch.zeros(1, 2, num_blocks, block_size, 1, 8, dtype=torch.bfloat16)

@@ -117,3 +117,43 @@ def test_step_timing_renders_as_prometheus_series():
     assert 'baton:engine_step_host_seconds_bucket{le="0.002"} 1.0' in text
     assert 'baton:engine_step_host_seconds_bucket{le="0.005"} 2.0' in text
     assert timing.busy_fraction == pytest.approx(0.75)
+
+
+def test_a_disaggregated_pair_on_the_sim_device_pulls_kv_and_decodes_asynchronously():
+    import time
+
+    from baton.engine.core import EngineCore
+    from baton.engine.kv_connector import HoldKV, PullKV
+
+    def core(role: str) -> EngineCore:
+        return EngineCore(EngineConfig.from_args(
+            device="sim", sim_profile="h100-llama3-8b", kv_transport="local",
+            engine_id=f"sim-{role}-{time.monotonic_ns()}", num_kv_blocks=256))
+
+    p, d = core("prefill"), core("decode")
+    try:
+        prompt = [100 + i % 500 for i in range(700)]
+        p.add(p.make_request("a", prompt, SamplingParams(max_tokens=1), kv=HoldKV()))
+        final = None
+        while final is None:
+            final = next((o for o in p.step() if o.finished), None)
+        assert final.kv_transfer_params is not None and p.kv.num_used_blocks == 44
+        assert d.async_scheduling
+        tokens = [t for o in d.add(d.make_request("a", prompt, SamplingParams(max_tokens=12),
+                                                  kv=PullKV(final.kv_transfer_params)))
+                  for t in o.new_token_ids]
+        deadline = time.monotonic() + 30
+        while d.has_unfinished_requests() and time.monotonic() < deadline:
+            tokens += [t for o in d.step() for t in o.new_token_ids]
+            time.sleep(0.001)
+        assert len(tokens) == 12 and tokens[0] == final.new_token_ids[0]
+        assert d.connector.kv_stats().bytes_total == 44 * 16 * 2 * 8 * 2  # the stand-in's
+        assert d.metrics_snapshot().prompt_tokens_total == 0  # pulled, not prefilled
+        deadline = time.monotonic() + 5
+        while p.kv.num_used_blocks and time.monotonic() < deadline:  # the lease ends
+            p.step()
+            time.sleep(0.01)
+        assert p.kv.num_used_blocks == 0 and d.kv.num_used_blocks == 0
+    finally:
+        p.close()
+        d.close()
