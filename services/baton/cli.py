@@ -129,7 +129,7 @@ def _serve(args) -> int:
         watcher = ConfigWatcher(args.config_dir)
         engine = configure(engine, watcher.load_initial(), pinned)
     settings = _worker_settings(args, engine, pinned)
-    state = WorkerState(settings, watcher)
+    state = WorkerState(settings, watcher, freeze_heap=True)
     serve(build_app(settings, state), state, args.host, args.port, args.log_level,
           settings.drain_timeout_s, args.header_timeout)
     if state.load_error is not None:

@@ -6,7 +6,6 @@ Single-threaded: `add_request`, `abort_requests` and `step` must be called from 
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 import time
@@ -38,7 +37,7 @@ from baton.engine.sim.runner import SimRunner
 from baton.engine.spec.decider import Speculator
 from baton.engine.spec.draft import load_draft
 from baton.engine.step_counters import StepCounters
-from baton.engine.step_pipeline import Launched, async_scheduling, fill_inputs, launched
+from baton.engine.step_pipeline import Launched, async_scheduling, check_live, fill_inputs, launched
 from baton.engine.stops import text_end, token_ends
 from baton.engine.structured.base import CompiledGrammar, GrammarCompileError
 from baton.engine.structured.manager import StructuredOutputs, rebuild
@@ -88,10 +87,6 @@ class EngineCore:
         self.async_scheduling = async_scheduling(config, self.runner)  # `step_pipeline`
         self._launched: Launched | None = None  # the step in flight (async scheduling)
         self._step_t0 = 0.0  # when the current step() began
-        # What loading made (~10^6 objects) lives as long as the engine: frozen, a full
-        # collection scans only what serving makes (else ~200 ms, the device idle)
-        gc.collect()
-        gc.freeze()
 
     # -- requests --------------------------------------------------------------------------
     def make_request(self, request_id: str, prompt_token_ids: list[int],
@@ -172,16 +167,20 @@ class EngineCore:
 
     def abort_requests(self, request_ids) -> list[EngineOutput]:
         ended = self.scheduler.finish_requests(request_ids, RequestStatus.FINISHED_ABORTED)
-        return [self._final_output(req, [], "", None) for req in ended]
+        outputs = [self._final_output(req, [], "", None) for req in ended]
+        launched = self._launched
+        if launched is not None and not self.scheduler.has_unfinished_requests():
+            self._launched = None  # its requests are gone: read it, keep none in flight
+            outputs += self._read(launched)
+        return outputs
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
     # -- the step --------------------------------------------------------------------------
     def idle_for(self) -> float:
-        """Seconds the next step would be empty although requests wait (the dynamic
-        policy's window; a poll interval while only KV loads are in flight): the caller
-        may sleep that long."""
+        """Seconds the caller may sleep: the next step would be empty although requests
+        wait (`Scheduler.idle_for`)."""
         return self.scheduler.idle_for()
 
     @property
@@ -249,8 +248,8 @@ class EngineCore:
         step = launched(sched, handle)
         if prev is not None:
             outputs += self._read(prev)
-        if step.sync:
-            return outputs + self._read(step)
+        if step.sync or not self.scheduler.has_unfinished_requests():  # nothing to overlap:
+            return outputs + self._read(step)  # an idle engine keeps no step in flight
         self._launched = step
         return outputs
 
@@ -384,6 +383,7 @@ class EngineCore:
         """Apply live-tuned knobs between steps (call on the engine thread). The scheduler's
         limits may not exceed the ones the engine started with (buffers are sized then)."""
         self.config.check_live(live)
+        check_live(self.async_scheduling, live)
         self.scheduler.limits = replace(
             self.scheduler.limits, max_num_seqs=live.scheduler.max_num_seqs,
             max_num_batched_tokens=live.scheduler.max_num_batched_tokens)

@@ -24,7 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Protocol
 
-from baton.engine.config import EngineConfig, SchedulingPolicy
+from baton.engine.config import EngineConfig, LiveSettings, SchedulingPolicy
+from baton.engine.kv_connector.handoff import HoldKV
 from baton.engine.request import Request
 from baton.engine.runner.model_runner import StepResult
 from baton.engine.scheduler.output import SchedulerOutput
@@ -63,6 +64,13 @@ def async_scheduling(config: EngineConfig, runner) -> bool:
     return bool(scheduler.async_scheduling or runner.launches_async)
 
 
+def check_live(scheduling_async: bool, live: LiveSettings) -> None:
+    """Live tuning cannot turn speculative decoding on in an engine scheduling ahead."""
+    if scheduling_async and live.scheduler.speculative.method is not None:
+        raise ValueError("speculative decoding needs each step's tokens before the next: "
+                         "this engine schedules asynchronously")
+
+
 def launched(sched: SchedulerOutput, handle: StepHandle) -> Launched:
     """A step just launched: its requests' counters advance as if it had run, a pending
     token for each that samples (a row's `samples` is read now: it counts from them)."""
@@ -72,7 +80,7 @@ def launched(sched: SchedulerOutput, handle: StepHandle) -> Launched:
     sync = False
     for req in sampling:
         req.add_pending()
-        sync = sync or req.grammar is not None or req.kv_handoff is not None
+        sync = sync or req.grammar is not None or isinstance(req.kv_handoff, HoldKV)
     return Launched(sched, handle, sampling, sync)
 
 

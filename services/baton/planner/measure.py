@@ -130,7 +130,8 @@ class Profiler:
             sim_profile=settings.sim_profile, block_size=block, max_num_batched_tokens=settings.max_num_batched_tokens,
             max_num_seqs=max(settings.max_num_seqs, max(self.grid.decode_batches)),
             enable_prefix_caching=False, num_kv_blocks=blocks + 8,
-            num_threads=settings.num_threads))
+            num_threads=settings.num_threads,
+            async_scheduling=False))  # each timed step read before the next (`_timed_step`)
         self._rng = np.random.default_rng(settings.seed)
         self._count = 0
 

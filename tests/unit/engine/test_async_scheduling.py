@@ -9,13 +9,16 @@ synchronous engine gives."""
 from __future__ import annotations
 
 import json
+import time
+from dataclasses import replace
 
 import pytest
 
 from baton import LLM, SamplingParams
 from baton.common.sampling_params import StructuredOutput
+from baton.engine.config import SpeculativeConfig
 from baton.engine.kv_cache import KVCacheManager
-from baton.engine.request import PENDING, Request
+from baton.engine.request import PENDING, Request, RequestStatus
 from baton.engine.scheduler import SchedulerLimits, make_scheduler
 from tests.conftest import parity_prompts
 
@@ -72,6 +75,25 @@ def test_a_request_whose_pending_token_is_its_last_is_not_scheduled_again():
     ended = sched.resolve_pending([last, more], {"last": [5], "more": [6]}, {})
     assert ended == [last] and last.output_token_ids == [5]
     assert more.output_token_ids == [6] and more.num_pending == 0
+
+
+def test_a_request_alone_out_of_room_waits_for_its_token_in_flight_before_it_ends():
+    # 4 blocks of 4: "a" holds 3 and needs a 4th for its next token, which another holder
+    # (a KV load, a lease) has; alone, it can never fit — but its token in flight decides
+    kv = KVCacheManager(num_blocks=4, block_size=4, enable_caching=False)
+    sched = make_scheduler(SchedulerLimits(64, 4, 64), kv)
+    a = _request("a", 12)
+    sched.add_request(a)
+    first = sched.schedule()
+    assert [s.num_new_tokens for s in first.scheduled] == [12]
+    a.num_computed_tokens = 12
+    a.add_pending()
+    assert kv.allocate_slots(_request("holder", 4), 4) is not None
+    assert sched.schedule().is_empty and a.status == RequestStatus.RUNNING
+    assert sched.resolve_pending([a], {"a": [5]}, {}) == []
+    sched.schedule()  # now it ends: "length", with the token it sampled
+    assert a.status == RequestStatus.FINISHED_LENGTH_CAPPED and a.output_token_ids == [5]
+    assert sched.drain_ended() == [a]
 
 
 # -- the simulated device ------------------------------------------------------------------
@@ -140,12 +162,35 @@ def test_the_device_is_idle_only_for_what_the_host_did_not_overlap():
     assert busy[True] > busy[False]
 
 
+def test_an_idle_engine_keeps_no_step_in_flight_and_its_idleness_is_not_host_time():
+    llm = LLM(**SIM, max_num_seqs=4)
+    core = llm.engine
+    core.add_request("a", [100] * 50, SamplingParams(max_tokens=50, ignore_eos=True))
+    for _ in range(4):
+        core.step()
+    assert core.abort_requests(["a"])[0].finish_reason == "abort"
+    time.sleep(0.3)  # idle: nothing to do, no step owed
+    before = core.timing.snapshot()
+    outs = llm.generate([[200] * 30], SamplingParams(max_tokens=5, ignore_eos=True),
+                        use_tqdm=False)
+    assert len(outs[0].outputs[0].token_ids) == 5
+    assert core.timing.host_s - before.host_s < 0.1
+    core.check_integrity()
+    assert core.kv.num_used_blocks == 0
+
+
 def test_modes_that_need_each_steps_tokens_refuse_it():
     with pytest.raises(ValueError, match="speculative decoding"):
         LLM(**SIM, async_scheduling=True,
             speculative_config={"method": "ngram", "num_speculative_tokens": 2})
     with pytest.raises(ValueError, match="static policy"):
         LLM(**SIM, async_scheduling=True, scheduling_policy="static")
+    core = LLM(**SIM).engine
+    live = core.config.live_settings
+    spec = replace(live.scheduler, speculative=SpeculativeConfig.parse(
+        {"method": "ngram", "num_speculative_tokens": 2}))
+    with pytest.raises(ValueError, match="schedules asynchronously"):
+        core.reconfigure(replace(live, scheduler=spec))
     assert not LLM(**SIM, scheduling_policy="dynamic").engine.async_scheduling
 
 

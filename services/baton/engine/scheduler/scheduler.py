@@ -153,7 +153,10 @@ class Scheduler:
                 continue
             known = req.num_tokens - req.num_computed_tokens
             num_new = min(known + len(req.spec_token_ids), budget)
-            if self._allocate_or_preempt(req, num_new, i, out):
+            fits = self._allocate_or_preempt(req, num_new, i, out)
+            if fits is None:
+                i += 1
+            elif fits:
                 guesses = req.spec_token_ids[:max(0, num_new - known)]
                 out.scheduled.append(ScheduledRequest(req, num_new, guesses))
                 budget -= num_new
@@ -166,10 +169,14 @@ class Scheduler:
                 or req.num_tokens >= self.limits.max_model_len)
 
     def _allocate_or_preempt(self, req: Request, num_new: int, index: int,
-                             out: SchedulerOutput) -> bool:
+                             out: SchedulerOutput) -> bool | None:
         """Allocate room for `req`, preempting not-yet-scheduled running requests from
-        `index` on until it fits. False when `req` itself had to be preempted."""
+        `index` on until it fits. False when `req` itself had to be preempted; None when it
+        is left out of this step, running (alone, out of room, with a token in flight that
+        may end it: its end is decided once that is read)."""
         while self.kv.allocate_slots(req, num_new) is None:
+            if self.running == [req] and req.num_pending:
+                return None
             if self.running == [req]:
                 # Alone and still out of room: the pool can never hold it. End it rather
                 # than preempt and recompute it forever.
