@@ -171,9 +171,8 @@ class Scheduler:
     def _allocate_or_preempt(self, req: Request, num_new: int, index: int,
                              out: SchedulerOutput) -> bool | None:
         """Allocate room for `req`, preempting not-yet-scheduled running requests from
-        `index` on until it fits. False when `req` itself had to be preempted; None when it
-        is left out of this step, running (alone, out of room, with a token in flight that
-        may end it: its end is decided once that is read)."""
+        `index` on until it fits. False when `req` itself had to be preempted; None: left
+        out of this step (alone, out of room, a token in flight that may end it first)."""
         while self.kv.allocate_slots(req, num_new) is None:
             if self.running == [req] and req.num_pending:
                 return None
