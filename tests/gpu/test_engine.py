@@ -104,3 +104,24 @@ def test_a_seeded_sampled_request_completes_on_the_device(tiny_model):
         assert a.outputs[0].token_ids == b.outputs[0].token_ids  # the seed is honoured
     llm.engine.check_integrity()
     assert llm.engine.kv.num_used_blocks == 0
+
+
+def test_async_scheduling_launches_ahead_and_gives_the_synchronous_outputs(tiny_model):
+    """Steps launched ahead of the host (`runner/ahead.py`): the pending inputs come from
+    the last step's token tensor on the device; greedy, seeded and stopped requests end as
+    in the synchronous engine, every block back."""
+    prompts = prompt_ids(6, TINY["vocab_size"], seed=8)
+    params = [greedy(24), SamplingParams(temperature=1.0, seed=7, max_tokens=20, logprobs=2),
+              SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[5, 9, 17])] * 2
+    got = {}
+    for mode in (False, True):
+        llm = LLM(tiny_model, device="cuda", dtype="float32", async_scheduling=mode, **SHARE)
+        assert llm.engine.async_scheduling is mode and llm.engine.runner.launches_async
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        got[mode] = [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs]
+        llm.engine.check_integrity()
+        assert llm.engine.kv.num_used_blocks == 0
+        assert llm.engine.timing.device_s > 0
+        del llm
+        torch.cuda.empty_cache()
+    assert got[True] == got[False]

@@ -9,15 +9,17 @@ over those counters, the pending token as a decode's input. Reading the step's r
 fills the pending tokens in (`Scheduler.resolve_pending`) and ends requests as a
 synchronous step would; a request that ended there had one more step launched, whose token
 is dropped. A runner that launches asynchronously (`launches_async`: the simulated device;
-a GPU runner taking the inputs from the previous step's device tensor) never needs a
-pending token's id on the host; a synchronous runner (ModelRunner on CPU) has run the step
-by the time it returns, so the engine writes its tokens in before launching the next
-(`fill_inputs`), and greedy output is the same either way.
+ModelRunner on CUDA, which takes the inputs from the previous step's token tensor on the
+device, `runner/ahead.py`) never needs a pending token's id on the host; a synchronous
+runner (ModelRunner on CPU) has run the step by the time it returns, so the engine writes
+its tokens in before launching the next (`fill_inputs`), and the outputs are the same
+either way. `auto` turns it on where the runner says so (`async_by_default`: the simulated
+device; not yet ModelRunner on CUDA, unmeasured on a GPU).
 
 A request whose next step needs its last token on the host — a structured output's grammar
 masks the next token's logits by it; a prefill whose KV a puller takes once its token is
-known — makes its step a synchronous one (`Launched.sync`): the engine reads it before it
-schedules again."""
+known; penalties counted on the host when the inputs come from the device — makes its step
+a synchronous one (`Launched.sync`): the engine reads it at once."""
 
 from __future__ import annotations
 
@@ -61,7 +63,7 @@ def async_scheduling(config: EngineConfig, runner) -> bool:
         raise ValueError(f"async_scheduling does not combine with {why}")
     if why is not None or scheduler.async_scheduling is False:
         return False
-    return bool(scheduler.async_scheduling or runner.launches_async)
+    return bool(scheduler.async_scheduling or runner.async_by_default)
 
 
 def check_live(scheduling_async: bool, live: LiveSettings) -> None:
@@ -71,17 +73,25 @@ def check_live(scheduling_async: bool, live: LiveSettings) -> None:
                          "this engine schedules asynchronously")
 
 
-def launched(sched: SchedulerOutput, handle: StepHandle) -> Launched:
+def launched(sched: SchedulerOutput, handle: StepHandle, device_inputs: bool) -> Launched:
     """A step just launched: its requests' counters advance as if it had run, a pending
-    token for each that samples (a row's `samples` is read now: it counts from them)."""
+    token for each that samples (a row's `samples` is read now: it counts from them).
+    `device_inputs`: the runner takes pending inputs from the device, so the sampler's
+    penalties, which count a request's outputs on the host, need them read too."""
     sampling = [s.request for s in sched.scheduled if s.samples]
     for s in sched.scheduled:
         s.request.num_computed_tokens += s.num_new_tokens
     sync = False
     for req in sampling:
         req.add_pending()
-        sync = sync or req.grammar is not None or isinstance(req.kv_handoff, HoldKV)
+        sync = sync or req.grammar is not None or isinstance(req.kv_handoff, HoldKV) or (
+            device_inputs and _penalised(req))
     return Launched(sched, handle, sampling, sync)
+
+
+def _penalised(req: Request) -> bool:
+    p = req.sampling_params
+    return bool(p.frequency_penalty or p.presence_penalty or p.repetition_penalty != 1.0)
 
 
 def fill_inputs(prev: Launched) -> None:

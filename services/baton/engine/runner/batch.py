@@ -43,6 +43,11 @@ class FlatBatch:
     # (sum of the spans' counts,) int64 on the device: the prompt tokens the spans' rows
     # predict, span after span
     prompt_targets: torch.Tensor | None = None
+    # Async scheduling on the device (`runner/ahead.py`): the rows whose input is a token
+    # the previous step sampled, not known on the host, and where each is in that step's
+    # sampled tokens; (P,) int64 on the device, or None
+    pending_rows: torch.Tensor | None = None
+    pending_src: torch.Tensor | None = None
 
     @property
     def seq_requests(self) -> list[Request]:
@@ -51,12 +56,14 @@ class FlatBatch:
 
 
 def build_batch(scheduled: list[ScheduledRequest], block_ids_of: Callable[[str], list[int]],
-                block_size: int, device: torch.device, staging: HostStaging | None = None
-                ) -> FlatBatch:
+                block_size: int, device: torch.device, staging: HostStaging | None = None,
+                pending: dict[str, int] | None = None) -> FlatBatch:
     """The step's flat batch; its tensors reach `device` in one copy through `staging` (the
     runner's, reused across steps; a fresh one when None). A request verifying guesses
     (`engine.spec`) becomes one decode per row, each attending its own context, so every
-    attention backend and decode path treats its rows exactly as plain decode steps'."""
+    attention backend and decode path treats its rows exactly as plain decode steps'.
+    `pending`: request id -> where its pending token is in the previous step's sampled
+    tokens, when the device fills those inputs in (`FlatBatch.pending_rows`)."""
     entries = sorted(scheduled, key=lambda s: (s.num_new_tokens != 1 and not s.spec_token_ids,
                                                -s.request.num_computed_tokens))
     pieces = _pieces(entries)
@@ -72,9 +79,14 @@ def build_batch(scheduled: list[ScheduledRequest], block_ids_of: Callable[[str],
     row_of: dict[tuple[int, int], int] = {}  # (entry, position) -> its batch row
     spans: list[PromptLogprobSpan] = []
     targets: list[np.ndarray] = []
+    pending_rows: list[int] = []
+    pending_src: list[int] = []
     for s, start, count in pieces:
         end = start + count
         blocks = block_ids_of(s.request.request_id)
+        if pending is not None and s.request.num_pending and end > s.request.num_known_tokens:
+            pending_rows.append(len(tokens) + s.request.num_known_tokens - start)
+            pending_src.append(pending[s.request.request_id])
         tokens.extend(s.input_ids(start, end))
         if count == 1:
             positions.append(start)
@@ -98,10 +110,11 @@ def build_batch(scheduled: list[ScheduledRequest], block_ids_of: Callable[[str],
                                      s.start + s.num_new_tokens)]
     table = _block_table(tables)
     staging = staging if staging is not None else HostStaging(device)
-    ids, pos, slot_mapping, flat_table, rows, prompt_targets = staging.pack(
+    ids, pos, slot_mapping, flat_table, rows, prompt_targets, p_rows, p_src = staging.pack(
         [tokens, np.concatenate([np.asarray(positions, np.int64), *chunk_positions]),
          np.concatenate([np.asarray(slots, np.int64), *chunk_slots]), table.reshape(-1),
-         logits_indices, np.concatenate(targets) if targets else []])
+         logits_indices, np.concatenate(targets) if targets else [], pending_rows,
+         pending_src])
     layout = BatchLayout(
         query_start_loc=qsl, context_lens=ctx_lens, seq_lens=seq_lens, num_decodes=num_decodes,
         block_tables=flat_table.view(table.shape), slot_mapping=slot_mapping,
@@ -109,7 +122,8 @@ def build_batch(scheduled: list[ScheduledRequest], block_ids_of: Callable[[str],
     return FlatBatch(
         input_ids=ids, positions=pos, layout=layout, entries=entries,
         logits_indices=logits_indices, sampling_entries=sampling, prompt_logprob_spans=spans,
-        logits_rows=rows, prompt_targets=prompt_targets)
+        logits_rows=rows, prompt_targets=prompt_targets,
+        pending_rows=p_rows if pending_rows else None, pending_src=p_src if pending_rows else None)
 
 
 def _pieces(entries: list[ScheduledRequest]) -> list[tuple[ScheduledRequest, int, int]]:

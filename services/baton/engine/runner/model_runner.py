@@ -21,6 +21,7 @@ from baton.engine.models.base import CausalLM
 from baton.engine.models.layers import local_heads
 from baton.engine.models.loader import default_cache_dir, load_model
 from baton.engine.platforms import make_platform
+from baton.engine.runner.ahead import LaunchedRow, StepInFlight, fill_pending, sampled_index, stage
 from baton.engine.runner.batch import FlatBatch, build_batch
 from baton.engine.runner.cuda_graphs import DecodeGraphs, capture_sizes
 from baton.engine.runner.memory import CudaMemory, KVMemoryPlan, KVMemoryProfiler, largest_batch
@@ -29,7 +30,7 @@ from baton.engine.runner.tp_wire import logits_calls
 from baton.engine.sampler import Sampler
 from baton.engine.scheduler.output import SchedulerOutput
 from baton.engine.spec.rejection import RejectionSampler
-from baton.engine.spec.verify import sampler_rows, verify
+from baton.engine.spec.verify import sampler_rows
 from baton.engine.staging import HostStaging
 from baton.engine.structured.masks import fill_grammar_masks
 
@@ -158,6 +159,9 @@ class ModelRunner:
         self.rejection = RejectionSampler(config.compute.seed)  # sampled requests' guesses
         self.staging = HostStaging(self.device)  # the batch metadata's one copy a step
         self.busy_seconds = 0.0  # time in the model steps (forward, logits, sampling)
+        # `launch` launches ahead (tests set it on CPU, where the launch runs the step)
+        self.launches_async = self.device.type == "cuda" and self.tp_leader is None
+        self._ahead: StepInFlight | None = None  # the last step launched ahead
         self.max_model_len = max_model_len
         self.platform.warm_up(self)
         self.lora = None if lora_targets is None else LoRAManager(
@@ -259,17 +263,30 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    # `launch` runs the step before it returns (the sampler reads its tokens back on the
-    # host): the engine writes a step's pending token ids in before launching the next
-    launches_async = False
+    # Async scheduling (`engine.step_pipeline`): on CUDA without tensor parallelism a step
+    # is launched ahead of the host (`runner/ahead.py`); elsewhere `launch` runs it whole and
+    # the engine writes a step's pending token ids in first. Off unless asked for.
+    async_by_default = False
     idle_seconds = None  # not tracked: the device waits on the host whenever it is not stepping
 
     def launch(self, out: SchedulerOutput, block_ids_of: Callable[[str], list[int]],
-               since: float | None = None) -> FinishedStep:
-        """The engine's async-scheduling seam (`engine.step_pipeline`): this runner runs the
-        step now; its pending input ids (the previous step's tokens) were filled in on the
-        host."""
-        return FinishedStep(self.execute(out, block_ids_of))
+               since: float | None = None) -> FinishedStep | StepInFlight:
+        """The engine's async-scheduling seam: the step launched; `result()` reads it."""
+        if not self.launches_async:
+            return FinishedStep(self.execute(out, block_ids_of))
+        prev, self._ahead = self._ahead, None
+        batch = build_batch(out.rows, block_ids_of, self.block_size, self.device,
+                            self.staging, pending=prev.token_index if prev is not None else {})
+        t0 = time.perf_counter()
+        with torch.inference_mode():
+            fill_pending(batch, prev)
+            step = self._launch_step(batch, ahead=True)
+        if step.timed is None:  # no CUDA events: the launch ran the step (CPU)
+            self.busy_seconds += time.perf_counter() - t0
+        else:  # read when the step is: its events' time
+            step.on_timed = self._add_busy
+        self._ahead = step
+        return step
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput, block_ids_of: Callable[[str], list[int]]
@@ -285,42 +302,52 @@ class ModelRunner:
         t0 = time.perf_counter()
         try:
             if self.tp_leader is None:
-                return self._execute(batch)
+                return self._launch_step(batch).result()
             # the followers run the same forward and logits calls, within the step timeout
             with self.tp_leader.stepping(batch, logits_calls(batch, PROMPT_LOGPROB_ROWS)):
-                return self._execute(batch)
+                return self._launch_step(batch).result()
         finally:  # the model step, as the device's time (common.step_timing)
             self.busy_seconds += time.perf_counter() - t0
 
-    def _execute(self, batch: FlatBatch) -> StepResult:
+    def _launch_step(self, batch: FlatBatch, ahead: bool = False) -> StepInFlight:
+        """The step's forward, logits and the sampler's device part; `ahead`: its tokens'
+        copy to the host queued (CUDA: non-blocking, timed by events), not waited for."""
         entries = batch.sampling_entries
         # one row per sampling row (a request with k guesses has k + 1), each with the
         # guesses scored before it; the sampler draws all but the rows verified by
         # rejection sampling (`engine.spec`)
         every = [s.request for s in entries for _ in range(s.num_sampled)]
-        ahead = ([s.spec_token_ids[:i] for s in entries for i in range(s.num_sampled)]
-                 if any(s.spec_token_ids for s in entries) else None)
+        guessed = ([s.spec_token_ids[:i] for s in entries for i in range(s.num_sampled)]
+                   if any(s.spec_token_ids for s in entries) else None)
         rows = sampler_rows(entries)
         reqs = [every[i] for i in rows]
+        timed = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) \
+            if ahead and self.device.type == "cuda" else None
+        if timed is not None:
+            timed[0].record()
         hidden = self._forward(batch)  # (T, h)
-        # Host work while a GPU runs the forward (launched, not finished): grammar masks.
-        masks = fill_grammar_masks(every, ahead)
+        masks = fill_grammar_masks(every, guessed)  # host work while a GPU runs the forward
         prompt_lps = self._prompt_logprobs(batch, hidden)
         if not entries:
-            return StepResult({}, {}, {}, prompt_lps)
+            return StepInFlight([], None, None, {}, None, prompt_lps, None, timed=timed)
         assert batch.logits_rows is not None  # build_batch sets it
         logits = self.model.compute_logits(hidden.index_select(0, batch.logits_rows))  # (N, V)
         failed: dict[str, str] = {}
-        tokens: list[int] = []
-        logprobs: list[TokenLogprobs | None] = []
+        staged = None
         if reqs:
             whole = len(rows) == len(every)
-            mine = logits if whole else logits[rows]  # (R, V)
-            tokens, logprobs = self.sampler(mine, reqs, failed,
-                                            masks if whole or masks is None
-                                            else masks.select(rows))
-        out = verify(entries, logits, tokens, logprobs, failed, self.rejection, masks)
-        return StepResult(out.sampled, out.logprobs, failed, prompt_lps, out.guessed)
+            sample = self.sampler.sample_on_device(
+                logits if whole else logits[rows], reqs, failed,
+                masks if whole or masks is None else masks.select(rows))
+            staged = stage(sample, non_blocking=ahead)
+        if timed is not None:
+            timed[1].record()
+        return StepInFlight([LaunchedRow(s) for s in entries] if ahead else entries, logits,
+                            staged, failed, masks, prompt_lps, self.rejection,
+                            sampled_index(reqs), timed)
+
+    def _add_busy(self, seconds: float) -> None:
+        self.busy_seconds += seconds
 
     def _forward(self, batch: FlatBatch) -> torch.Tensor:
         """The last hidden states of every row of the batch, (T, h). A step with LoRA

@@ -72,7 +72,7 @@ class SimRunner:
 
     # `launch` returns at once and the step's tokens are read when it ends, as on a GPU;
     # nothing reads a step's input ids, so a pending token needs no host value
-    launches_async = True
+    launches_async = async_by_default = True
 
     def launch(self, out: SchedulerOutput, block_ids_of, since: float | None = None
                ) -> SimStep:

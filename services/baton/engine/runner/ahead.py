@@ -1,0 +1,142 @@
+"""A model step launched ahead of the host (async scheduling, `engine/step_pipeline.py`).
+
+`ModelRunner` splits a step in two: launching it (batch, forward, logits, the sampler's
+device part) and reading its tokens back (`StepInFlight.result`). Read back at once, that
+is the synchronous step. Launched ahead on CUDA (`ModelRunner.launches_async`), nothing in
+the launch waits on the device: the sampled tokens (and logprob tables) are copied to the
+host by a non-blocking copy queued right after the step, with an event; `result` waits on
+that event only — not on the step launched after it — and the next step takes its pending
+inputs from this step's token tensor on the device (`fill_pending`)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from baton.engine.logprobs import TokenLogprobs, read_logprobs
+from baton.engine.request import Request
+from baton.engine.runner.batch import FlatBatch
+from baton.engine.sampler import DeviceSample
+from baton.engine.scheduler.output import ScheduledRequest
+from baton.engine.spec.rejection import RejectionSampler
+from baton.engine.spec.verify import verify
+from baton.engine.structured.masks import GrammarMasks
+
+
+@dataclass
+class Staged:
+    """A step's sampled tokens (then the logprob tables, as float64) on their way to the
+    host: `host` holds them once `ready` (None: already there) has completed."""
+
+    host: torch.Tensor
+    ready: torch.cuda.Event | None
+    sample: DeviceSample
+
+
+def stage(sample: DeviceSample, non_blocking: bool) -> Staged:
+    """Queue the copy of `sample`'s tokens and logprob tables to the host: one copy (ids are
+    exact as float64). `non_blocking` on CUDA: into pinned memory, an event after it."""
+    flat = sample.tokens if sample.logprobs is None else torch.cat(
+        [sample.tokens.double(), sample.logprobs.reshape(-1)])
+    if sample.tokens.device.type != "cuda":
+        return Staged(flat.cpu(), None, sample)
+    if not non_blocking:
+        return Staged(flat.cpu(), None, sample)  # waits for the step
+    host = flat.to("cpu", non_blocking=True)  # pinned: queued behind the step
+    ready = torch.cuda.Event()
+    ready.record()
+    return Staged(host, ready, sample)
+
+
+def read_staged(staged: Staged) -> tuple[list[int], list[TokenLogprobs | None]]:
+    """The tokens and the logprobs of the rows that asked, once the copy has landed."""
+    if staged.ready is not None:
+        staged.ready.synchronize()
+    sample = staged.sample
+    n = sample.tokens.shape[0]
+    values = staged.host.tolist()
+    tokens = [int(x) for x in values[:n]]
+    lps: list[TokenLogprobs | None] = [None] * n
+    if sample.logprobs is not None:
+        width = sample.logprobs.shape[1]
+        for w, (i, k) in enumerate(zip(sample.logprob_rows, sample.logprob_ks)):
+            lps[i] = read_logprobs(values[n + w * width:n + (w + 1) * width], tokens[i], k)
+    return tokens, lps
+
+
+class LaunchedRow(ScheduledRequest):
+    """A sampling row as it was launched: the engine advances its request's counters at
+    launch, which would change what `samples` / `num_sampled` compute by the time the
+    step is read."""
+
+    def __init__(self, row: ScheduledRequest) -> None:
+        super().__init__(row.request, row.num_new_tokens, row.spec_token_ids)
+        self._num_sampled = row.num_sampled
+
+    @property
+    def samples(self) -> bool:
+        return self._num_sampled > 0
+
+    @property
+    def num_sampled(self) -> int:
+        return self._num_sampled
+
+
+@dataclass
+class StepInFlight:
+    """A launched step: what turns its sampled rows into each request's tokens once read.
+    `tokens` / `token_index`: its sampled tokens on the device and each sampled request's
+    row there, for the next step's pending inputs."""
+
+    entries: list[ScheduledRequest]
+    logits: torch.Tensor | None
+    staged: Staged | None
+    failed: dict[str, str]
+    masks: GrammarMasks | None
+    prompt_logprobs: dict
+    rejection: RejectionSampler | None
+    token_index: dict[str, int] = field(default_factory=dict)
+    timed: tuple[torch.cuda.Event, torch.cuda.Event] | None = None  # CUDA: around the step
+    on_timed: Callable[[float], None] | None = None  # hears the step's device seconds
+    _result: object = None
+
+    @property
+    def tokens(self) -> torch.Tensor | None:
+        return None if self.staged is None else self.staged.sample.tokens
+
+    def result(self):
+        """The step's `StepResult` (waiting for its tokens the first time)."""
+        from baton.engine.runner.model_runner import StepResult
+
+        if self._result is None:
+            tokens, lps = read_staged(self.staged) if self.staged is not None else ([], [])
+            if self.timed is not None and self.on_timed is not None:
+                self.timed[1].synchronize()
+                self.on_timed(self.timed[0].elapsed_time(self.timed[1]) / 1000)
+            if not self.entries:
+                self._result = StepResult({}, {}, {}, self.prompt_logprobs)
+            else:
+                assert self.logits is not None and self.rejection is not None
+                out = verify(self.entries, self.logits, tokens, lps, self.failed,
+                             self.rejection, self.masks)
+                self._result = StepResult(out.sampled, out.logprobs, self.failed,
+                                          self.prompt_logprobs, out.guessed)
+        return self._result
+
+def sampled_index(reqs: list[Request]) -> dict[str, int]:
+    """Each sampled request's row in the step's sampled tokens (one row each: async
+    scheduling runs without speculation)."""
+    return {r.request_id: i for i, r in enumerate(reqs)}
+
+
+def fill_pending(batch: FlatBatch, prev: StepInFlight | None) -> None:
+    """Write the previous step's sampled tokens into this batch's pending input rows, on the
+    device (no host read)."""
+    if batch.pending_rows is None or batch.pending_src is None:
+        return
+    if prev is None or prev.tokens is None:
+        raise RuntimeError("a pending input with no step launched before it to take it from")
+    batch.input_ids.index_copy_(0, batch.pending_rows,
+                                prev.tokens.index_select(0, batch.pending_src))
