@@ -224,7 +224,8 @@ def make_engine(args: argparse.Namespace, model_dir: Path, device: torch.device)
         block_size=args.block_size, max_num_seqs=max_batch,
         max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=False,
         num_kv_blocks=max_batch * per_seq + 16, attention_backend=args.attention_backend,
-        enforce_eager=args.enforce_eager, seed=args.seed))
+        enforce_eager=args.enforce_eager, seed=args.seed,
+        async_scheduling=args.async_scheduling == "on"))
 
 
 def decode_throughput(engine, batch: int, prompt_len: int, max_tokens: int,
@@ -239,7 +240,7 @@ def decode_throughput(engine, batch: int, prompt_len: int, max_tokens: int,
         ids = rng.integers(FIRST_PROMPT_ID, high, size=prompt_len).tolist()
         reqs.append(engine.make_request(f"bench-{batch}-{i}", ids, params, detokenize=False))
         engine.add(reqs[-1])
-    while any(r.num_output_tokens == 0 for r in reqs):
+    while any(r.num_output_tokens == r.num_pending for r in reqs):  # a token read, each
         engine.step()  # prefill, untimed
     for _ in range(DECODE_WARMUP_STEPS):
         engine.step()
@@ -312,6 +313,7 @@ def run_engine(args: argparse.Namespace, device: torch.device, shape: ModelShape
         engine.close()
     return {"shape": dataclasses.asdict(shape), "dtype": args.dtype, "device": device.type,
             "attention_backend": backend, "cuda_graphs": graphs,
+            "async_scheduling": args.async_scheduling,
             "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
             "batches": rows, "weight_floor": floor}
 
@@ -358,6 +360,9 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--max-num-batched-tokens", type=int, default=8192)
     e.add_argument("--attention-backend", choices=("auto", "torch", "triton"), default="auto")
     e.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode")
+    e.add_argument("--async-scheduling", choices=("off", "on"), default="off",
+                   help="launch each step ahead of the host (runner/ahead.py): a step's "
+                        "time is then the wall between steps, host work overlapped")
     return ap
 
 
