@@ -74,6 +74,26 @@ class QuantCheckpoint:
                 found.append(prefix)
         return sorted(found)
 
+    def rows(self, prefix: str) -> int:
+        """The output features (N) of the quantized linear `prefix`, read from its tensors'
+        shapes (the packed ones': `weight_shape`) without unpacking its codes: GPTQ / AWQ
+        `scales` (G, N), compressed-tensors `weight_packed`'s `weight_shape` (N, K), else
+        the int8 / fp8 `weight` (N, K)."""
+        if self.spec.method in ("gptq", "awq"):
+            return self._shape(f"{prefix}.scales")[1]
+        if f"{prefix}.weight_packed" in self._where:
+            shape = self.tensor(f"{prefix}.weight_shape")
+            if shape is None:
+                raise ValueError("the quantized checkpoint lacks the linear's 'weight_shape'")
+            return int(shape[0])
+        return self._shape(f"{prefix}.weight")[0]
+
+    def _shape(self, name: str) -> list[int]:
+        if name not in self._where:
+            raise ValueError(f"the quantized checkpoint lacks the linear's "
+                             f"{name.rpartition('.')[2]!r}")
+        return self._where[name].get_slice(name).get_shape()
+
     def weight(self, prefix: str) -> QuantWeight:
         """The canonical weight of the quantized linear `prefix`."""
         return read_weight(self.spec, prefix, lambda s: self.tensor(f"{prefix}.{s}"))

@@ -210,9 +210,9 @@ def swap_quantized_linears(model: CausalLM, model_dir: Path, device: torch.devic
     swapped, reasons = set(), Counter[str]()
     with QuantCheckpoint(checkpoint_files(model_dir), spec) as ckpt:
         prefixes = ckpt.prefixes
-        # each weight read once for its rows, dropped, read again by the one module it makes:
-        # host memory holds one linear's codes at a time, not the checkpoint's
-        sources = row_sources(model, prefixes, {p: ckpt.weight(p).shape[0] for p in prefixes})
+        # rows from the tensors' shapes; each weight unpacked once, by the one module it
+        # makes: host memory holds one linear's codes at a time, not the checkpoint's
+        sources = row_sources(model, prefixes, {p: ckpt.rows(p) for p in prefixes})
         for module, rows in sources.items():
             parent_name, _, leaf = module.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model

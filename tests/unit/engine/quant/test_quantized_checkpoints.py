@@ -96,6 +96,15 @@ def test_each_format_reads_into_the_weights_it_stands_for(checkpoints, name):
                                    msg=key)
 
 
+@pytest.mark.parametrize("name", list(CHECKPOINTS))
+def test_rows_read_from_the_tensor_shapes_are_the_unpacked_weights(checkpoints, name):
+    path = checkpoints[name][1]
+    with QuantCheckpoint(checkpoint_files(path), read_checkpoint_spec(path)) as ckpt:
+        rows = {p: ckpt.rows(p) for p in ckpt.prefixes}
+        assert rows == {p: ckpt.weight(p).shape[0] for p in ckpt.prefixes}
+    assert sorted(set(rows.values())) == [64, 128, 256]  # k / v, q / o / gate / up, down
+
+
 @pytest.mark.parametrize("name", ["ct-int4-asym-g128", "gptq-int4-asym-g64-act-order",
                                   "awq-g32", "fp8-block64", "ct-fp8-channel"])
 def test_greedy_tokens_equal_transformers_on_the_reference_path(checkpoints, name):
