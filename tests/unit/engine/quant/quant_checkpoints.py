@@ -144,12 +144,18 @@ def pack_along(codes: torch.Tensor, bits: int, dim: int,
     return words.T.contiguous() if dim == 0 else words
 
 
+def unquantized_tensors(model) -> dict[str, torch.Tensor]:
+    """The model's state dict less its quantized linears' weights (which each writer adds
+    in its format) and o_proj's bias (zero, not saved: Qwen2-style checkpoints have none)."""
+    return {k: v for k, v in model.state_dict().items()
+            if not any(f"{lin}.weight" in k for lin in LINEARS) and "o_proj.bias" not in k}
+
+
 def save_gptq(path: Path, bits: int = 4, group: int = 32, sym: bool = True,
               desc_act: bool = False, seed: int = 0, bias: bool = False):
     """A GPTQ (v1) checkpoint of the tiny model: returns (reference model, path)."""
     model = tiny_model(seed, bias)
-    tensors = {k: v for k, v in model.state_dict().items()
-               if not any(f"{lin}.weight" in k for lin in LINEARS) and "o_proj.bias" not in k}
+    tensors = unquantized_tensors(model)
     dequantized = {}
     gen = torch.Generator().manual_seed(seed + 1)
     for name, mod in linears(model):
@@ -174,8 +180,7 @@ def save_awq(path: Path, group: int = 32, seed: int = 0):
     """An AWQ (GEMM, 4-bit, zero point) checkpoint of the tiny model."""
     order = (0, 2, 4, 6, 1, 3, 5, 7)
     model = tiny_model(seed)
-    tensors = {k: v for k, v in model.state_dict().items()
-               if not any(f"{lin}.weight" in k for lin in LINEARS)}
+    tensors = unquantized_tensors(model)
     dequantized = {}
     for name, mod in linears(model):
         w = mod.weight.detach().float()
@@ -194,8 +199,7 @@ def save_awq(path: Path, group: int = 32, seed: int = 0):
 def save_fp8_blocks(path: Path, block: int = 64, seed: int = 0):
     """A transformers fine-grained fp8 checkpoint (e4m3, `weight_scale_inv` per block)."""
     model = tiny_model(seed)
-    tensors = {k: v for k, v in model.state_dict().items()
-               if not any(f"{lin}.weight" in k for lin in LINEARS)}
+    tensors = unquantized_tensors(model)
     dequantized = {}
     for name, mod in linears(model):
         w = mod.weight.detach().float()
