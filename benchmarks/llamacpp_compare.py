@@ -54,7 +54,7 @@ from pathlib import Path
 
 import aiohttp
 
-from benchmarks.procs import free_port_run, wait_ready
+from benchmarks.procs import free_port_run, sse_events, wait_ready
 from benchmarks.quantized import cpu_flags
 
 TEXT = Path(__file__).parent / "data" / "gpl-3.0.txt"
@@ -129,10 +129,7 @@ async def decode_rate(url: str, model: str, tokens: int) -> float:
                                 json=_body(model, PROMPT, tokens, True)) as resp:
             if resp.status != 200:
                 raise RuntimeError(f"{url}: HTTP {resp.status}: {await resp.text()}")
-            async for line in resp.content:
-                if not line.startswith(b"data:") or line[5:].strip() == b"[DONE]":
-                    continue
-                event = json.loads(line[5:])
+            async for event in sse_events(resp):
                 if event.get("usage"):
                     n = event["usage"]["completion_tokens"]
                 if any(c.get("text") for c in event.get("choices") or ()):

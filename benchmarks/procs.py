@@ -1,12 +1,18 @@
-"""Loopback ports, readiness waits and log tails for the benchmarks and scenarios that start
-servers."""
+"""Loopback ports, readiness waits, log tails and streamed (SSE) responses' events for the
+benchmarks and scenarios that start servers."""
 
 from __future__ import annotations
 
+import json
 import socket
 import subprocess
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import aiohttp
 
 
 def free_port() -> int:
@@ -52,3 +58,12 @@ def wait_ready(url: str, proc: subprocess.Popen, timeout: float, probe: str = "/
 def tail(path: Path, chars: int = 3000) -> str:
     """The end of a log file ("" when there is none)."""
     return path.read_text(errors="replace")[-chars:] if path.exists() else ""
+
+
+async def sse_events(resp: aiohttp.ClientResponse) -> AsyncIterator[dict]:
+    """Each `data:` event of a streamed response, parsed, as its line arrives (the
+    `[DONE]` sentinel and other lines skipped)."""
+    async for line in resp.content:
+        if not line.startswith(b"data:") or line[5:].strip() == b"[DONE]":
+            continue
+        yield json.loads(line[5:])

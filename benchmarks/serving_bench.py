@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from baton_loadtest.workload import OfflineRequest, chat_workload
-from benchmarks.procs import free_port, free_port_run, wait_ready
+from benchmarks.procs import free_port, free_port_run, sse_events, wait_ready
 from benchmarks.threads_cpu import cpu_by_role
 
 MODEL = "SmolLM2-135M-Instruct"
@@ -82,10 +82,7 @@ async def _stream(session: aiohttp.ClientSession, url: str, req: OfflineRequest)
     async with session.post(url, json=body) as resp:
         if resp.status != 200:
             raise RuntimeError(f"{url}: HTTP {resp.status}: {await resp.text()}")
-        async for line in resp.content:
-            if not line.startswith(b"data:") or line[5:].strip() == b"[DONE]":
-                continue
-            event = json.loads(line[5:])
+        async for event in sse_events(resp):
             if event.get("usage"):
                 st.tokens = event["usage"]["completion_tokens"]
             choices = event.get("choices") or ()
