@@ -30,7 +30,7 @@ from baton.engine.outputs import EngineOutput
 from baton.engine.request import Request, RequestStatus
 from baton.engine.request_checks import check_handoff, check_params, check_prompt
 from baton.engine.runner import ModelRunner
-from baton.engine.runner.model_runner import StepResult
+from baton.engine.runner.step_result import StepResult
 from baton.engine.scheduler import SchedulerLimits, make_scheduler
 from baton.engine.scheduler.output import EngineEnd, ScheduledRequest
 from baton.engine.sim.runner import SimRunner

@@ -29,7 +29,7 @@ from typing import Protocol
 from baton.engine.config import EngineConfig, LiveSettings, SchedulingPolicy
 from baton.engine.kv_connector.handoff import HoldKV
 from baton.engine.request import Request
-from baton.engine.runner.model_runner import StepResult
+from baton.engine.runner.step_result import StepResult
 from baton.engine.scheduler.output import SchedulerOutput
 
 

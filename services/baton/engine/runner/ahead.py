@@ -18,6 +18,7 @@ import torch
 from baton.engine.logprobs import TokenLogprobs, read_logprobs
 from baton.engine.request import Request
 from baton.engine.runner.batch import FlatBatch
+from baton.engine.runner.step_result import StepResult
 from baton.engine.sampler import DeviceSample
 from baton.engine.scheduler.output import ScheduledRequest
 from baton.engine.spec.rejection import RejectionSampler
@@ -100,16 +101,14 @@ class StepInFlight:
     token_index: dict[str, int] = field(default_factory=dict)
     timed: tuple[torch.cuda.Event, torch.cuda.Event] | None = None  # CUDA: around the step
     on_timed: Callable[[float], None] | None = None  # hears the step's device seconds
-    _result: object = None
+    _result: StepResult | None = None
 
     @property
     def tokens(self) -> torch.Tensor | None:
         return None if self.staged is None else self.staged.sample.tokens
 
-    def result(self):
+    def result(self) -> StepResult:
         """The step's `StepResult` (waiting for its tokens the first time)."""
-        from baton.engine.runner.model_runner import StepResult
-
         if self._result is None:
             tokens, lps = read_staged(self.staged) if self.staged is not None else ([], [])
             if self.timed is not None and self.on_timed is not None:

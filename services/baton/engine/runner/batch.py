@@ -59,18 +59,15 @@ def build_batch(scheduled: list[ScheduledRequest], block_ids_of: Callable[[str],
                 block_size: int, device: torch.device, staging: HostStaging | None = None,
                 pending: dict[str, int] | None = None) -> FlatBatch:
     """The step's flat batch; its tensors reach `device` in one copy through `staging` (the
-    runner's, reused across steps; a fresh one when None). A request verifying guesses
-    (`engine.spec`) becomes one decode per row, each attending its own context, so every
-    attention backend and decode path treats its rows exactly as plain decode steps'.
-    `pending`: request id -> where its pending token is in the previous step's sampled
-    tokens, when the device fills those inputs in (`FlatBatch.pending_rows`)."""
+    runner's, reused; a fresh one when None). A request verifying guesses (`engine.spec`)
+    becomes one decode per row, each attending its own context, as plain decodes'.
+    `pending`: request id -> its pending token's row in the last step's sampled tokens."""
     entries = sorted(scheduled, key=lambda s: (s.num_new_tokens != 1 and not s.spec_token_ids,
                                                -s.request.num_computed_tokens))
     pieces = _pieces(entries)
     num_decodes = sum(1 for _, _, n in pieces if n == 1)
     tokens: list[int] = []
-    # The one-token rows' positions and slots as plain ints (a small numpy array per row
-    # costs more), then each chunk's as arrays.
+    # One-token rows' positions and slots as ints (cheaper than an array each), chunks' arrays
     positions: list[int] = []
     slots: list[int] = []
     chunk_positions: list[np.ndarray] = []
@@ -79,14 +76,9 @@ def build_batch(scheduled: list[ScheduledRequest], block_ids_of: Callable[[str],
     row_of: dict[tuple[int, int], int] = {}  # (entry, position) -> its batch row
     spans: list[PromptLogprobSpan] = []
     targets: list[np.ndarray] = []
-    pending_rows: list[int] = []
-    pending_src: list[int] = []
     for s, start, count in pieces:
         end = start + count
         blocks = block_ids_of(s.request.request_id)
-        if pending is not None and s.request.num_pending and end > s.request.num_known_tokens:
-            pending_rows.append(len(tokens) + s.request.num_known_tokens - start)
-            pending_src.append(pending[s.request.request_id])
         tokens.extend(s.input_ids(start, end))
         if count == 1:
             positions.append(start)
@@ -105,10 +97,9 @@ def build_batch(scheduled: list[ScheduledRequest], block_ids_of: Callable[[str],
         if s.writes_kv and s.request.prompt_logprobs is not None:
             _add_span(spans, targets, s.request, start, end, qsl[-2])
     sampling = [s for s in entries if s.samples]
-    logits_indices = [row_of[(id(s), p)] for s in sampling
-                      for p in range(s.start + s.num_new_tokens - s.num_sampled,
-                                     s.start + s.num_new_tokens)]
+    logits_indices = [row_of[(id(s), p)] for s in sampling for p in _sampled_positions(s)]
     table = _block_table(tables)
+    pending_rows, pending_src = _pending_inputs(pieces, qsl, pending)
     staging = staging if staging is not None else HostStaging(device)
     ids, pos, slot_mapping, flat_table, rows, prompt_targets, p_rows, p_src = staging.pack(
         [tokens, np.concatenate([np.asarray(positions, np.int64), *chunk_positions]),
@@ -124,6 +115,28 @@ def build_batch(scheduled: list[ScheduledRequest], block_ids_of: Callable[[str],
         logits_indices=logits_indices, sampling_entries=sampling, prompt_logprob_spans=spans,
         logits_rows=rows, prompt_targets=prompt_targets,
         pending_rows=p_rows if pending_rows else None, pending_src=p_src if pending_rows else None)
+
+
+def _sampled_positions(s: ScheduledRequest) -> range:
+    """The positions of a sampling row whose logits are sampled: its last, or with guesses
+    its last 1 + k."""
+    return range(s.start + s.num_new_tokens - s.num_sampled, s.start + s.num_new_tokens)
+
+
+def _pending_inputs(pieces: list[tuple[ScheduledRequest, int, int]], qsl: list[int],
+                    pending: dict[str, int] | None) -> tuple[list[int], list[int]]:
+    """The rows whose input is a pending token (its request's first unknown position) and
+    where each is in the previous step's sampled tokens (`build_batch`'s `pending`)."""
+    rows: list[int] = []
+    src: list[int] = []
+    if pending is None:
+        return rows, src
+    for (s, start, count), first_row in zip(pieces, qsl):
+        req = s.request
+        if req.num_pending and start + count > req.num_known_tokens:
+            rows.append(first_row + req.num_known_tokens - start)
+            src.append(pending[req.request_id])
+    return rows, src
 
 
 def _pieces(entries: list[ScheduledRequest]) -> list[tuple[ScheduledRequest, int, int]]:

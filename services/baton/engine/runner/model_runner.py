@@ -6,7 +6,6 @@ import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 
@@ -25,6 +24,7 @@ from baton.engine.runner.ahead import LaunchedRow, StepInFlight, fill_pending, s
 from baton.engine.runner.batch import FlatBatch, build_batch
 from baton.engine.runner.cuda_graphs import DecodeGraphs, capture_sizes
 from baton.engine.runner.memory import CudaMemory, KVMemoryPlan, KVMemoryProfiler, largest_batch
+from baton.engine.runner.step_result import FinishedStep, StepResult
 from baton.engine.runner.tp import building_in, start_tensor_parallel
 from baton.engine.runner.tp_wire import logits_calls
 from baton.engine.sampler import Sampler
@@ -35,31 +35,6 @@ from baton.engine.staging import HostStaging
 from baton.engine.structured.masks import fill_grammar_masks
 
 log = logging.getLogger(__name__)
-
-
-class StepResult(NamedTuple):
-    """One step's output: the tokens each request gained (one, or with speculation its
-    accepted guesses and then the target's own token) and their logprobs, by request id;
-    `failed` maps the requests whose own sampling settings raised (sampled nothing) to the
-    error; `prompt_logprobs` the next prompt tokens' logprobs of requests asking for them
-    (None for tokens a prefix-cache hit skipped), to append to `Request.prompt_logprobs`;
-    `guessed` the (guesses, accepted) counts of the requests that verified guesses."""
-
-    sampled: dict[str, list[int]]
-    logprobs: dict[str, list[TokenLogprobs]]
-    failed: dict[str, str]
-    prompt_logprobs: dict[str, list[TokenLogprobs | None]] = {}
-    guessed: dict[str, tuple[int, int]] = {}
-
-
-class FinishedStep(NamedTuple):
-    """A step a synchronous runner has run already (`launch`'s answer): reading it never
-    waits."""
-
-    step: StepResult
-
-    def result(self) -> StepResult:
-        return self.step
 
 
 # Prompt positions whose logits are computed at once for prompt logprobs: (rows, vocab)

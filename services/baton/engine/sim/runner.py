@@ -17,7 +17,7 @@ from pathlib import Path
 
 from baton.engine.distributed import TPGroup
 from baton.engine.models.config import ModelConfig
-from baton.engine.runner.model_runner import StepResult
+from baton.engine.runner.step_result import StepResult
 from baton.engine.sampler import Sampler
 from baton.engine.scheduler.output import SchedulerOutput
 from baton.engine.sim.device import SimDevice
