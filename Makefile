@@ -108,7 +108,7 @@ bench-structured: $(STAMP)
 # The serving path's cost: the same 64 streams offline, through `baton serve` and through
 # `baton up --workers 1`, in one run: three output rates and their ratios to offline.
 bench-serving: $(STAMP)
-	$(PY) -m benchmarks.serving_bench
+	$(PY) -m benchmarks.serving_bench --rounds 3
 
 # The host path at GPU speed: device-busy fraction and host time per step on a simulated H100
 # (--device sim), offline and through `baton serve` (docs/benchmarks.md)

@@ -73,3 +73,18 @@ def test_serving_bench_runs_offline_and_serve_and_writes_its_report(tmp_path):
     assert serve["cpu_s"]["engine thread"] > 0 and serve["cpu_s"]["worker event loop"] > 0
     assert report["paths"]["offline"]["ratio_to_offline"] == 1.0
     assert "CPU per output token" in proc.stdout
+
+
+def test_several_rounds_report_each_paths_round_of_median_ratio():
+    from benchmarks.serving_bench import _median_round
+
+    def rnd(offline: float, serve: float) -> dict:
+        return {"offline": {"output_tok_s": offline}, "serve": {"output_tok_s": serve}}
+
+    # the machine drifts between rounds; each ratio is against its own round's offline
+    rows = _median_round([rnd(800, 700), rnd(600, 590), rnd(790, 750)])
+    assert rows["serve"]["round_ratios"] == pytest.approx([0.875, 590 / 600, 750 / 790])
+    assert rows["serve"]["ratio_to_offline"] == pytest.approx(750 / 790)
+    assert rows["serve"]["output_tok_s"] == 750 and rows["offline"]["ratio_to_offline"] == 1.0
+    single = [rnd(800, 700)]
+    assert _median_round(single) is single[0]
