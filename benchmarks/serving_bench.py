@@ -193,6 +193,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-num-batched-tokens", type=int, default=2048)
     ap.add_argument("--paths", default="offline,serve,up")
     ap.add_argument("--json", default=None, help="also write the results here")
+    ap.add_argument("--stream-interval", type=int, default=1,
+                    help="the workers' --stream-interval (SSE chunks of at least N tokens)")
     ap.add_argument("--rounds", type=int, default=1,
                     help="run the paths this many times, alternating; each path's row is its "
                          "round of median ratio to that round's offline rate")
@@ -208,7 +210,8 @@ def main(argv: list[str] | None = None) -> int:
                    "max_num_batched_tokens": args.max_num_batched_tokens,
                    "enable_prefix_caching": False}
     flags = ["--dtype", args.dtype, "--max-num-seqs", str(args.max_num_seqs),
-             "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--no-prefix-caching"]
+             "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--no-prefix-caching",
+             "--stream-interval", str(args.stream_interval)]
     print(f"workload: {len(reqs)} concurrent streams, {n_in} prompt + {n_out} output tokens, "
           f"{args.dtype}, prefix caching off, budget {args.max_num_batched_tokens} tokens "
           f"/ {args.max_num_seqs} seqs", flush=True)

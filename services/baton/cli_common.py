@@ -105,6 +105,10 @@ def add_worker_flags(p: argparse.ArgumentParser) -> None:
                         "structured outputs start after it): qwen3, deepseek_r1, auto from "
                         "the chat template; none leaves the thinking in the content "
                         "(default: WorkerSettings.reasoning_parser)")
+    g.add_argument("--stream-interval", type=int, default=None,
+                   help="stream a request's tokens in SSE chunks of at least this many (the "
+                        "first and last at once): less front work per token, chunkier gaps "
+                        "(default: WorkerSettings.stream_interval, 1)")
     _kv_transfer_flags(g)
 
 

@@ -40,6 +40,7 @@ from baton.common.tracing import Span, Tracing
 from baton.engine.kv_connector import PullKV
 from baton.engine.tokenizer import encode_rendered, render_conversation, require_tokenizer
 from baton.worker import openai_api, traces
+from baton.worker.coalesce import coalesced
 from baton.worker.fair_share import DEFAULT_TENANT
 from baton.worker.lora import WorkerLoRA
 from baton.worker.openai_api import PUBLIC, Internal, OpenAIFormat
@@ -65,12 +66,13 @@ class Pipeline:
 
     def __init__(self, serving: Serving, fmt: OpenAIFormat, tracing: Tracing | None = None,
                  priority_scheduling: bool = False, model_names: tuple[str, ...] = (),
-                 lora: WorkerLoRA | None = None) -> None:
+                 lora: WorkerLoRA | None = None, stream_interval: int = 1) -> None:
         """`model_names`: every name requests may use for the base model
         (`--served-model-name`); responses report `fmt.model_name`, the primary. `lora`:
         the LoRA adapters requests may name instead (none when None)."""
         self.serving = serving
         self.format = fmt
+        self.stream_interval = stream_interval  # `worker.coalesce`
         self.tracing = tracing or Tracing()
         self.model_name = fmt.model_name
         self.model_names = model_names or (fmt.model_name,)
@@ -228,7 +230,8 @@ class Pipeline:
             def done() -> None:
                 serving.abort(jobs)
                 traces.end_request(self.tracing, span, jobs)
-            return StreamingResponse(openai_api.events(answer, serving.run(jobs)),
+            updates = coalesced(serving.run(jobs), self.stream_interval)
+            return StreamingResponse(openai_api.events(answer, updates),
                                      media_type="text/event-stream",
                                      background=BackgroundTask(done),
                                      headers={"Cache-Control": "no-cache"})

@@ -58,8 +58,12 @@ class WorkerSettings:
     # How a reasoning model's thinking is split from its answer (`worker.reasoning`);
     # none: not split (the thinking is content).
     reasoning_parser: str = "none"
+    # SSE chunks of at least this many tokens (vLLM's --stream-interval; `worker.coalesce`)
+    stream_interval: int = 1
 
     def __post_init__(self) -> None:
+        if self.stream_interval < 1:
+            raise ValueError(f"stream_interval={self.stream_interval} must be >= 1")
         if self.registry_url is not None and not self.advertise_url:
             raise ValueError("WorkerSettings.advertise_url is needed with registry_url: the "
                              "URL routers reach this worker at (e.g. http://$POD_IP:8001)")
@@ -164,7 +168,8 @@ class WorkerState:
                            settings.reasoning_parser)
         self.pipeline = Pipeline(serving, fmt, self.tracing, priority_scheduling=(
             settings.engine.scheduler.policy == "priority"), model_names=settings.model_names,
-            lora=WorkerLoRA(loras, settings.model_names))
+            lora=WorkerLoRA(loras, settings.model_names),
+            stream_interval=settings.stream_interval)
 
     def load_report(self) -> LoadReport:
         """Role, model and load (the KV pool: blocks used, total, tokens a block), and its
