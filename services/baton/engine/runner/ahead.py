@@ -122,6 +122,7 @@ class StepInFlight:
                              self.rejection, self.masks)
                 self._result = StepResult(out.sampled, out.logprobs, self.failed,
                                           self.prompt_logprobs, out.guessed)
+            self.logits = self.masks = None  # (N, V): not held while the next step runs
         return self._result
 
 def sampled_index(reqs: list[Request]) -> dict[str, int]:
