@@ -27,8 +27,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from baton.engine.logprobs import TokenLogprobs, logprob_table, read_logprobs
+from baton.engine.logprobs import TokenLogprobs, logprob_table
 from baton.engine.request import Request
+from baton.engine.sample_readback import read_staged, stage
 from baton.engine.staging import HostStaging
 from baton.engine.structured.masks import GrammarMasks, apply_grammar_masks
 
@@ -376,15 +377,6 @@ def top_p_min_p_filter(probs: torch.Tensor, top_p: torch.Tensor, min_p: torch.Te
 
 
 def fetch(sample: DeviceSample) -> tuple[list[int], list[TokenLogprobs | None]]:
-    """The step's one device → host transfer: the tokens, and the logprobs of the rows
-    that asked (packed as float64 with the tokens: ids are exact in it)."""
-    n = sample.tokens.shape[0]
-    lps: list[TokenLogprobs | None] = [None] * n
-    if sample.logprobs is None:
-        return sample.tokens.tolist(), lps
-    flat = torch.cat([sample.tokens.double(), sample.logprobs.reshape(-1)]).tolist()
-    tokens = [int(x) for x in flat[:n]]
-    width = sample.logprobs.shape[1]
-    for w, (i, k) in enumerate(zip(sample.logprob_rows, sample.logprob_ks)):
-        lps[i] = read_logprobs(flat[n + w * width:n + (w + 1) * width], tokens[i], k)
-    return tokens, lps
+    """The step's one device → host transfer, waited for: the tokens, and the logprobs of
+    the rows that asked (packed as float64 with the tokens: ids are exact in it)."""
+    return read_staged(stage(sample, non_blocking=False))

@@ -20,13 +20,14 @@ from baton.engine.models.base import CausalLM
 from baton.engine.models.layers import local_heads
 from baton.engine.models.loader import default_cache_dir, load_model
 from baton.engine.platforms import make_platform
-from baton.engine.runner.ahead import LaunchedRow, StepInFlight, fill_pending, sampled_index, stage
+from baton.engine.runner.ahead import LaunchedRow, StepInFlight, fill_pending, sampled_index
 from baton.engine.runner.batch import FlatBatch, build_batch
 from baton.engine.runner.cuda_graphs import DecodeGraphs, capture_sizes
 from baton.engine.runner.memory import CudaMemory, KVMemoryPlan, KVMemoryProfiler, largest_batch
 from baton.engine.runner.step_result import FinishedStep, StepResult
 from baton.engine.runner.tp import building_in, start_tensor_parallel
 from baton.engine.runner.tp_wire import logits_calls
+from baton.engine.sample_readback import stage
 from baton.engine.sampler import Sampler
 from baton.engine.scheduler.output import SchedulerOutput
 from baton.engine.spec.rejection import RejectionSampler
@@ -317,9 +318,11 @@ class ModelRunner:
             staged = stage(sample, non_blocking=ahead)
         if timed is not None:
             timed[1].record()
-        return StepInFlight([LaunchedRow(s) for s in entries] if ahead else entries, logits,
-                            staged, failed, masks, prompt_lps, self.rejection,
-                            sampled_index(reqs), timed)
+        if not ahead:  # read at once: its rows and tokens serve no later step
+            return StepInFlight(entries, logits, staged, failed, masks, prompt_lps,
+                                self.rejection)
+        return StepInFlight([LaunchedRow(s) for s in entries], logits, staged, failed, masks,
+                            prompt_lps, self.rejection, sampled_index(reqs), timed)
 
     def _add_busy(self, seconds: float) -> None:
         self.busy_seconds += seconds
