@@ -163,10 +163,11 @@ class Scheduler:
                 i += 1
         return budget
 
-    def _ends_by_length(self, req: Request) -> bool:
-        """Its tokens, the pending ones counted, reach max_tokens or the context window."""
-        return (req.num_output_tokens >= req.max_tokens
-                or req.num_tokens >= self.limits.max_model_len)
+    def _ends_by_length(self, req: Request, ahead: int = 0) -> bool:
+        """Its tokens (pending ones counted, `ahead` more) reach max_tokens or the context
+        window."""
+        return (req.num_output_tokens + ahead >= req.max_tokens
+                or req.num_tokens + ahead >= self.limits.max_model_len)
 
     def _allocate_or_preempt(self, req: Request, num_new: int, index: int,
                              out: SchedulerOutput) -> bool | None:
@@ -358,14 +359,13 @@ class Scheduler:
         """How `token`, the request's latest output, ends it (None: it does not). `ahead`:
         tokens of this step not appended yet, `token` the last of them."""
         params = req.sampling_params
-        num_output, num_tokens = req.num_output_tokens + ahead, req.num_tokens + ahead
-        if num_output >= params.min_tokens:
+        if req.num_output_tokens + ahead >= params.min_tokens:
             if token == req.eos_token_id and not params.ignore_eos:
                 return RequestStatus.FINISHED_STOPPED
             if token in params.stop_token_ids:
                 req.stop_reason = token
                 return RequestStatus.FINISHED_STOPPED
-        if num_output >= req.max_tokens or num_tokens >= self.limits.max_model_len:
+        if self._ends_by_length(req, ahead):
             return RequestStatus.FINISHED_LENGTH_CAPPED
         return None
 

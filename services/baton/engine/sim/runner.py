@@ -29,7 +29,7 @@ from baton.engine.spec.rejection import RejectionSampler
 class SimStep:
     """A launched step: `result()` waits for its modelled end, then reads its tokens."""
 
-    def __init__(self, runner: SimRunner, rows: list[tuple[str, int, int]],
+    def __init__(self, runner: SimRunner, rows: list[tuple[str, int]],
                  done_at: float) -> None:
         self._runner, self._rows, self._done_at = runner, rows, done_at
         self._result: StepResult | None = None
@@ -80,7 +80,7 @@ class SimRunner:
         are drawn when read."""
         rows = [StepRow(s.num_new_tokens, s.request.num_computed_tokens, s.num_sampled)
                 for s in out.scheduled]
-        rows_sampled = [(s.request.request_id, s.num_sampled, len(s.spec_token_ids))
+        rows_sampled = [(s.request.request_id, len(s.spec_token_ids))
                         for s in out.scheduled if s.num_sampled]  # read now: they move on
         return SimStep(self, rows_sampled,
                        self.device.launch(step_seconds(self.profile, rows), since))
@@ -88,12 +88,12 @@ class SimRunner:
     def execute(self, out: SchedulerOutput, block_ids_of) -> StepResult:
         return self.launch(out, block_ids_of).result()
 
-    def draw(self, rows: list[tuple[str, int, int]]) -> StepResult:
-        """A step's results for its sampling rows (request id, rows that sample, guesses):
-        a token each, every guess rejected."""
+    def draw(self, rows: list[tuple[str, int]]) -> StepResult:
+        """A step's results for its sampling rows (request id, guesses): a token each, every
+        guess rejected."""
         sampled: dict[str, list[int]] = {}
         guessed: dict[str, tuple[int, int]] = {}
-        for rid, _, guesses in rows:
+        for rid, guesses in rows:
             sampled[rid] = [self._token()]
             if guesses:
                 guessed[rid] = (guesses, 0)
