@@ -65,5 +65,5 @@ class NativeLoRA:
 
 def load_lora_kernel(cache_dir: Path) -> NativeLoRA | None:
     """The kernel, or None where it cannot be built (the torch path runs)."""
-    lib = load_library("lora_bf16.c", cache_dir)
+    lib = load_library("lora_bf16.c", cache_dir, extra_flags=("-ffp-contract=fast",))
     return None if lib is None else NativeLoRA(lib)

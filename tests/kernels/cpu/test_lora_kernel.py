@@ -44,3 +44,22 @@ def test_refuses_buffers_it_cannot_take(native_lora):
     a = torch.zeros(1, 4, 8)  # float32
     with pytest.raises(ValueError, match="contiguous bf16"):
         native_lora.describe(a, [torch.zeros(1, 4, 8).bfloat16()], [(0, 8)], 8)
+
+
+def test_a_rows_delta_does_not_depend_on_the_batch(native_lora):
+    """Rows of one adapter run in blocks, the rest alone: a row's bits are the same either way
+    (a request's tokens never depend on what else is in its step)."""
+    g = torch.Generator().manual_seed(7)
+    parts, rank, k = [(0, 96), (96, 40)], 8, 100  # a vector tail in both products
+    a = torch.randn(2, 2 * rank, k, generator=g).bfloat16()
+    b = [torch.randn(2, rank, cols, generator=g).bfloat16() for _, cols in parts]
+    desc = native_lora.describe(a, b, parts, 136)
+    x = torch.randn(9, k, generator=g).bfloat16()
+    y = torch.randn(9, 136, generator=g).bfloat16()
+    row_slots = torch.tensor([0, 0, 1, 0, 0, 0, -1, 1, 0])  # a block of 4, then a remainder
+    batch = y.clone()
+    native_lora.add(desc, x, row_slots, batch)
+    for m in range(9):
+        alone = y[m:m + 1].clone()
+        native_lora.add(desc, x[m:m + 1].contiguous(), row_slots[m:m + 1].contiguous(), alone)
+        assert torch.equal(alone[0], batch[m]), m
