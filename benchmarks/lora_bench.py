@@ -2,6 +2,8 @@
 over every linear layer (`lora_adapters.py`), in one engine with `--max-loras 8`.
 
     python -m benchmarks.lora_bench [--batch 32] [--repeats 2] [--threads N]
+    python -m benchmarks.lora_bench --serve [--streams 8] [--tokens 256]
+        [--phase-seconds 10] [--rounds 2] [--threads N]
 
 Decode tokens/s at the batch, as `quantized.py` measures it (two greedy generations of
 the same prompts differing only in length; prefill and fixed costs cancel):
@@ -13,12 +15,16 @@ Then the time to load an adapter at run time (`AdapterRegistry.add`: read, check
 out; median of 5), and `base` decode while another thread loads adapters back to back (how
 much a load slows the running streams). Every configuration runs in this process, one after
 the other per repeat, so the ratios share whatever else the machine does.
+
+`--serve`: the same question through a `baton serve` worker, as inter-token latency of
+streaming clients while others load and unload adapters over HTTP (`lora_serving.py`).
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import shutil
 import statistics
 import tempfile
 import threading
@@ -77,20 +83,41 @@ def decode_while_loading(llm, batch: int, path: Path) -> tuple[float, int]:
     return rate, loads[0]
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
-    args = p.parse_args()
+    p.add_argument("--serve", action="store_true",
+                   help="instead: run-time loads against streams of a `baton serve` worker "
+                        "(lora_serving.py)")
+    p.add_argument("--streams", type=int, default=8, help="--serve: concurrent streams")
+    p.add_argument("--tokens", type=int, default=256, help="--serve: tokens per response")
+    p.add_argument("--phase-seconds", type=float, default=10.0,
+                   help="--serve: length of each quiet and each loading window")
+    p.add_argument("--rounds", type=int, default=2,
+                   help="--serve: windows of each phase (alternating)")
+    return p.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
     from baton import LLM
     from baton.engine.models.loader import resolve_model_dir
 
     base_dir = resolve_model_dir(None)
     tmp = Path(tempfile.mkdtemp(prefix="lora_bench_"))
     paths = [write_random_adapter(base_dir, tmp / f"a{i}", seed=i, r=16)
-             for i in range(ADAPTERS)]
+             for i in range(2 if args.serve else ADAPTERS)]
     print(f"CPU: {cpu_flags()}", flush=True)
+    if args.serve:
+        from benchmarks.lora_serving import run
+
+        try:
+            run(args, paths, tmp)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return
     common = dict(num_threads=args.threads, kv_cache_memory_bytes=256 << 20,
                   max_num_seqs=args.batch)
     plain = LLM(**common)
