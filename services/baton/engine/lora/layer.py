@@ -18,7 +18,7 @@ is `baton_kernels.lora`'s Triton kernels, computing the same.
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 from torch import nn
@@ -45,21 +45,39 @@ class LoRAStepState:
     def __init__(self) -> None:
         self.mask: torch.Tensor | None = None
         self.row_slots: torch.Tensor | None = None
+        self.slots: frozenset[int] = frozenset()  # the slots the step's rows use
+        # the same for the rows the LM head computes logits of (`LoRAManager.logits_rows`)
+        self.head_mask: torch.Tensor | None = None
+        self.head_row_slots: torch.Tensor | None = None
+        self.head_slots: frozenset[int] = frozenset()
+
+    def rows(self, head: bool, adapted: set[int]
+             ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """(mask, row_slots) of the decoder's token rows, or of the head's logits rows;
+        (None, None) when none of their slots holds an adapter of the module asking (its
+        `adapted` slots): the module then adds nothing and computes nothing."""
+        if head:
+            mask, row_slots, slots = self.head_mask, self.head_row_slots, self.head_slots
+        else:
+            mask, row_slots, slots = self.mask, self.row_slots, self.slots
+        return (mask, row_slots) if slots & adapted else (None, None)
 
 
 class LoRALinear(nn.Module):
     """`base` with the step's LoRA deltas. `a` (slots, P R, in): every part's A stacked;
     `b[p]` (slots, R, cols_p): part p's B^T, scaled, for output columns `parts[p]` =
     (first, count). `slots.py` fills them. `native`: the device's delta kernel, where one
-    runs (else two torch matmuls)."""
+    runs (else two torch matmuls). `head`: the LM head, whose rows are the step's logits
+    rows, not its tokens."""
 
     a: torch.Tensor
 
     def __init__(self, base: nn.Module, a: torch.Tensor, b: list[torch.Tensor],
                  parts: list[tuple[int, int]], state: LoRAStepState,
-                 native: DeltaKernel | None = None) -> None:
+                 native: DeltaKernel | None = None, head: bool = False) -> None:
         super().__init__()
-        self.base, self.state, self.parts = base, state, parts
+        self.base, self.state, self.parts, self.head = base, state, parts, head
+        self.adapted: set[int] = set()  # the slots whose adapter adapts this linear
         self.register_buffer("a", a, persistent=False)
         self.b = b
         self.native = native
@@ -78,14 +96,22 @@ class LoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base(x)  # (T, out)
-        mask = self.state.mask
+        mask, row_slots = self.state.rows(self.head, self.adapted)
         if mask is None:
             return y
-        if self.native is not None and self.desc is not None:
-            assert self.state.row_slots is not None  # set with the mask
+        if self.native is not None and self.desc is not None and x.dtype == y.dtype == \
+                self.a.dtype:
+            assert row_slots is not None  # set with the mask
             y = y.contiguous()
-            self.native.add(self.desc, x.contiguous(), self.state.row_slots, y)
+            self.native.add(self.desc, x.contiguous(), row_slots, y)
             return y
+        if y.dtype != self.a.dtype:  # a head giving float32 logits: the delta in float32
+            return y + self._delta(x.to(self.a.dtype), mask, torch.zeros_like(y, dtype=self.a.dtype)
+                                   ).to(y.dtype)
+        return self._delta(x, mask, y)
+
+    def _delta(self, x: torch.Tensor, mask: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """y + each row's delta, in two matmuls over the slots in use."""
         T, n, rank = x.shape[0], mask.shape[1], self.b[0].shape[1]
         shrunk = x @ self.a[:n].reshape(n * self.a.shape[1], -1).t()  # (T, n P R)
         shrunk = shrunk.view(T, n, -1) * mask  # (T, n, P R)
@@ -96,3 +122,38 @@ class LoRALinear(nn.Module):
             y[:, first:first + cols].addmm_(by_part[:, :, p].reshape(T, n * rank),
                                             self.b[p][:n].reshape(n * rank, cols))
         return y
+
+
+class LoRAEmbedding(nn.Module):
+    """The token embedding `base` with the step's LoRA deltas: a token t of a row with slot s
+    gets B_s A_s[:, t] added (PEFT's embedding LoRA). `a` (slots, R, vocab), `b[0]` (slots,
+    R, hidden) scaled, as `slots.py` fills a LoRALinear's (vocab in, hidden out, one part).
+    A row of the base model gets nothing added: its embedding is the base's, bit for bit."""
+
+    a: torch.Tensor
+
+    def __init__(self, base: nn.Module, a: torch.Tensor, b: list[torch.Tensor],
+                 state: LoRAStepState) -> None:
+        super().__init__()
+        self.base, self.state, self.b = base, state, b
+        self.parts = [(0, b[0].shape[2])]
+        self.adapted: set[int] = set()
+        self.register_buffer("a", a, persistent=False)
+
+    @property
+    def weight(self) -> torch.Tensor:  # what reads the embedding's rows reads the base's
+        return cast(torch.Tensor, self.base.weight)
+
+    def warm_up(self) -> None:
+        """Nothing to compile: the deltas are torch indexing and one batched matmul."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.base(ids)  # (T, h)
+        mask, row_slots = self.state.rows(False, self.adapted)
+        if mask is None or row_slots is None:
+            return x
+        T, n = ids.shape[0], mask.shape[1]
+        shrunk = self.a[:n][:, :, ids].permute(2, 0, 1) * mask  # (T, n, R): each token's column
+        delta = shrunk.reshape(T, -1).float() @ self.b[0][:n].reshape(-1, x.shape[1]).float()
+        # the base rows keep their bits (no sync: the same on every device)
+        return torch.where((row_slots >= 0).unsqueeze(1), (x.float() + delta).to(x.dtype), x)

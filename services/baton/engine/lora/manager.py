@@ -10,6 +10,8 @@ Call `begin_step` / `end_step` from the engine thread; `registry` from any threa
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -18,12 +20,12 @@ import torch
 
 from baton.engine.lora.adapter import LoRAAdapter, build_adapter
 from baton.engine.lora.config import LoRAConfig
-from baton.engine.lora.layer import DeltaKernel, LoRALinear, LoRAStepState
+from baton.engine.lora.layer import DeltaKernel, LoRAEmbedding, LoRALinear, LoRAStepState
 from baton.engine.lora.peft_files import read_peft_adapter
 from baton.engine.lora.registry import AdapterRegistry
 from baton.engine.lora.slots import LoRASlots
 from baton.engine.lora.stats import LoRACounters
-from baton.engine.lora.targets import LoRATarget
+from baton.engine.lora.targets import EMBEDDING, HEAD, LoRATarget
 from baton.engine.models.base import CausalLM
 from baton_cpu.lora import NativeLoRA, load_lora_kernel
 
@@ -44,8 +46,12 @@ class LoRAManager:
         self.counters = LoRACounters()
         self.state = LoRAStepState()
         native = _delta_kernel(device, dtype, cache_dir)
+        if HEAD in targets:
+            _own_head(model)
         self.layers = {name: _wrap(model, name, spec, config, dtype, device, self.state, native)
                        for name, spec in targets.items()}
+        self.embedding = self.layers.get(EMBEDDING)
+        self._step_slots: torch.Tensor | None = None  # the last step's row slots (T,), CPU
         for layer in self.layers.values():
             layer.warm_up()
         self.fast_path_ready = False
@@ -62,7 +68,7 @@ class LoRAManager:
         loras = [req.lora for req in batch.seq_requests]
         distinct = list({a.load_id: a for a in loras if a is not None}.values())
         if not distinct:
-            self.state.mask = None
+            self.state.mask = self._step_slots = None
             return False
         slot_of = self.slots.activate(distinct)
         seq_slots = [-1 if a is None else slot_of[a.load_id] for a in loras]
@@ -73,10 +79,32 @@ class LoRAManager:
         mask = (row_slots.unsqueeze(1) == used).to(self.dtype).unsqueeze(-1)  # (T, n, 1)
         self.state.mask = mask.to(self.device, non_blocking=True)
         self.state.row_slots = row_slots.to(self.device, non_blocking=True)
+        self.state.slots = frozenset(slot_of.values())
+        self._step_slots = row_slots
         return True
 
     def end_step(self) -> None:
         self.state.mask = self.state.row_slots = None
+        self.state.slots = frozenset()
+
+    @contextmanager
+    def logits_rows(self, rows: list[int] | slice) -> Iterator[None]:
+        """While the head computes logits of the last step's hidden[rows] (row indices or a
+        slice), its adapter rows are those rows' (none when that step had none)."""
+        if self._step_slots is None:
+            yield
+            return
+        row_slots = self._step_slots[torch.tensor(rows) if isinstance(rows, list) else rows]
+        used = torch.arange(max(int(row_slots.max()), 0) + 1)
+        mask = (row_slots.unsqueeze(1) == used).to(self.dtype).unsqueeze(-1)  # (N, n, 1)
+        self.state.head_mask = mask.to(self.device, non_blocking=True)
+        self.state.head_row_slots = row_slots.to(self.device, non_blocking=True)
+        self.state.head_slots = frozenset(row_slots.unique().tolist()) - {-1}
+        try:
+            yield
+        finally:
+            self.state.head_mask = self.state.head_row_slots = None
+            self.state.head_slots = frozenset()
 
     def attach_fast_path(self, fast_decode: object, num_layers: int) -> None:
         """Give the platform's fast decode path the adapters' buffers and the step's row
@@ -87,28 +115,39 @@ class LoRAManager:
                  for i in range(num_layers)]
         descs = [[self.layers[n].desc if n in self.layers else None for n in layer]
                  for layer in names]
-        kernel = next((ly.native for ly in self.layers.values()), None)
+        linears = [ly for ly in self.layers.values() if isinstance(ly, LoRALinear)]
+        kernel = next((ly.native for ly in linears), None)
         if attach is None or not isinstance(kernel, NativeLoRA) or any(
                 n in self.layers and self.layers[n].desc is None for ly in names for n in ly):
             return
-        self.fast_path_ready = bool(attach(kernel, descs, self.state))
+        self.fast_path_ready = bool(attach(kernel, descs, self.state, self.embedding))
 
 
 def _wrap(model: CausalLM, name: str, spec: LoRATarget, config: LoRAConfig,
           dtype: torch.dtype, device: torch.device, state: LoRAStepState,
-          native: DeltaKernel | None) -> LoRALinear:
-    """Replace linear `name` of `model` by a LoRALinear over it, with empty slots."""
+          native: DeltaKernel | None) -> LoRALinear | LoRAEmbedding:
+    """Replace module `name` of `model` (a linear, the embedding) by its LoRA wrapper over
+    it, with empty slots."""
     parent_name, _, leaf = name.rpartition(".")
-    parent = model.get_submodule(parent_name)
+    parent = model.get_submodule(parent_name) if parent_name else model
     slots, rank = config.max_loras, config.max_lora_rank
     parts = list(spec.parts.values())  # (first output row, rows) of each part, in order
-    layer = LoRALinear(getattr(parent, leaf),
-                       torch.zeros(slots, len(parts) * rank, spec.in_features, dtype=dtype,
-                                   device=device),
-                       [torch.zeros(slots, rank, cols, dtype=dtype, device=device)
-                        for _, cols in parts], parts, state, native)
+    a = torch.zeros(slots, len(parts) * rank, spec.in_features, dtype=dtype, device=device)
+    b = [torch.zeros(slots, rank, cols, dtype=dtype, device=device) for _, cols in parts]
+    layer: LoRALinear | LoRAEmbedding = (
+        LoRAEmbedding(getattr(parent, leaf), a, b, state) if name == EMBEDDING else
+        LoRALinear(getattr(parent, leaf), a, b, parts, state, native, head=name == HEAD))
     setattr(parent, leaf, layer)
     return layer
+
+
+def _own_head(model: CausalLM) -> None:
+    """A tied head becomes a linear over the embedding's weight, for LoRA to wrap."""
+    if model.lm_head is None:
+        weight = model.embed_tokens.weight
+        model.lm_head = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False,
+                                        dtype=weight.dtype, device="meta")
+        model.lm_head.weight = weight
 
 
 def _delta_kernel(device: torch.device, dtype: torch.dtype,

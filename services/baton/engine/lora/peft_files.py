@@ -22,14 +22,18 @@ CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 # PEFT's prefix of every tensor name: base_model.model.<the base model's module names>
 _PREFIX = "base_model.model."
-# Modules PEFT adapts that are not linears of a decoder layer: refused (not built here).
-NOT_BUILT = ("embed_tokens", "lm_head", "embed", "wte", "word_embeddings")
+# PEFT's names for a LoRA's two matrices: a linear's (lora_A.weight (r, in), lora_B.weight
+# (out, r)) and an embedding's (lora_embedding_A (r, vocab), lora_embedding_B (hidden, r)).
+_KINDS = {"A.weight": "A", "B.weight": "B", "embedding_A": "A", "embedding_B": "B"}
+_BASE_LAYER = ".base_layer.weight"
 
 
 @dataclass(frozen=True)
 class ModuleLoRA:
-    """One adapted linear, named as in the base checkpoint (`model.layers.0.self_attn.q_proj`):
-    A (r, in) and B (out, r), float32, and the scaling its delta is multiplied by."""
+    """One adapted module, named as in the base checkpoint (`model.layers.0.self_attn.q_proj`,
+    `model.embed_tokens`, `lm_head`): A (r, in) and B (out, r), float32 (an embedding's A is
+    (r, vocab): its delta for token t is B A[:, t]), and the scaling its delta is multiplied
+    by."""
 
     a: torch.Tensor
     b: torch.Tensor
@@ -45,6 +49,10 @@ class PeftAdapter:
     path: Path  # the directory read
     modules: dict[str, ModuleLoRA]
     digest: str  # blake2b of the config and weights files: same digest, same adapter
+    # the shapes of the frozen base weights PEFT saves beside an embedding's or head's LoRA
+    # (`<module>.base_layer.weight`, kept in case the vocabulary was resized): checked
+    # against the base model's, never loaded
+    base_shapes: dict[str, tuple[int, ...]]
 
     @property
     def rank(self) -> int:
@@ -54,7 +62,7 @@ class PeftAdapter:
 def read_peft_adapter(name: str, path: str, max_rank: int) -> PeftAdapter:
     """Read the adapter `name` from `path` (a directory, a hub cache repo, `hf://` or a repo
     id in the hub cache); LoRAError naming what is wrong: missing files, a LoRA variant or
-    module Baton does not apply (DoRA, biases, embeddings / head, modules_to_save), a rank
+    module Baton does not apply (DoRA, biases, modules_to_save, trainable tokens), a rank
     above `max_rank`."""
     try:
         where = Path(resolve_hub_model(path))
@@ -73,14 +81,17 @@ def read_peft_adapter(name: str, path: str, max_rank: int) -> PeftAdapter:
     except Exception as err:  # noqa: BLE001 - any parse failure is the file's fault
         raise LoRAError(f"LoRA adapter {name!r}: {files[1]} is not a safetensors file ({err})"
                         ) from None
-    modules = _modules(name, config, tensors)
+    base_shapes = {key.removeprefix(_PREFIX).removesuffix(_BASE_LAYER): tuple(t.shape)
+                   for key, t in list(tensors.items()) if key.endswith(_BASE_LAYER)}
+    modules = _modules(name, config, {k: t for k, t in tensors.items()
+                                      if not k.endswith(_BASE_LAYER)})
     too_big = sorted((m.rank, key) for key, m in modules.items() if m.rank > max_rank)
     if too_big:
         raise LoRAError(f"LoRA adapter {name!r} has rank {too_big[-1][0]} ({too_big[-1][1]}) "
                         f"above --max-lora-rank {max_rank}; start the engine with a larger "
                         "--max-lora-rank")
     digest = hashlib.blake2b(raw_config + raw_weights, digest_size=16).hexdigest()
-    return PeftAdapter(where, modules, digest)
+    return PeftAdapter(where, modules, digest, base_shapes)
 
 
 def _parse_config(name: str, where: Path, raw: bytes) -> dict:
@@ -99,15 +110,12 @@ def _parse_config(name: str, where: Path, raw: bytes) -> dict:
                 ("lora_bias", bool(config.get("lora_bias")), "LoRA biases"),
                 ("fan_in_fan_out", bool(config.get("fan_in_fan_out")),
                  "fan_in_fan_out (Conv1D) weights")]
-    targets = config.get("target_modules") or []
-    targets = [targets] if isinstance(targets, str) else targets
-    embedded = sorted(t for t in targets if t in NOT_BUILT)
-    refusals.append(("target_modules", bool(embedded),
-                     f"adapters of the embeddings or head ({', '.join(embedded)})"))
+    refusals.append(("trainable_token_indices", bool(config.get("trainable_token_indices")),
+                     "adapters that train token embeddings (trainable_token_indices)"))
     for field, bad, what in refusals:
         if bad:
             raise LoRAError(f"LoRA adapter {name!r}: Baton does not serve {what} "
-                            f"({CONFIG_FILE}: {field}); decoder-layer linears only")
+                            f"({CONFIG_FILE}: {field}); LoRA over linears and embeddings only")
     return config
 
 
@@ -117,10 +125,10 @@ def _modules(name: str, config: dict, tensors: dict[str, torch.Tensor]
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     for key, tensor in tensors.items():
         stem, dot, kind = key.rpartition(".lora_")
-        if not dot or kind not in ("A.weight", "B.weight"):
-            raise LoRAError(f"LoRA adapter {name!r}: tensor {key!r} is not a linear's LoRA A or "
-                            "B (embedding LoRA, DoRA magnitudes and biases are not served)")
-        pairs.setdefault(stem.removeprefix(_PREFIX), {})[kind[0]] = tensor.float()
+        if not dot or kind not in _KINDS:
+            raise LoRAError(f"LoRA adapter {name!r}: tensor {key!r} is not a LoRA A or B (DoRA "
+                            "magnitudes and biases are not served)")
+        pairs.setdefault(stem.removeprefix(_PREFIX), {})[_KINDS[kind]] = tensor.float()
     if not pairs:
         raise LoRAError(f"LoRA adapter {name!r} holds no LoRA weights")
     modules = {}

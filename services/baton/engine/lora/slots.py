@@ -7,14 +7,15 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from baton.engine.lora.adapter import LoRAAdapter
-from baton.engine.lora.layer import LoRALinear
+from baton.engine.lora.layer import LoRAEmbedding, LoRALinear
 from baton.engine.lora.stats import LoRACounters
 
 
 class LoRASlots:
-    """Engine thread only. `layers`: the model's LoRALinears by target name."""
+    """Engine thread only. `layers`: the model's LoRALinears (and LoRAEmbedding) by target
+    name."""
 
-    def __init__(self, layers: dict[str, LoRALinear], capacity: int,
+    def __init__(self, layers: dict[str, LoRALinear | LoRAEmbedding], capacity: int,
                  counters: LoRACounters) -> None:
         self.layers, self.capacity, self.counters = layers, capacity, counters
         self._resident: OrderedDict[int, tuple[int, LoRAAdapter]] = OrderedDict()  # LRU first
@@ -57,7 +58,9 @@ class LoRASlots:
                 layer.a[slot].zero_()
                 for b in layer.b:
                     b[slot].zero_()
+                layer.adapted.discard(slot)
                 continue
+            layer.adapted.add(slot)
             a, bt = weights  # (P R, in), (P R, out)
             layer.a[slot].copy_(a)
             rank = layer.b[0].shape[1]

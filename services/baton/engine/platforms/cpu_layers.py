@@ -98,11 +98,14 @@ class NativeLlamaDecode:
         self.lora_state: LoRAStepState | None = None  # the step's adapter rows, attached
 
     def attach_lora(self, kernel: NativeLoRA, linears: list[list[object]],
-                    state: LoRAStepState) -> bool:
-        """Apply LoRA deltas after the linears (`LoRAManager.attach_fast_path`): each
+                    state: LoRAStepState, embed: nn.Module | None = None) -> bool:
+        """Apply LoRA deltas after the linears (`LoRAManager.attach_fast_path`), and embed
+        tokens through `embed` (the embedding with its LoRA deltas) where given: each
         step's row slots are read from `state`. True: attached."""
         self.step.attach_lora(kernel.address, linears)
         self.lora_state = state
+        if embed is not None:
+            self.embed = embed
         return True
 
     def can_run(self, batch: FlatBatch) -> bool:

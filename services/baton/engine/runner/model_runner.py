@@ -307,7 +307,7 @@ class ModelRunner:
         if not entries:
             return StepInFlight([], None, None, {}, None, prompt_lps, None, timed=timed)
         assert batch.logits_rows is not None  # build_batch sets it
-        logits = self.model.compute_logits(hidden.index_select(0, batch.logits_rows))  # (N, V)
+        logits = self._logits(hidden, batch.logits_rows, batch.logits_indices)  # (N, V)
         failed: dict[str, str] = {}
         staged = None
         if reqs:
@@ -338,6 +338,16 @@ class ModelRunner:
         finally:
             self.lora.end_step()
 
+    def _logits(self, hidden: torch.Tensor, rows: torch.Tensor | slice,
+                host_rows: list[int] | slice) -> torch.Tensor:
+        """(N, V) logits of hidden[rows] (`host_rows`: the same rows, on the host), the
+        head adding the LoRA deltas of the step's adapter rows."""
+        picked = hidden.index_select(0, rows) if isinstance(rows, torch.Tensor) else hidden[rows]
+        if self.lora is None:
+            return self.model.compute_logits(picked)
+        with self.lora.logits_rows(host_rows):
+            return self.model.compute_logits(picked)
+
     def _prompt_logprobs(self, batch: FlatBatch, hidden: torch.Tensor
                          ) -> dict[str, list[TokenLogprobs | None]]:
         """The prompt logprobs this step's prompt chunks give, by request id; their logits
@@ -352,8 +362,8 @@ class ModelRunner:
             assert k is not None  # spans are made only for requests asking for them
             for first in range(0, span.count, PROMPT_LOGPROB_ROWS):
                 n = min(PROMPT_LOGPROB_ROWS, span.count - first)
-                logits = self.model.compute_logits(
-                    hidden[span.row + first:span.row + first + n])  # (n, V)
+                rows = slice(span.row + first, span.row + first + n)
+                logits = self._logits(hidden, rows, rows)  # (n, V)
                 targets = batch.prompt_targets[at + first:at + first + n]  # (n,)
                 tables.append(prompt_logprob_table(logits, targets, k).reshape(-1))
             at += span.count

@@ -32,8 +32,6 @@ def llm_with(root, **kwargs) -> LLM:
 
 @pytest.mark.parametrize("config,message", [
     (dict(r=32), "rank 32 .* above --max-lora-rank 16"),
-    (dict(targets=["q_proj", "embed_tokens"]), "embeddings or head"),
-    (dict(targets=["q_proj", "lm_head"]), "embeddings or head"),
     (dict(use_dora=True), "DoRA"),
     (dict(modules_to_save=["lm_head"]), "modules_to_save"),
 ])

@@ -61,6 +61,24 @@ def test_bf16_decode_steps_with_adapter_rows_apply_the_delta(tiny):
     assert run(llm, prompts, None) == run(plain, prompts, None)
 
 
+@pytest.mark.parametrize("targets", [["embed_tokens"], ["lm_head", "q_proj"]])
+def test_bf16_embedding_and_head_adapters_on_the_one_call_step(tiny, targets):
+    """The one-call decode step embeds tokens through the adapters' embedding deltas, and
+    the head (packed, bf16) adds its delta through the LoRA kernel."""
+    root, base, _ = tiny
+    name = "_".join(targets)
+    peft = save_adapter(base, root / name, seed=3, r=8, targets=targets)
+    llm = LLM(str(root / "base"), skip_tokenizer_init=True, dtype="bfloat16", block_size=16,
+              lora_modules=[f"e={root / name}"])
+    assert llm.engine.runner.lora.fast_path_ready
+    prompts = prompts_for(1000, lengths=(5, 40, 23))
+    for prompt, (tokens, lps) in zip(prompts, run(llm, prompts, ["e"] * 3)):
+        ref = reference_logprobs(peft, prompt, tokens)
+        assert max(abs(a - b) for a, b in zip(lps, ref)) < 0.25, (lps, ref)
+        theirs = reference_logprobs(base, prompt, tokens)
+        assert max(abs(a - b) for a, b in zip(lps, theirs)) > 2.0
+
+
 def test_one_call_step_applies_the_adapters_as_the_python_path(tiny):
     """A decode step of adapter and base rows through the one-call step (the LoRA kernel
     after each linear) equals the layer-by-layer path bit for bit, KV cache included."""
