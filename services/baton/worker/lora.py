@@ -35,7 +35,7 @@ class WorkerLoRA:
             raise self.not_found(model)
         try:
             registry = self.registry  # a load may run torch's OpenMP regions: its own thread
-            return await on_a_thread_that_ends(lambda: registry.get(model))
+            return await on_a_thread_that_ends(lambda: registry.get(model), background=True)
         except UnknownLoRAError:
             raise self.not_found(model) from None
         except LoRAError as err:  # its files changed or went away since it was loaded
@@ -57,7 +57,8 @@ class WorkerLoRA:
             raise OpenAIError(400, f"{body.lora_name!r} is the base model's name",
                               param="lora_name")
         try:
-            await on_a_thread_that_ends(lambda: registry.add(body.lora_name, body.lora_path))
+            await on_a_thread_that_ends(lambda: registry.add(body.lora_name, body.lora_path),
+                                        background=True)
         except LoRAError as err:
             raise OpenAIError(400, str(err), param="lora_path") from None
         return f"Success: LoRA adapter '{body.lora_name}' added successfully."

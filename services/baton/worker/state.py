@@ -198,7 +198,9 @@ class WorkerState:
 
     @property
     def ready(self) -> bool:
-        return self.engine is not None and self.engine.is_alive and not self.draining
+        # the pipeline is built just after the engine: ready once requests can be served
+        return (self.engine is not None and self.pipeline is not None and self.engine.is_alive
+                and not self.draining)
 
     def leases_held(self) -> int:
         """KV leases this (prefill) worker holds for decode pods to pull."""

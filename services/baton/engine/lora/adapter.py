@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from baton.common.hashing import lora_root_hash
+from baton.engine.lora.pace import give_way
 from baton.engine.lora.peft_files import PeftAdapter
 from baton.engine.lora.targets import LoRATarget, TargetPiece, map_to_targets
 from baton.engine.models.base import CausalLM
@@ -49,14 +50,18 @@ def build_adapter(name: str, path: str, load_id: int, peft: PeftAdapter, model: 
     pieces = map_to_targets(name, model, targets, peft)
     weights: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     for piece in pieces:
+        give_way()
         spec = targets[piece.target]
         if piece.target not in weights:
             rows = spec.num_parts * max_rank
             weights[piece.target] = (torch.zeros(rows, spec.in_features),
                                      torch.zeros(rows, spec.out_features))
         _place(weights[piece.target], spec, piece, max_rank)
-    return LoRAAdapter(name, path, load_id, peft.digest, peft.rank,
-                       {t: (a.to(dtype), b.to(dtype)) for t, (a, b) in weights.items()})
+    laid_out = {}
+    for target, (a, bt) in weights.items():
+        give_way()
+        laid_out[target] = (a.to(dtype), bt.to(dtype))
+    return LoRAAdapter(name, path, load_id, peft.digest, peft.rank, laid_out)
 
 
 def _place(buffers: tuple[torch.Tensor, torch.Tensor], spec: LoRATarget, piece: TargetPiece,

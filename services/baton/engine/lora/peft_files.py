@@ -13,9 +13,10 @@ from pathlib import Path
 from typing import cast
 
 import torch
-from safetensors.torch import load as load_safetensors
+from safetensors import safe_open
 
 from baton.engine.lora.errors import LoRAError
+from baton.engine.lora.pace import give_way
 from baton.engine.models.hub import resolve_hub_model
 
 CONFIG_FILE = "adapter_config.json"
@@ -74,24 +75,53 @@ def read_peft_adapter(name: str, path: str, max_rank: int) -> PeftAdapter:
         raise LoRAError(f"LoRA adapter {name!r}: {where} has no {' or '.join(missing)} (a PEFT "
                         "adapter directory holds adapter_config.json and "
                         "adapter_model.safetensors)")
-    raw_config, raw_weights = files[0].read_bytes(), files[1].read_bytes()
-    config = _parse_config(name, where, raw_config)
-    try:
-        tensors = load_safetensors(raw_weights)
-    except Exception as err:  # noqa: BLE001 - any parse failure is the file's fault
-        raise LoRAError(f"LoRA adapter {name!r}: {files[1]} is not a safetensors file ({err})"
-                        ) from None
-    base_shapes = {key.removeprefix(_PREFIX).removesuffix(_BASE_LAYER): tuple(t.shape)
-                   for key, t in list(tensors.items()) if key.endswith(_BASE_LAYER)}
-    modules = _modules(name, config, {k: t for k, t in tensors.items()
-                                      if not k.endswith(_BASE_LAYER)})
+    before = [(f.stat().st_size, f.stat().st_mtime_ns) for f in files]
+    digest = _digest(files)
+    config = _parse_config(name, where, files[0].read_bytes())
+    tensors, base_shapes = _read_tensors(name, files[1])
+    if [(f.stat().st_size, f.stat().st_mtime_ns) for f in files] != before:
+        raise LoRAError(f"LoRA adapter {name!r}: {where} changed while it was read; load it "
+                        "again once it is written")
+    modules = _modules(name, config, tensors)
     too_big = sorted((m.rank, key) for key, m in modules.items() if m.rank > max_rank)
     if too_big:
         raise LoRAError(f"LoRA adapter {name!r} has rank {too_big[-1][0]} ({too_big[-1][1]}) "
                         f"above --max-lora-rank {max_rank}; start the engine with a larger "
                         "--max-lora-rank")
-    digest = hashlib.blake2b(raw_config + raw_weights, digest_size=16).hexdigest()
     return PeftAdapter(where, modules, digest, base_shapes)
+
+
+def _digest(files: list[Path]) -> str:
+    """blake2b of the files one after the other, read in chunks (hashing lets go of the GIL,
+    and nothing holds a whole file at once)."""
+    hasher = hashlib.blake2b(digest_size=16)
+    for file in files:
+        with open(file, "rb") as stream:
+            for chunk in iter(lambda: stream.read(1 << 22), b""):
+                hasher.update(chunk)
+    return hasher.hexdigest()
+
+
+def _read_tensors(name: str, file: Path
+                  ) -> tuple[dict[str, torch.Tensor], dict[str, tuple[int, ...]]]:
+    """The LoRA tensors, one at a time (giving way to the engine between them), and the
+    shapes of the frozen base weights PEFT saves beside an embedding's or head's LoRA (never
+    read: a vocabulary's worth of floats)."""
+    tensors, base_shapes = {}, {}
+    try:
+        with safe_open(str(file), framework="pt") as stream:
+            for i, key in enumerate(stream.keys()):
+                if key.endswith(_BASE_LAYER):
+                    module = key.removeprefix(_PREFIX).removesuffix(_BASE_LAYER)
+                    base_shapes[module] = tuple(stream.get_slice(key).get_shape())
+                    continue
+                if i % 4 == 0:
+                    give_way()
+                tensors[key] = stream.get_tensor(key)
+    except Exception as err:  # noqa: BLE001 - any parse failure is the file's fault
+        raise LoRAError(f"LoRA adapter {name!r}: {file} is not a safetensors file ({err})"
+                        ) from None
+    return tensors, base_shapes
 
 
 def _parse_config(name: str, where: Path, raw: bytes) -> dict:
@@ -133,6 +163,7 @@ def _modules(name: str, config: dict, tensors: dict[str, torch.Tensor]
         raise LoRAError(f"LoRA adapter {name!r} holds no LoRA weights")
     modules = {}
     for module, ab in pairs.items():
+        give_way()
         if set(ab) != {"A", "B"} or ab["A"].shape[0] != ab["B"].shape[1]:
             raise LoRAError(f"LoRA adapter {name!r}: {module} needs lora_A (r, in) and lora_B "
                             f"(out, r), found {({k: tuple(v.shape) for k, v in ab.items()})}")
