@@ -105,17 +105,49 @@ a volume of the pod's own (an emptyDir or a claim), which the worker then reads.
 {{- end }}
 {{- end }}
 
-{{/* The hf:// download, run before the worker by its own image (huggingface_hub is in it);
-call with (dict "root" $ "block" BLOCK). */}}
+{{/* The hf:// LoRA adapters of the tuning file's worker.lora_modules, as a YAML list of
+"ORG/NAME@REVISION" (revision main when the value pins none), sorted. They are downloaded
+beside an hf:// model (into its volume, before the worker starts) or read from
+`model.cache`; with any other model source the chart refuses them. */}}
+{{- define "baton.loraHubRefs" -}}
+{{- $refs := list }}
+{{- range $name, $path := (.Values.tuning.worker.lora_modules | default dict) }}
+{{- if hasPrefix "hf://" (toString $path) }}
+{{- $body := trimPrefix "hf://" (toString $path) }}
+{{- $refs = append $refs (contains "@" $body | ternary $body (printf "%s@main" $body)) }}
+{{- end }}
+{{- end }}
+{{- if and $refs (not (has (include "baton.modelKind" .) (list "hf" "cache"))) }}
+{{- fail "tuning.worker.lora_modules: hf:// adapters need model.uri hf://... (downloaded into its volume) or model.cache (read from it); put other adapters on a mounted volume and name their directory" }}
+{{- end }}
+{{- toYaml (sortAlpha $refs) }}
+{{- end }}
+
+{{/* The pods' annotation that rolls them when the hf:// adapters change (their downloads
+run at a pod's start; adapters on volumes load and unload live, with no roll): a YAML map,
+empty without such adapters. */}}
+{{- define "baton.loraDownloadChecksum" -}}
+{{- $refs := include "baton.loraHubRefs" . | fromYamlArray }}
+{{- if $refs }}
+checksum/lora-downloads: {{ toYaml $refs | sha256sum }}
+{{- end }}
+{{- end }}
+
+{{/* The hf:// download, run before the worker by its own image (huggingface_hub is in it),
+then one for each hf:// LoRA adapter; call with (dict "root" $ "block" BLOCK). */}}
 {{- define "baton.modelInitContainers" -}}
 {{- $root := .root }}
 {{- $m := $root.Values.model }}
+{{- $loras := include "baton.loraHubRefs" $root | fromYamlArray }}
+{{- $ctx := . }}
 {{- if eq (include "baton.modelKind" $root) "hf" }}
-- name: model-download
-  image: {{ include "baton.image" . }}
-  imagePullPolicy: {{ include "baton.pullPolicy" . }}
+{{- range $i, $ref := prepend $loras (printf "%s@%s" (trimPrefix "hf://" $m.uri) $m.revision) }}
+- name: {{ eq $i 0 | ternary "model-download" (printf "lora-download-%d" $i) }}
+  image: {{ include "baton.image" $ctx }}
+  imagePullPolicy: {{ include "baton.pullPolicy" $ctx }}
   command: [python, -m, baton.engine.models.hub]
-  args: [download, {{ trimPrefix "hf://" $m.uri }}, --revision, {{ $m.revision | quote }}, --cache-dir, /models/hub]
+  {{- $repo := splitList "@" $ref }}
+  args: [download, {{ first $repo }}, --revision, {{ last $repo | quote }}, --cache-dir, /models/hub]
   env:
     - {name: HOME, value: /tmp}
     - {name: HF_HUB_DISABLE_TELEMETRY, value: "1"}
@@ -127,10 +159,11 @@ call with (dict "root" $ "block" BLOCK). */}}
   resources:
     {{- toYaml $m.downloadResources | nindent 4 }}
   securityContext:
-    {{- toYaml (.block.securityContext | default $root.Values.securityContext) | nindent 4 }}
+    {{- toYaml ($ctx.block.securityContext | default $root.Values.securityContext) | nindent 4 }}
   volumeMounts:
     - {name: tmp, mountPath: /tmp}
     - {name: model, mountPath: /models}
+{{- end }}
 {{- else if and (eq (include "baton.modelKind" $root) "cache") $m.cache.initCopy.enabled }}
 - name: model-copy
   image: {{ include "baton.image" . }}

@@ -123,6 +123,16 @@ def test_completions_continuation_drops_echo():
                                       created=3)
 
 
+def test_a_continuation_keeps_the_lora_adapter_the_request_named():
+    """A LoRA request resumes under its adapter (the new pod applies it to the prompt and
+    the tokens already sent, and the router picks only pods serving it)."""
+    call = make_call("chat", model="sql-adapter", stream=True, max_tokens=4)
+    t = StreamTracker(call)
+    t.feed(tokens(prompt_token_ids=[1, 2], header=CHAT) + tokens([7], 1) + delta("a"))
+    body = GenerateRequest.model_validate_json(t.continuation())
+    assert body.request.model == "sql-adapter" and body.prompt_token_ids == [1, 2, 7]
+
+
 def test_not_resumable_and_exhausted_cases():
     assert not make_call("chat", stream=False).resumable
     assert not make_call("chat", stream=True, n=2).resumable
