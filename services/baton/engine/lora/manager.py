@@ -52,6 +52,7 @@ class LoRAManager:
                        for name, spec in targets.items()}
         self.embedding = self.layers.get(EMBEDDING)
         self._step_slots: torch.Tensor | None = None  # the last step's row slots (T,), CPU
+        self._step_slot_set: frozenset[int] = frozenset()  # and the slots among them
         for layer in self.layers.values():
             layer.warm_up()
         self.fast_path_ready = False
@@ -79,7 +80,7 @@ class LoRAManager:
         mask = (row_slots.unsqueeze(1) == used).to(self.dtype).unsqueeze(-1)  # (T, n, 1)
         self.state.mask = mask.to(self.device, non_blocking=True)
         self.state.row_slots = row_slots.to(self.device, non_blocking=True)
-        self.state.slots = frozenset(slot_of.values())
+        self.state.slots = self._step_slot_set = frozenset(slot_of.values())
         self._step_slots = row_slots
         return True
 
@@ -91,8 +92,9 @@ class LoRAManager:
     def logits_rows(self, rows: list[int] | slice) -> Iterator[None]:
         """While the head computes logits of the last step's hidden[rows] (row indices or a
         slice), its adapter rows are those rows' (none when that step had none)."""
-        if self._step_slots is None:
-            yield
+        head = self.layers.get(HEAD)
+        if self._step_slots is None or head is None or not head.adapted & self._step_slot_set:
+            yield  # no adapter of the step adapts the head: its rows need no slots
             return
         row_slots = self._step_slots[torch.tensor(rows) if isinstance(rows, list) else rows]
         used = torch.arange(max(int(row_slots.max()), 0) + 1)
