@@ -40,7 +40,8 @@ PIECES = (
     Piece("colocated", 1, 90, "one_gpu", "baton up --workers 1 on the device: the reference"),
     Piece("kv_nixl", 1, 60, "one_gpu", "prefill + decode on one GPU, KV over nixl (VRAM)"),
     Piece("kv_tcp", 1, 60, "one_gpu", "prefill + decode on one GPU, KV over tcp (staged)"),
-    Piece("engine_tests", 0, 90, "one_gpu", "graph replay == eager, greedy == transformers"),
+    Piece("engine_tests", 0, 120, "one_gpu", "graph replay == eager, greedy == transformers, "
+          "mixed LoRA adapters on the Triton kernels"),
     Piece("bench_kernels", 1, 40, "one_gpu", "decode attention GB/s as a share of copy "
           "bandwidth", False),
     Piece("bench_quant", 1, 90, "one_gpu", "8B-shaped decode step's linears: bf16 vs W4A16 "
@@ -163,10 +164,11 @@ class PieceRunner:
                                             "tests/gpu/test_quant_kernels.py",
                                             "tests/kernels/test_quant_gemm.py",
                                             "tests/kernels/test_fp8_gemm.py",
+                                            "tests/kernels/test_lora.py",
                                             "tests/kernels/test_compile.py"])
 
     def engine_tests(self, piece: Piece, timeout: float) -> dict:
-        return self.pytest(piece, timeout, ["tests/gpu/test_engine.py"])
+        return self.pytest(piece, timeout, ["tests/gpu/test_engine.py", "tests/gpu/test_lora.py"])
 
     def engine_cpu(self, piece: Piece, timeout: float) -> dict:
         result, compared = self.python_json(
