@@ -17,6 +17,7 @@ import triton
 import triton.language as tl
 
 from baton_kernels._common import check_same_device, next_pow2
+from baton_kernels._tiles import loop_bound
 from baton_kernels._variants import jit
 
 BLOCK_K, BLOCK_N = 64, 64
@@ -33,7 +34,7 @@ def lora_shrink_kernel(x_ptr, a_ptr, slot_ptr, t_ptr, num_rows, in_features, str
         offs_r = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
         r_mask = offs_r < ROWS
         acc = tl.zeros([BLOCK_R], dtype=tl.float32)
-        for k0 in range(0, in_features, BLOCK_K):
+        for k0 in range(0, loop_bound(in_features), BLOCK_K):
             offs_k = k0 + tl.arange(0, BLOCK_K)
             k_mask = offs_k < in_features
             x = tl.load(x_ptr + m * stride_x + offs_k, mask=k_mask, other=0.0).to(tl.float32)

@@ -60,10 +60,14 @@ def test_the_engines_lora_linear_takes_them(device):
     row_slots = torch.tensor([2, -1, 0, 0, 1, -1])
     state.row_slots = row_slots.to(device)
     state.mask = (row_slots[:, None] == torch.arange(slots)).float()[:, :, None].to(device)
+    state.slots = frozenset({0, 1, 2})
     x = torch.randn(6, 48, generator=g).to(device)
+    torch_path, kernels = (LoRALinear(base, a, b, parts, state, native)
+                           for native in (None, TritonLoRA()))
+    torch_path.adapted = kernels.adapted = {0, 1, 2}  # every slot adapts this linear
     with torch.no_grad():
-        want = LoRALinear(base, a, b, parts, state)(x)
-        got = LoRALinear(base, a, b, parts, state, TritonLoRA())(x)
+        want, got = torch_path(x), kernels(x)
+    assert not torch.allclose(want[row_slots >= 0], base(x)[row_slots >= 0])  # deltas added
     assert torch.allclose(got, want, atol=1e-4, rtol=1e-4)
     assert torch.equal(got[row_slots < 0], base(x)[row_slots < 0])
 
@@ -82,9 +86,11 @@ def test_warm_up_launches_every_variant_serving_launches(device):
                        parts, LoRAStepState(), TritonLoRA())
     with recording_variants() as warm:
         layer.warm_up()
+    layer.adapted = {0, 1}  # both slots hold an adapter of this linear
     for rows in (1, 7, 32):
         layer.state.row_slots = torch.arange(rows, device=device) % 3 - 1
         layer.state.mask = torch.ones(rows, 2, 1, device=device)
+        layer.state.slots = frozenset({0, 1})
         with recording_variants() as served, torch.no_grad():
             layer(torch.randn(rows, 48, device=device))
         assert served and served <= warm
