@@ -160,11 +160,18 @@ class LlamaDecodeStep:
         down) `lora.LoRALinearDesc` or None, kept alive here; `kernel_address` is
         `lora.NativeLoRA.address`. Each call's `row_slots` then says which rows use which."""
         flat = [d for layer in linears for d in layer]
-        arr = (_P * len(flat))(*[None if d is None else ctypes.addressof(d)  # type: ignore[arg-type]  # ctypes.Structure
-                                 for d in flat])
-        self._keep += [flat, arr]
-        self._stack.lora_linears = ctypes.cast(arr, ctypes.POINTER(_P))
+        self._lora_addresses = [None if d is None else ctypes.addressof(d)  # type: ignore[arg-type]  # ctypes.Structure
+                                for d in flat]
+        self._lora_linears = (_P * len(flat))(*self._lora_addresses)
+        self._keep += [flat, self._lora_linears]
+        self._stack.lora_linears = ctypes.cast(self._lora_linears, ctypes.POINTER(_P))
         self._stack.lora = kernel_address
+
+    def select_lora_linears(self, on: list[bool]) -> None:
+        """From the next call, only the attached linears `on` (flat: layer by layer, qkv, o,
+        gate_up, down) add deltas: the step's adapters adapt none of the others."""
+        for i, (address, use) in enumerate(zip(self._lora_addresses, on, strict=True)):
+            self._lora_linears[i] = address if use else None
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
                  block_tables: torch.Tensor, seq_lens: torch.Tensor,

@@ -122,7 +122,9 @@ class LoRAManager:
         if attach is None or not isinstance(kernel, NativeLoRA) or any(
                 n in self.layers and self.layers[n].desc is None for ly in names for n in ly):
             return
-        self.fast_path_ready = bool(attach(kernel, descs, self.state, self.embedding))
+        adapted = [self.layers[n].adapted if n in self.layers else None
+                   for ly in names for n in ly]
+        self.fast_path_ready = bool(attach(kernel, descs, self.state, self.embedding, adapted))
 
 
 def _wrap(model: CausalLM, name: str, spec: LoRATarget, config: LoRAConfig,

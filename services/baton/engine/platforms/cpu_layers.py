@@ -96,17 +96,31 @@ class NativeLlamaDecode:
         self.step, self.embed = step, embed
         self.max_rows = step.max_rows  # None: any batch
         self.lora_state: LoRAStepState | None = None  # the step's adapter rows, attached
+        self.lora_adapted: list[set[int] | None] | None = None
+        self._lora_on: list[bool] | None = None  # the linears adding deltas, as last set
 
     def attach_lora(self, kernel: NativeLoRA, linears: list[list[object]],
-                    state: LoRAStepState, embed: nn.Module | None = None) -> bool:
+                    state: LoRAStepState, embed: nn.Module | None = None,
+                    adapted: list[set[int] | None] | None = None) -> bool:
         """Apply LoRA deltas after the linears (`LoRAManager.attach_fast_path`), and embed
         tokens through `embed` (the embedding with its LoRA deltas) where given: each
-        step's row slots are read from `state`. True: attached."""
+        step's row slots are read from `state`. `adapted`: each linear's (flat) slots
+        holding an adapter of it, so a step skips the linears its adapters leave alone.
+        True: attached."""
         self.step.attach_lora(kernel.address, linears)
-        self.lora_state = state
+        self.lora_state, self.lora_adapted = state, adapted
         if embed is not None:
             self.embed = embed
         return True
+
+    def _select_lora_linears(self) -> None:
+        state, adapted = self.lora_state, self.lora_adapted
+        if state is None or adapted is None or state.row_slots is None:
+            return
+        on = [slots is not None and bool(slots & state.slots) for slots in adapted]
+        if on != self._lora_on:
+            self.step.select_lora_linears(on)
+            self._lora_on = on
 
     def can_run(self, batch: FlatBatch) -> bool:
         layout = batch.layout
@@ -117,6 +131,7 @@ class NativeLlamaDecode:
         layout = batch.layout
         seq_lens = torch.tensor(layout.seq_lens, dtype=torch.int64)  # (T,)
         row_slots = None if self.lora_state is None else self.lora_state.row_slots
+        self._select_lora_linears()
         return self.step(self.embed(batch.input_ids), batch.positions, layout.slot_mapping,
                          layout.block_tables, seq_lens, row_slots)  # (T, h)
 

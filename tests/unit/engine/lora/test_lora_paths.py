@@ -79,9 +79,12 @@ def test_bf16_embedding_and_head_adapters_on_the_one_call_step(tiny, targets):
         assert max(abs(a - b) for a, b in zip(lps, theirs)) > 2.0
 
 
-def test_one_call_step_applies_the_adapters_as_the_python_path(tiny):
+@pytest.mark.parametrize("loras", [("a", None, "b", "a"), ("b", None, "b", None)])
+def test_one_call_step_applies_the_adapters_as_the_python_path(tiny, loras):
     """A decode step of adapter and base rows through the one-call step (the LoRA kernel
-    after each linear) equals the layer-by-layer path bit for bit, KV cache included."""
+    after each linear its step's adapters adapt) equals the layer-by-layer path bit for bit,
+    KV cache included; with adapter b alone (q_proj, down_proj) the step skips o and
+    gate_up."""
     root, base, _ = tiny
     save_adapter(base, root / "b", seed=2, r=4, targets=["q_proj", "down_proj"])
     llm = LLM(str(root / "base"), skip_tokenizer_init=True, dtype="bfloat16", block_size=16,
@@ -89,7 +92,7 @@ def test_one_call_step_applies_the_adapters_as_the_python_path(tiny):
     engine, runner = llm.engine, llm.engine.runner
     assert runner.lora.fast_path_ready
     registry = runner.lora.registry
-    for i, (n, lora) in enumerate([(5, "a"), (17, None), (40, "b"), (9, "a")]):
+    for i, (n, lora) in enumerate(zip((5, 17, 40, 9), loras)):
         engine.add(engine.make_request(f"r{i}", [(37 * i + 11 * j) % 900 + 10 for j in range(n)],
                                        SamplingParams(temperature=0, max_tokens=4,
                                                       ignore_eos=True),
@@ -114,6 +117,8 @@ def test_one_call_step_applies_the_adapters_as_the_python_path(tiny):
         runner.lora.end_step()
     assert torch.equal(native, python) and torch.equal(native_cache, runner.kv_cache)
     assert 0 < int(base_rows.sum()) < len(base_rows)
+    used = [p is not None for p in runner.platform.fast_decode.step._lora_linears]
+    assert used == [True] * len(used) if "a" in loras else [True, False, False, True] * 2
 
 
 @pytest.fixture(scope="module")
