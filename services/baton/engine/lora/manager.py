@@ -47,12 +47,11 @@ class LoRAManager:
         self.state = LoRAStepState()
         native = _delta_kernel(device, dtype, cache_dir)
         if HEAD in targets:
-            _own_head(model)
+            model.own_head()
         self.layers = {name: _wrap(model, name, spec, config, dtype, device, self.state, native)
                        for name, spec in targets.items()}
         self.embedding = self.layers.get(EMBEDDING)
         self._step_slots: torch.Tensor | None = None  # the last step's row slots (T,), CPU
-        self._step_slot_set: frozenset[int] = frozenset()  # and the slots among them
         for layer in self.layers.values():
             layer.warm_up()
         self.fast_path_ready = False
@@ -70,37 +69,39 @@ class LoRAManager:
         distinct = list({a.load_id: a for a in loras if a is not None}.values())
         if not distinct:
             self.state.mask = self._step_slots = None
+            self.state.slots = frozenset()
             return False
         slot_of = self.slots.activate(distinct)
         seq_slots = [-1 if a is None else slot_of[a.load_id] for a in loras]
         qsl = batch.layout.query_start_loc
         counts = [qsl[i + 1] - qsl[i] for i in range(len(seq_slots))]
         row_slots = torch.repeat_interleave(torch.tensor(seq_slots), torch.tensor(counts))  # (T,)
-        used = torch.arange(max(seq_slots) + 1)  # (n,)
-        mask = (row_slots.unsqueeze(1) == used).to(self.dtype).unsqueeze(-1)  # (T, n, 1)
-        self.state.mask = mask.to(self.device, non_blocking=True)
-        self.state.row_slots = row_slots.to(self.device, non_blocking=True)
-        self.state.slots = self._step_slot_set = frozenset(slot_of.values())
+        self.state.mask, self.state.row_slots = self._on_device(row_slots)
+        self.state.slots = frozenset(slot_of.values())  # kept past end_step for the head
         self._step_slots = row_slots
         return True
 
     def end_step(self) -> None:
         self.state.mask = self.state.row_slots = None
-        self.state.slots = frozenset()
+
+    def _on_device(self, row_slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows -> slots mask (R, n, 1) of row_slots (R,) (n: the highest slot + 1) and
+        row_slots itself, both on the device."""
+        used = torch.arange(max(int(row_slots.max()), 0) + 1)  # (n,)
+        mask = (row_slots.unsqueeze(1) == used).to(self.dtype).unsqueeze(-1)  # (R, n, 1)
+        return (mask.to(self.device, non_blocking=True),
+                row_slots.to(self.device, non_blocking=True))
 
     @contextmanager
     def logits_rows(self, rows: list[int] | slice) -> Iterator[None]:
         """While the head computes logits of the last step's hidden[rows] (row indices or a
         slice), its adapter rows are those rows' (none when that step had none)."""
         head = self.layers.get(HEAD)
-        if self._step_slots is None or head is None or not head.adapted & self._step_slot_set:
+        if self._step_slots is None or head is None or not head.adapted & self.state.slots:
             yield  # no adapter of the step adapts the head: its rows need no slots
             return
         row_slots = self._step_slots[torch.tensor(rows) if isinstance(rows, list) else rows]
-        used = torch.arange(max(int(row_slots.max()), 0) + 1)
-        mask = (row_slots.unsqueeze(1) == used).to(self.dtype).unsqueeze(-1)  # (N, n, 1)
-        self.state.head_mask = mask.to(self.device, non_blocking=True)
-        self.state.head_row_slots = row_slots.to(self.device, non_blocking=True)
+        self.state.head_mask, self.state.head_row_slots = self._on_device(row_slots)
         self.state.head_slots = frozenset(row_slots.unique().tolist()) - {-1}
         try:
             yield
@@ -143,15 +144,6 @@ def _wrap(model: CausalLM, name: str, spec: LoRATarget, config: LoRAConfig,
         LoRALinear(getattr(parent, leaf), a, b, parts, state, native, head=name == HEAD))
     setattr(parent, leaf, layer)
     return layer
-
-
-def _own_head(model: CausalLM) -> None:
-    """A tied head becomes a linear over the embedding's weight, for LoRA to wrap."""
-    if model.lm_head is None:
-        weight = model.embed_tokens.weight
-        model.lm_head = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False,
-                                        dtype=weight.dtype, device="meta")
-        model.lm_head.weight = weight
 
 
 def _delta_kernel(device: torch.device, dtype: torch.dtype,

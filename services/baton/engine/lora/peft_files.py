@@ -75,11 +75,11 @@ def read_peft_adapter(name: str, path: str, max_rank: int) -> PeftAdapter:
         raise LoRAError(f"LoRA adapter {name!r}: {where} has no {' or '.join(missing)} (a PEFT "
                         "adapter directory holds adapter_config.json and "
                         "adapter_model.safetensors)")
-    before = [(f.stat().st_size, f.stat().st_mtime_ns) for f in files]
+    before = _stamps(files)
     digest = _digest(files)
     config = _parse_config(name, where, files[0].read_bytes())
     tensors, base_shapes = _read_tensors(name, files[1])
-    if [(f.stat().st_size, f.stat().st_mtime_ns) for f in files] != before:
+    if _stamps(files) != before:
         raise LoRAError(f"LoRA adapter {name!r}: {where} changed while it was read; load it "
                         "again once it is written")
     modules = _modules(name, config, tensors)
@@ -89,6 +89,11 @@ def read_peft_adapter(name: str, path: str, max_rank: int) -> PeftAdapter:
                         f"above --max-lora-rank {max_rank}; start the engine with a larger "
                         "--max-lora-rank")
     return PeftAdapter(where, modules, digest, base_shapes)
+
+
+def _stamps(files: list[Path]) -> list[tuple[int, int]]:
+    """Each file's size and modification time: what changes when it is rewritten."""
+    return [(st.st_size, st.st_mtime_ns) for st in (f.stat() for f in files)]
 
 
 def _digest(files: list[Path]) -> str:

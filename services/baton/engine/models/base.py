@@ -70,6 +70,15 @@ class CausalLM(nn.Module):
             logits = torch.tanh(logits / cap) * cap
         return logits
 
+    def own_head(self) -> None:
+        """A tied head becomes a linear over the embedding's weight (shared, not copied), for
+        what replaces or wraps `lm_head` (packing, quantization, LoRA)."""
+        if self.lm_head is None:
+            weight = self.embed_tokens.weight
+            self.lm_head = nn.Linear(weight.shape[1], weight.shape[0], bias=False,
+                                     dtype=weight.dtype, device="meta")
+            self.lm_head.weight = weight
+
     def attention_specs(self) -> list[LayerAttention]:
         """How each layer attends (scale, window, soft-cap), by layer index."""
         # each layer's `attn` is an attention module with a `spec`; torch types the

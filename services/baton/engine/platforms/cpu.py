@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-from torch import nn
 
 from baton.engine.models.moe import SparseMoE
 from baton.engine.platforms.base import Platform
@@ -64,7 +63,7 @@ class CpuPlatform(Platform):
         if gemm is None:
             raise ValueError("deterministic mode needs baton_cpu's C kernels, which could not "
                              "be built here (is a C compiler installed?)")
-        _own_head(model)
+        model.own_head()
         linear.use_invariant_linears(model, gemm, linear.load_linear_kernels(self.cache_dir))
         for module in model.modules():  # GGUF blocks (--quantization auto): one path for
             if isinstance(module, QuantLinear):  # every batch, the int8 activations
@@ -81,7 +80,7 @@ class CpuPlatform(Platform):
                 return  # F.linear it is
         else:
             native = linear.load_linear_kernels(self.cache_dir)
-        _own_head(model)
+        model.own_head()
         linear.pack_linears(model, native, gemv)
 
     def warm_up(self, runner: ModelRunner) -> None:
@@ -91,10 +90,3 @@ class CpuPlatform(Platform):
         release_free_heap()  # the checkpoint's tensors, freed by packing
 
 
-def _own_head(model: CausalLM) -> None:
-    """A tied head gets its own linear over the embedding (so packing reaches it)."""
-    if model.lm_head is None:
-        weight = model.embed_tokens.weight
-        model.lm_head = nn.Linear(weight.shape[1], weight.shape[0], bias=False,
-                                  dtype=weight.dtype)
-        model.lm_head.weight = weight
