@@ -29,6 +29,13 @@ from baton.cli_common import (
     engine_config,
     field_default,
 )
+from baton.cli_router import (
+    disagg_default,
+    disagg_flag,
+    parse_weights,
+    policy_flag,
+    proxy_flags,
+)
 from baton.common.roles import ROLE_NAMES, Role
 from baton.engine.config import EngineConfig
 
@@ -179,14 +186,14 @@ def _router_parser(sub) -> None:
     _registry_flag(found, "follow the workers registered in this Redis "
                           "(redis://[:password@]host:6379/0, rediss:// for TLS)")
     _registry_prefix_flag(p)
-    _policy_flag(p)
+    policy_flag(p)
     p.add_argument("--weights", default=None,
                    help="scorer weights for --policy load, e.g. queue=1,kv_usage=0.5")
     p.add_argument("--check-interval", type=float,
                    default=field_default(RouterSettings, "check_interval_s"))
-    _proxy_args(p)
-    _disagg_flag(p)
-    p.add_argument("--prefill-timeout", type=float, default=_disagg_default("prefill_timeout_s"))
+    proxy_flags(p)
+    disagg_flag(p)
+    p.add_argument("--prefill-timeout", type=float, default=disagg_default("prefill_timeout_s"))
     p.add_argument("--config-dir", default=None,
                    help="a mounted tuning ConfigMap (file baton.yaml, section router): "
                         "reloaded live; flags given here win over it")
@@ -197,41 +204,6 @@ def _router_parser(sub) -> None:
                    "collector (default $OTEL_EXPORTER_OTLP_[TRACES_]ENDPOINT; none: off)")
     add_common_flags(p, "router")
     p.set_defaults(run=_router, parser=p)
-
-
-def _proxy_default(name: str):
-    from baton.router.settings import ProxySettings
-
-    return field_default(ProxySettings, name)
-
-
-def _disagg_default(name: str):
-    from baton.router.settings import DisaggSettings
-
-    return field_default(DisaggSettings, name)
-
-
-def _policy_flag(p) -> None:
-    from baton.router.scheduling.pipeline import POLICIES
-    from baton.router.settings import RouterSettings
-
-    p.add_argument("--policy", default=field_default(RouterSettings, "policy"),
-                   choices=tuple(POLICIES))
-
-
-def _disagg_flag(p) -> None:
-    p.add_argument("--disagg-min-prefill-tokens", type=int,
-                   default=_disagg_default("min_prefill_tokens"),
-                   help="remote prefill for prompts at least this long (estimated)")
-
-
-def _proxy_args(p) -> None:
-    p.add_argument("--max-attempts", type=int, default=_proxy_default("max_attempts"))
-    p.add_argument("--connect-timeout", type=float, default=_proxy_default("connect_timeout_s"))
-    p.add_argument("--first-byte-timeout", type=float,
-                   default=_proxy_default("first_byte_timeout_s"))
-    p.add_argument("--idle-timeout", type=float, default=_proxy_default("idle_timeout_s"))
-    p.add_argument("--request-timeout", type=float, default=_proxy_default("request_timeout_s"))
 
 
 def _router(args) -> int:
@@ -251,7 +223,7 @@ def _router_settings(args):
     from baton.router.settings import DisaggSettings, ProxySettings, RouterSettings
     from baton.router.tenants import KEYS_FILE_ENV, load_tenants
 
-    weights = _parse_weights(args.weights)
+    weights = parse_weights(args.weights)
     keys_file = args.api_keys_file or os.environ.get(KEYS_FILE_ENV) or None
     return RouterSettings(
         workers=tuple(u.strip() for u in (args.workers or "").split(",") if u.strip()),
@@ -267,23 +239,10 @@ def _router_settings(args):
                             idle_timeout_s=args.idle_timeout,
                             request_timeout_s=args.request_timeout),
         disagg=DisaggSettings(min_prefill_tokens=args.disagg_min_prefill_tokens,
-                              prefill_timeout_s=args.prefill_timeout),
+                              prefill_timeout_s=args.prefill_timeout,
+                              peer_fetch=args.peer_fetch,
+                              peer_fetch_min_tokens=args.peer_fetch_min_tokens),
         config_dir=args.config_dir, pinned=_pinned(args, _ROUTER_TUNABLES))
-
-
-def _parse_weights(text: str | None) -> dict[str, float] | None:
-    """`queue=1,kv_usage=0.5` -> {"queue": 1.0, "kv_usage": 0.5}; None for no flag. Raises
-    ValueError for an item that is not name=number (names are checked by the pipeline)."""
-    if not text:
-        return None
-    weights = {}
-    for item in text.split(","):
-        name, _, value = item.partition("=")
-        try:
-            weights[name.strip()] = float(value)
-        except ValueError:
-            raise ValueError(f"--weights: {item!r} is not name=number") from None
-    return weights
 
 
 # flag dest -> the tuning file's router field it pins
@@ -291,7 +250,8 @@ _ROUTER_TUNABLES = {"weights": "scorer_weights", "max_attempts": "max_attempts",
                     "first_byte_timeout": "first_byte_timeout_s",
                     "idle_timeout": "idle_timeout_s", "request_timeout": "request_timeout_s",
                     "disagg_min_prefill_tokens": "disagg_min_prefill_tokens",
-                    "prefill_timeout": "prefill_timeout_s"}
+                    "prefill_timeout": "prefill_timeout_s", "peer_fetch": "peer_fetch",
+                    "peer_fetch_min_tokens": "peer_fetch_min_tokens"}
 
 
 def _pinned(args, tunables: dict[str, str]) -> frozenset[str]:
@@ -345,8 +305,8 @@ def _up_parser(sub) -> None:
     for role in ("prefill", "decode"):
         p.add_argument(f"--{role}-tp", type=int, default=cluster(f"{role}_tp"),
                        help=f"tensor-parallel ranks of each {role} worker")
-    _disagg_flag(p)
-    _policy_flag(p)
+    disagg_flag(p)
+    policy_flag(p)
     p.add_argument("--ready-timeout", type=float, default=cluster("ready_timeout_s"))
     add_worker_flags(p)
     add_common_flags(p, "up")

@@ -84,12 +84,14 @@ class Cluster:
     def from_args(cls, args) -> Cluster:
         """The cluster `baton up`'s parsed flags describe: every worker flag (the engine's
         and the worker's, `cli_common.WORKER_FLAGS`) given a value other than its default
-        is passed on to every worker; `--policy` and `--disagg-min-prefill-tokens` to the
-        router."""
+        is passed on to every worker; `--policy`, `--disagg-min-prefill-tokens` and the peer fetch flags
+        to the router."""
         from baton.cli_common import worker_flag_args
 
         router_args = ["--policy", args.policy, "--disagg-min-prefill-tokens",
-                       str(args.disagg_min_prefill_tokens)]
+                       str(args.disagg_min_prefill_tokens),
+                       "--peer-fetch" if args.peer_fetch else "--no-peer-fetch",
+                       "--peer-fetch-min-tokens", str(args.peer_fetch_min_tokens)]
         return cls(args.host, args.port, args.workers, worker_flag_args(args), router_args,
                    args.ready_timeout, args.log_level, args.prefill, args.decode,
                    args.prefill_tp, args.decode_tp)

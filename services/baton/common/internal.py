@@ -257,18 +257,25 @@ class ResumeState(BaseModel):
 class GenerateRequest(_WithOpenAIBody):
     """Generate on a decode pod. With `kv_transfer_params` the prompt's KV is pulled from a
     prefill pod; without, the decode pod prefills `prompt_token_ids` (or the body's prompt)
-    itself. `resume`: `prompt_token_ids` is the original prompt + the tokens already sent."""
+    itself. `resume`: `prompt_token_ids` is the original prompt + the tokens already sent.
+    `peer_prefix`: another pod holds the KV of the prompt's first `num_tokens` tokens (a
+    conversation that moved): the decode pod pulls them and prefills only the rest."""
 
     prompt_token_ids: list[TokenId] | None = None
     kv_transfer_params: KVTransferParams | None = None
+    peer_prefix: KVTransferParams | None = None
     return_token_ids: bool = False
     resume: ResumeState | None = None
 
     @model_validator(mode="after")
     def _consistent(self) -> Self:
-        ids, resume = self.prompt_token_ids, self.resume
+        ids, resume, peer = self.prompt_token_ids, self.resume, self.peer_prefix
         if self.kv_transfer_params is not None and not ids:
             raise ValueError("kv_transfer_params need the prompt_token_ids they cover")
+        if peer is not None and (not ids or peer.num_tokens >= len(ids)
+                                 or self.kv_transfer_params is not None):
+            raise ValueError("a peer_prefix covers fewer tokens than the prompt_token_ids "
+                             "it comes with, and never with kv_transfer_params")
         if resume is not None and (ids is None or resume.prompt_tokens > len(ids) or
                                    resume.prompt_tokens + resume.completion_tokens != len(ids)):
             raise ValueError("a resumed request gives prompt_token_ids = the original prompt "

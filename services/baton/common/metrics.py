@@ -277,6 +277,10 @@ class RouterMetrics(ConfigMetrics):
         self.fallbacks = Counter("baton:fallbacks", "Requests that fell back to local "
                                  "prefill on the decode pod, by reason.", ["reason"],
                                  registry=r)
+        self.peer_fetches = Counter(
+            "baton:peer_fetches", "Prompt prefixes a decode pod was sent to pull from the "
+            "peer holding them (lent), or not (failed: it prefills them).", ["result"],
+            registry=r)
         self.upstream_healthy = Gauge("baton:router_upstream_healthy",
                                       "1 when the upstream passes its health checks.",
                                       ["upstream"], registry=r)

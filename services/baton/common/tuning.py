@@ -8,6 +8,8 @@ section; every field is optional (absent = keep the service's own value):
       scorer_weights: {queue: 1.0, kv_usage: 1.0, prefix: 1.0}
       disagg_min_prefill_tokens: 256
       prefill_timeout_s: 60
+      peer_fetch: true               # decode pods pull prompt prefixes peers hold
+      peer_fetch_min_tokens: 256
       max_attempts: 3
       first_byte_timeout_s: 600
       idle_timeout_s: 120
@@ -56,6 +58,8 @@ class RouterTuning(BaseModel):
     scorer_weights: dict[str, Annotated[float, Field(ge=0)]] | None = None
     disagg_min_prefill_tokens: Annotated[int, Field(ge=0)] | None = None
     prefill_timeout_s: _Seconds | None = None
+    peer_fetch: bool | None = None
+    peer_fetch_min_tokens: Annotated[int, Field(ge=0)] | None = None
     max_attempts: Annotated[int, Field(ge=1)] | None = None
     first_byte_timeout_s: _Seconds | None = None
     idle_timeout_s: _Seconds | None = None

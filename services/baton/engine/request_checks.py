@@ -9,7 +9,7 @@ from baton.engine import tokenizer as tok
 from baton.engine.context_window import check_context
 from baton.engine.errors import InvalidRequestError
 from baton.engine.kv_cache import KVCacheManager
-from baton.engine.kv_connector.handoff import KVHandoff, PullKV
+from baton.engine.kv_connector.handoff import KVHandoff, PullKV, PullPrefix
 
 
 def check_prompt(prompt_token_ids: list[int], vocab: int, max_model_len: int,
@@ -43,12 +43,15 @@ def check_handoff(handoff: KVHandoff, num_prompt: int, params: SamplingParams,
                   has_connector: bool, kv: KVCacheManager, vocab: int) -> None:
     if not has_connector:
         raise InvalidRequestError("this engine has no KV transport (kv_transport=None)")
-    if isinstance(handoff, PullKV):
-        if params.prompt_logprobs is not None:  # only the prefill engine sees the prompt
+    if isinstance(handoff, PullKV | PullPrefix):
+        if params.prompt_logprobs is not None:  # only the engine computing it sees the prompt
             raise InvalidRequestError("prompt_logprobs come from the engine that computes "
                                       "the prompt, not one pulling its KV",
                                       param="prompt_logprobs")
         try:
-            handoff.check(num_prompt, kv.blocks_for(num_prompt), vocab)
+            if isinstance(handoff, PullKV):
+                handoff.check(num_prompt, kv.blocks_for(num_prompt), vocab)
+            else:
+                handoff.check(num_prompt, kv.block_size)
         except ValueError as err:
             raise InvalidRequestError(str(err)) from None

@@ -13,6 +13,9 @@ disaggregation decider subtracts the match from the prompt before comparing it w
   engine's way (`router.tokens`). A block counts wherever the worker holds it (`match`: the
   P/D decider's cached tokens); the prefix scorer weighs it by its best tier
   (`weighted_match`, `TIER_WEIGHTS`).
+- Peer fetch: with decode pods, a prefix another pod holds can be pulled rather than
+  recomputed (`router.peer_fetch`); `peer_fetch_saves` is its cost model and the prefix
+  scorer weighs such blocks below any tier of the pod's own (`RoutingContext.peer_block_weight`).
 - `ApproximatePrefixIndex` (llm-d's "approximate" prefix-cache mode): without the registry
   or before a model's tokenizer is fetched, the prompts the router itself sent each
   upstream, cut into 64-character (or 16-token-id) blocks, about one 16-token KV block
@@ -45,6 +48,18 @@ _HASH_MASK = (1 << 64) - 1  # Python's hash() is signed; a hex spelling needs it
 BLOCK_PREFILL_S = 11e-3
 TIER_LOAD_S = {DEVICE: 0.0, HOST: 0.023e-3, DISK: 0.30e-3}
 TIER_WEIGHTS = {tier: 1.0 - load_s / BLOCK_PREFILL_S for tier, load_s in TIER_LOAD_S.items()}
+# A block another pod holds (`router.peer_fetch`): a tcp pull of one block (PEER_BLOCK_S) after
+# a fixed cost for the fetch (PEER_FETCH_S: the router's call to the holder, its one-block
+# "prefill" in its next step, the pull's handshake). Measured with `peer_fetch_bench` on our
+# 2-core EPYC (bundled model, 368 KiB blocks, loopback tcp).
+PEER_BLOCK_S = 0.5e-3
+PEER_FETCH_S = 0.15
+
+
+def peer_fetch_saves(blocks: int) -> float:
+    """Seconds of prefill a decode pod saves by pulling `blocks` leading blocks of a prompt
+    from a peer instead of computing them (negative: pulling costs more)."""
+    return blocks * (BLOCK_PREFILL_S - PEER_BLOCK_S) - PEER_FETCH_S if blocks else 0.0
 
 
 class PrefixIndex(Protocol):

@@ -42,6 +42,7 @@ from baton.common.internal import Api, OpenAIBody, PrefillRequest, PrefillRespon
 from baton.common.metrics import RouterMetrics
 from baton.common.roles import Role
 from baton.common.tracing import Span, Tracing
+from baton.router import peer_fetch
 from baton.router.answers import error_problem, identity_problem
 from baton.router.discovery import Discovery, Upstream
 from baton.router.handover import Handover
@@ -68,22 +69,31 @@ class RemotePrefill:
     async def plan(self, api: Api, req: OpenAIBody, request_id: str, ctx: RoutingContext,
                    tunables: Tunables) -> DecodeCall | None:
         """What the decode pod gets: with the prompt's ids and `kv_transfer_params` when a
-        prefill pod ran, without them to prefill on the decode pod (the fallback); None
-        without decode pods (colocated). Raises OpenAIError when the prefill pod refused
-        the request itself; any other failure falls back."""
+        prefill pod ran, with `peer_prefix` when it pulls its prefix from a peer
+        (`router.peer_fetch`), with neither to prefill on the decode pod (the fallback);
+        None without decode pods (colocated). Raises OpenAIError when the prefill pod
+        refused the request itself; any other failure falls back."""
         upstreams = self.discovery.all()
         if not any(u.role == Role.DECODE for u in upstreams):
             return None
+        peers = peer_fetch.enabled(ctx, tunables.disagg)
+        if peers:
+            ctx = replace(ctx, peer_block_weight=peer_fetch.PEER_BLOCK_WEIGHT)
         decode_pod = tunables.pipeline.pick(upstreams, ctx)
+        lender = peer_fetch.holder(upstreams, decode_pod, ctx, tunables.disagg) \
+            if peers and decode_pod is not None else None
+        if lender is not None:
+            ctx = replace(ctx, peer_tokens=lender[1])
+        local = DecodeCall(api, req, preferred=decode_pod)
         if not any(u.role == Role.PREFILL for u in upstreams):
-            return DecodeCall(api, req, preferred=decode_pod)  # nothing to decide
+            return await self._peer_fetch(local, lender, request_id, ctx, tunables)
         if not tunables.disagg.decide(decode_pod, ctx):
             self.metrics.disagg_decisions.labels("local").inc()
-            return DecodeCall(api, req, preferred=decode_pod)
+            return await self._peer_fetch(local, lender, request_id, ctx, tunables)
         prefill_pod = self.pipeline.pick(upstreams, replace(ctx, phase=Phase.PREFILL))
         if prefill_pod is None:
             self._local("no_prefill_worker")
-            return DecodeCall(api, req, preferred=decode_pod)
+            return await self._peer_fetch(local, lender, request_id, ctx, tunables)
         t0 = time.monotonic()
         with self.tracing.span("router.prefill", kind="client",
                                attributes={"baton.upstream": prefill_pod.url}) as span:
@@ -91,20 +101,48 @@ class RemotePrefill:
                                       request_id, ctx, tunables, span)
         took = time.monotonic() - t0
         if answer is None:
-            return DecodeCall(api, req, preferred=decode_pod, prefill_s=took)
-        return DecodeCall(api, req, prompt_token_ids=answer.prompt_token_ids,
-                          kv_transfer_params=answer.kv_transfer_params,
-                          preferred=decode_pod, prefill_s=took,
-                          handover=Handover(answer.kv_transfer_params, prefill_pod))
+            local = replace(local, prefill_s=took)
+            return await self._peer_fetch(local, lender, request_id, ctx, tunables)
+        return replace(local, prompt_token_ids=answer.prompt_token_ids,
+                       kv_transfer_params=answer.kv_transfer_params, prefill_s=took,
+                       handover=Handover(answer.kv_transfer_params, prefill_pod))
+
+    async def _peer_fetch(self, local: DecodeCall, lender: tuple[Upstream, int] | None,
+                          request_id: str, ctx: RoutingContext, tunables: Tunables
+                          ) -> DecodeCall:
+        """`local` with the prefix `lender` lends it (`router.peer_fetch`), or as it is when
+        there is none or the lend fails."""
+        if lender is None:
+            return local
+        pod, tokens = lender
+        assert ctx.prompt_token_ids is not None  # a lender is found only with the ids
+        ids, prefix = list(ctx.prompt_token_ids), ctx.prompt_token_ids[:tokens]
+        with self.tracing.span("router.peer_fetch", kind="client",
+                               attributes={"baton.upstream": pod.url}) as span:
+            answer = await self._call(pod, peer_fetch.lend_request(local.request, prefix),
+                                      request_id, ctx, tunables, span, peer=True)
+            problem = None if answer is None else peer_fetch.lent_problem(
+                answer.kv_transfer_params, answer.prompt_token_ids, prefix, ctx.block_tokens)
+            if answer is not None and problem is not None:
+                self.discovery.record_misbehaviour(pod, problem)
+                self._failed(pod, "peer_fetch_failed", request_id, problem, span,
+                             breaker=False, peer=True)
+        if answer is None or problem is not None:
+            return local
+        self.metrics.peer_fetches.labels("lent").inc()
+        return replace(local, prompt_token_ids=ids, peer_prefix=answer.kv_transfer_params,
+                       handover=Handover(answer.kv_transfer_params, pod))
 
     async def _call(self, pod: Upstream, message: PrefillRequest, request_id: str,
                     ctx: RoutingContext, tunables: Tunables,
-                    span: Span) -> PrefillResponse | None:
+                    span: Span, peer: bool = False) -> PrefillResponse | None:
         """POST /internal/prefill on `pod`; None (counted, and reported to the pod's circuit
         breaker) when it fails or the pod is marked down meanwhile. Raises OpenAIError, the
-        pod's own answer, when the request caused the refusal."""
+        pod's own answer, when the request caused the refusal — unless `peer` (a peer
+        fetch's lend: any refusal falls back)."""
         headers = self.tracing.inject({"Content-Type": "application/json",
-                                       "X-Request-Id": request_id + "-prefill"})
+                                       "X-Request-Id": request_id + ("-peer" if peer
+                                                                     else "-prefill")})
         if ctx.tenant is not None:
             headers[TENANT_HEADER] = ctx.tenant
         pod.inflight += 1
@@ -113,7 +151,8 @@ class RemotePrefill:
                                                             tunables)
         except (aiohttp.ClientError, OSError, TimeoutError) as err:
             reason = "prefill_failed" if pod.healthy else "prefill_pod_down"
-            self._failed(pod, reason, request_id, repr(err), span)
+            self._failed(pod, "peer_fetch_failed" if peer else reason, request_id, repr(err),
+                         span, peer=peer)
             return None
         finally:
             pod.inflight -= 1
@@ -125,19 +164,21 @@ class RemotePrefill:
             problem = f"a 200 that is not a PrefillResponse ({type(err).__name__})"
         if problem is not None:
             self.discovery.record_misbehaviour(pod, problem)
-            self._failed(pod, "prefill_failed", request_id, problem, span, breaker=False)
+            self._failed(pod, "peer_fetch_failed" if peer else "prefill_failed", request_id,
+                         problem, span, breaker=False, peer=peer)
             return None
-        if final:
+        if final and not peer:
             self.metrics.upstream_errors.labels(pod.url, f"status {status}").inc()
             raise _pod_error(status, raw)
         if answer is None:
-            self._failed(pod, "prefill_error", request_id, f"status {status}", span,
-                         breaker=status >= 500)
+            self._failed(pod, "peer_fetch_failed" if peer else "prefill_error", request_id,
+                         f"status {status}", span, breaker=status >= 500, peer=peer)
             return None
         self.discovery.record_success(pod)
-        if ctx.prefix_index is not None:
-            ctx.prefix_index.add(pod, ctx.prefix_hashes)
-        self.metrics.disagg_decisions.labels("remote").inc()
+        if not peer:
+            if ctx.prefix_index is not None:
+                ctx.prefix_index.add(pod, ctx.prefix_hashes)
+            self.metrics.disagg_decisions.labels("remote").inc()
         return answer
 
     async def _post(self, pod: Upstream, body: bytes, headers: Mapping[str, str],
@@ -157,13 +198,17 @@ class RemotePrefill:
                 stop_watching()
 
     def _failed(self, pod: Upstream, reason: str, request_id: str, what: str, span: Span,
-                breaker: bool = True) -> None:
+                breaker: bool = True, peer: bool = False) -> None:
         if breaker:
             self.discovery.record_failure(pod)
-        self._local(reason)
+        if peer:  # the decision (local) is counted already
+            self.metrics.fallbacks.labels(reason).inc()
+            self.metrics.peer_fetches.labels("failed").inc()
+        else:
+            self._local(reason)
         span.set("baton.fallback", reason)
-        log.warning("request %s: prefill on %s failed (%s: %s); prefilling on decode",
-                    request_id, pod.url, reason, what)
+        log.warning("request %s: %s on %s failed (%s: %s); prefilling on decode",
+                    request_id, "peer fetch" if peer else "prefill", pod.url, reason, what)
 
     def _local(self, reason: str) -> None:
         self.metrics.disagg_decisions.labels("local").inc()

@@ -50,9 +50,10 @@ class DecodeCall:
     request: OpenAIBody  # the client's request, as parsed
     prompt_token_ids: list[int] | None = None
     kv_transfer_params: KVTransferParams | None = None
+    peer_prefix: KVTransferParams | None = None  # a peer lends the prompt's prefix
     preferred: Upstream | None = field(default=None, repr=False)  # the decode pod picked first
     prefill_s: float = 0.0  # how long the remote prefill took (0 when local)
-    # the prefill pod's lease of kv_transfer_params, until a decode pod takes it over
+    # the lease of kv_transfer_params (or peer_prefix), until a decode pod takes it over
     handover: Handover | None = field(default=None, repr=False)
 
     @property
@@ -74,6 +75,7 @@ class DecodeCall:
         return GenerateRequest(api=self.api, request=self.request,
                                prompt_token_ids=self.prompt_token_ids,
                                kv_transfer_params=self.kv_transfer_params,
+                               peer_prefix=self.peer_prefix,
                                return_token_ids=self.resumable).to_json()
 
 

@@ -105,4 +105,5 @@ class ContextBuilder:
                               prefix_hashes=tok.block_hashes(ids, root),
                               block_tokens=tok.block_size,
                               prompt_tokens=len(ids) if splittable(api, req) else None,
+                              prompt_token_ids=tuple(ids) if splittable(api, req) else None,
                               session=session)

@@ -100,7 +100,8 @@ class RouterSettings:
 _PROXY_TUNABLES = ("max_attempts", "first_byte_timeout_s", "idle_timeout_s",
                    "request_timeout_s")
 _DISAGG_TUNABLES = {"disagg_min_prefill_tokens": "min_prefill_tokens",
-                    "prefill_timeout_s": "prefill_timeout_s"}  # file field -> settings field
+                    "prefill_timeout_s": "prefill_timeout_s", "peer_fetch": "peer_fetch",
+                    "peer_fetch_min_tokens": "peer_fetch_min_tokens"}  # file -> settings
 
 
 @dataclass(frozen=True)

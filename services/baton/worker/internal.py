@@ -2,16 +2,21 @@
 them; they are not part of the OpenAI surface and the router does not expose them. Bodies
 are the typed messages of `common.internal`; one that does not validate is a 400.
 
-    POST /internal/prefill   PrefillRequest  -> PrefillResponse      (role prefill)
-    POST /internal/release   ReleaseRequest  -> {"released": bool}   (role prefill)
+    POST /internal/prefill   PrefillRequest  -> PrefillResponse      (roles prefill, decode)
+    POST /internal/release   ReleaseRequest  -> {"released": bool}   (roles prefill, decode)
     POST /internal/generate  GenerateRequest -> the OpenAI answer    (role decode)
+
+A decode pod answers prefills too: that is how it lends a peer a prompt's prefix it holds
+(a router's peer fetch asks it to "prefill" those whole blocks, which its prefix cache or
+offload tier already has, and the peer pulls them under the lease).
 
 A prefill samples the first token with the request's own sampling settings (greedy stays
 greedy, a seed is used) but never stops on it: stop conditions are the decode pod's, which
 applies them to the first token too. Its KV stays held (`HoldKV`) for a decode pod to pull.
 
-A generate with `kv_transfer_params` pulls the prompt's KV (`PullKV`), else the decode pod
-prefills locally; it goes through the same pipeline as a public request (`pipeline.py`).
+A generate with `kv_transfer_params` pulls the prompt's KV (`PullKV`); one with `peer_prefix`
+pulls that prefix from the peer that lent it and prefills the rest (`PullPrefix`); else the
+decode pod prefills locally; it goes through the same pipeline as a public request (`pipeline.py`).
 `return_token_ids` adds `TokenEvent`s to the stream (`openai_api`); `resume` continues a
 stream another decode pod started: its prompt is the original prompt + the tokens already
 sent, a seeded sampler skips the draws those tokens took, and the usage, id, `created` and
@@ -39,7 +44,7 @@ from baton.common.protocol import parse_request
 from baton.common.roles import Role
 from baton.common.sampling_params import SamplingParams
 from baton.common.tracing import NO_SPAN, Span
-from baton.engine.kv_connector import HoldKV, PullKV
+from baton.engine.kv_connector import HoldKV, PullKV, PullPrefix
 from baton.worker import traces
 from baton.worker.fair_share import DEFAULT_TENANT
 from baton.worker.openai_api import Internal
@@ -51,7 +56,7 @@ from baton.worker.state import WorkerState
 def install_internal_routes(app: FastAPI, state: WorkerState) -> None:
     """Add the internal endpoint of `state`'s role (none for `both`)."""
     role = state.settings.role
-    if role == Role.PREFILL:
+    if role in (Role.PREFILL, Role.DECODE):  # a decode pod lends its prefixes to peers
         @app.post("/internal/prefill")
         async def internal_prefill(request: Request):
             msg = await parse_request_off_loop(PrefillRequest, await request.body())
@@ -138,7 +143,11 @@ def generate_call(msg: GenerateRequest) -> Call:
     """What the pipeline serves for a decode pod's GenerateRequest. A resumed stream always
     carries token events (its router tracks it)."""
     ids = msg.prompt_token_ids
-    kv = PullKV(msg.kv_transfer_params) if msg.kv_transfer_params is not None else None
+    kv: PullKV | PullPrefix | None = None
+    if msg.kv_transfer_params is not None:
+        kv = PullKV(msg.kv_transfer_params)
+    elif msg.peer_prefix is not None:
+        kv = PullPrefix(msg.peer_prefix)
     internal = Internal(return_token_ids=msg.return_token_ids or msg.resume is not None,
                         resume=msg.resume)
     return Call(msg.api, msg.request, [list(ids)] if ids is not None else None, kv, internal)

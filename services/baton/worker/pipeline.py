@@ -37,7 +37,7 @@ from baton.common.tokenize_protocol import (
     TokenizeRequest,
 )
 from baton.common.tracing import Span, Tracing
-from baton.engine.kv_connector import PullKV
+from baton.engine.kv_connector import PullKV, PullPrefix
 from baton.engine.tokenizer import encode_rendered, render_conversation, require_tokenizer
 from baton.worker import openai_api, traces
 from baton.worker.coalesce import coalesced
@@ -56,7 +56,7 @@ class Call:
     api: Api
     request: OpenAIBody
     prompts: list[list[int]] | None = None
-    kv: PullKV | None = None
+    kv: PullKV | PullPrefix | None = None
     internal: Internal = PUBLIC
 
 

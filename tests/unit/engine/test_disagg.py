@@ -13,7 +13,7 @@ from baton import SamplingParams
 from baton.common.internal import KVTransferParams
 from baton.engine.config import EngineConfig
 from baton.engine.core import EngineCore, InvalidRequestError
-from baton.engine.kv_connector import HoldKV, PullKV
+from baton.engine.kv_connector import HoldKV, PullKV, PullPrefix
 from baton.kv_transfer import installed_transports
 from tests.conftest import make_text
 
@@ -277,3 +277,79 @@ def test_a_speculating_decode_pod_continues_a_pulled_prompt_exactly(engines, tok
         assert_no_blocks(p, d)
     finally:
         d.close()
+
+
+# -- a peer's prefix: the earlier turns of a conversation that moved pods ------------------
+def lend(holder: EngineCore, rid: str, ids: list[int]) -> KVTransferParams:
+    """What a router's peer fetch asks of the pod holding a prompt's prefix: a one-token
+    "prefill" of its whole blocks (`ids`), held under a lease."""
+    assert len(ids) % 16 == 0
+    return prefill(holder, rid, ids)
+
+
+def pull_prefix(d: EngineCore, rid: str, ids: list[int], params: KVTransferParams,
+                n: int = N):
+    req = d.make_request(rid, ids, SamplingParams(temperature=0, max_tokens=n),
+                         kv=PullPrefix(params))
+    outs = d.add(req) + run(d)
+    assert not [o for o in outs if o.request_id == rid and o.finish_reason == "abort"]
+    return [t for o in outs if o.request_id == rid for t in o.new_token_ids], \
+        [o for o in outs if o.request_id == rid and o.finished][-1]
+
+
+def test_a_peers_prefix_is_pulled_and_only_the_rest_computed(engines, tokenizer):
+    p, d, c = engines
+    turns = tokenizer.encode("Turn one.\n" + make_text(4, 5) + "\nAnd then:")
+    ids = turns + tokenizer.encode(" a second turn that the peer never saw.\nAnswer:")
+    held = len(turns) // 16 * 16
+    params = lend(p, "peer-p", ids[:held])
+    assert params.num_tokens == held and len(params.block_ids) == held // 16
+    before = d.connector.stats.bytes
+    tokens, final = pull_prefix(d, "peer-d", ids, params)
+    assert tokens == colocated(c, "peer-c", ids)  # greedy: exact
+    assert d.connector.stats.bytes - before == held // 16 * d.runner.bytes_per_block
+    assert final.num_cached_tokens == held  # usage: the peer's tokens count as cached
+    assert_no_blocks(p, d)
+    # Asked again, the pod holds that prefix itself: nothing is pulled, and the lease is
+    # released at once (well before its 30 s TTL), counted as a fallback.
+    params = lend(p, "peer-p2", ids[:held])
+    before = d.connector.stats.bytes
+    tokens, final = pull_prefix(d, "peer-d2", ids, params)
+    assert tokens == colocated(c, "peer-c2", ids)
+    assert d.connector.stats.bytes == before
+    assert d.connector.stats.fallbacks.get("peer_prefix_cached", 0) >= 1
+    assert_no_blocks(p, d)
+
+
+def test_a_failed_peer_pull_recomputes_even_under_the_fail_policy(engines, tokenizer):
+    """A peer's prefix only saves work: its pull failing (the lease expired here) recomputes
+    the prompt whatever the P/D failure policy says."""
+    _, _, c = engines
+    p, d = engine("prefill", kv_lease_ttl_s=0.05), engine("decode", kv_failure_policy="fail")
+    try:
+        ids = tokenizer.encode(make_text(3, 6) + "\nWhat follows?")
+        params = lend(p, "x", ids[:len(ids) // 16 * 16])
+        time.sleep(0.2)
+        p.step()  # the lease expires
+        tokens, final = pull_prefix(d, "y", ids, params)
+        assert tokens == colocated(c, "peer-fail-c", ids)
+        assert d.connector.stats.fallbacks == {"peer_lease_expired": 1}
+        assert final.num_cached_tokens == 0
+        assert_no_blocks(p, d)
+    finally:
+        p.close()
+        d.close()
+
+
+def test_a_peers_prefix_must_be_whole_blocks_short_of_the_prompt(engines):
+    _, d, _ = engines
+    layout = {"num_layers": 1, "block_size": 16, "num_kv_heads": 1, "head_dim": 8,
+              "dtype": "float32"}
+    good = {"block_ids": [1, 2], "first_token": 5, "lease_id": "l", "num_tokens": 32,
+            "lease_ttl_s": 30.0, "endpoint": {"transport": "local", "engine_id": "e",
+                                              "address": "a", "layout": layout}}
+    for bad, match in (({"num_tokens": 30}, "whole"), ({"block_ids": [1]}, "blocks"),
+                       ({}, "fewer")):
+        with pytest.raises(InvalidRequestError, match=match):
+            d.make_request("b", list(range(32 if not bad else 40)), SamplingParams(),
+                           kv=PullPrefix(KVTransferParams.model_validate(good | bad)))

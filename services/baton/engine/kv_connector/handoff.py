@@ -1,4 +1,5 @@
-"""What one request asks of the KV connector: hold my KV for a puller, or pull this KV."""
+"""What one request asks of the KV connector: hold my KV for a puller, pull this KV, or pull a
+peer's copy of my prompt's prefix."""
 
 from __future__ import annotations
 
@@ -32,4 +33,27 @@ class PullKV:
             raise ValueError(f"first_token {p.first_token} is outside [0, {vocab_size})")
 
 
-KVHandoff = HoldKV | PullKV
+@dataclass(frozen=True)
+class PullPrefix:
+    """Any engine with a KV transport: the first `params.num_tokens` tokens of the prompt
+    (whole blocks, fewer than the prompt) are held by a peer that computed them before (a
+    conversation's earlier turns, on the pod it moved from); pull their KV and compute the
+    rest here. No first token comes with it. A pull that fails always recomputes: the peer's
+    copy only saves work (`engine.kv_connector.transport`)."""
+
+    params: KVTransferParams
+
+    def check(self, num_prompt_tokens: int, block_size: int) -> None:
+        """Raise ValueError unless the held KV is a whole-block prefix of this prompt, short
+        of its end, in blocks of this engine's size."""
+        p = self.params
+        if p.num_tokens % block_size or p.num_tokens >= num_prompt_tokens:
+            raise ValueError(f"a peer's prefix covers {p.num_tokens} tokens: it must be whole "
+                             f"blocks of {block_size} tokens, fewer than the prompt's "
+                             f"{num_prompt_tokens}")
+        if len(p.block_ids) != p.num_tokens // block_size:
+            raise ValueError(f"a peer's prefix of {p.num_tokens} tokens comes in "
+                             f"{len(p.block_ids)} blocks, not {p.num_tokens // block_size}")
+
+
+KVHandoff = HoldKV | PullKV | PullPrefix

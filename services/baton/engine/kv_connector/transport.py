@@ -24,7 +24,7 @@ import uuid
 from baton.common.internal import KVTransferParams
 from baton.engine.config import LiveKVSettings
 from baton.engine.kv_connector.base import KVConnector, KVConnectorStats, KVUpdates
-from baton.engine.kv_connector.handoff import HoldKV, PullKV
+from baton.engine.kv_connector.handoff import HoldKV, PullKV, PullPrefix
 from baton.engine.kv_connector.tp_ranks import (
     RankedTransfer,
     TensorParallelKV,
@@ -76,20 +76,37 @@ class TransportKVConnector(KVConnector):
         self._not_started: dict[str, tuple[Request, str]] = {}  # loads that failed to start
         self._aborted: set[str] = set()  # ended while loading: free when the load stops
         self._held: dict[str, Request] = {}  # prefill: under a lease
+        self._first: dict[str, int] = {}  # admission: a pull's first block past local hits
         self._durations: collections.deque[float] = collections.deque()
 
     # -- admission (decode) ----------------------------------------------------------------
     def num_remote_tokens(self, req: Request, num_cached: int) -> int:
-        if not isinstance(req.kv_handoff, PullKV):
+        handoff = req.kv_handoff
+        if not isinstance(handoff, PullKV | PullPrefix):
             return 0
-        return req.num_prompt_tokens - num_cached
+        self._first[req.request_id] = num_cached // self.block_size  # for start_load
+        if isinstance(handoff, PullKV):
+            return req.num_prompt_tokens - num_cached
+        remote = handoff.params.num_tokens - num_cached  # whole blocks: both are
+        if remote <= 0:  # this pool holds the peer's prefix already: nothing to pull
+            self.stats.fallback("peer_prefix_cached")
+            self._release_unpulled(handoff.params)
+            req.kv_handoff = None
+            return 0
+        return remote
+
+    def loads_locally(self, req: Request) -> bool:
+        """A peer's prefix counts as cached in the request's usage (this pod did not
+        compute it for this request); a P/D pull's prompt does not."""
+        return isinstance(req.kv_handoff, PullPrefix)
 
     def start_load(self, req: Request, block_ids: list[int]) -> None:
         handoff = req.kv_handoff
-        assert isinstance(handoff, PullKV)  # loads start only where num_remote_tokens counted
+        # loads start only where num_remote_tokens counted
+        assert isinstance(handoff, PullKV | PullPrefix)
         params = handoff.params
-        first = req.num_cached_tokens // self.block_size
-        last = -(-req.num_prompt_tokens // self.block_size)
+        first = self._first.pop(req.request_id)  # the blocks past the local prefix hits
+        last = -(-min(params.num_tokens, req.num_prompt_tokens) // self.block_size)
         src, dst = params.block_ids[first:last], block_ids[first:last]
         try:
             peers = peers_of(params)
@@ -167,11 +184,14 @@ class TransportKVConnector(KVConnector):
             self._fail(req, t.error, updates)
 
     def _fail(self, req: Request, error: TransferError | None, updates: KVUpdates) -> None:
-        policy = self.live.failure_policy
+        """A failed P/D pull follows the failure policy; a peer's prefix always recomputes
+        (it only saved work), counted as `peer_<reason>`."""
+        peer = isinstance(req.kv_handoff, PullPrefix)
+        policy = "recompute" if peer else self.live.failure_policy
         log.warning("pulling the KV of %s failed (%s); policy %s", req.request_id, error,
                     policy)
         if policy == "recompute":
-            self.stats.fallback(fallback_reason(error))
+            self.stats.fallback(("peer_" if peer else "") + fallback_reason(error))
             updates.recompute.append(req)
         else:
             updates.failed.append((req, f"KV transfer failed: {error}"))
@@ -184,12 +204,13 @@ class TransportKVConnector(KVConnector):
     def request_finished(self, req: Request, block_ids: list[int]
                          ) -> tuple[bool, KVTransferParams | None]:
         rid, handoff = req.request_id, req.kv_handoff
+        self._first.pop(rid, None)
         if rid in self._loading:  # its pull may still be writing into its blocks
             self._aborted.add(rid)
             return True, None
         if self._not_started.pop(rid, None) is not None:
             return False, None
-        if isinstance(handoff, PullKV):  # ended before its pull started
+        if isinstance(handoff, PullKV | PullPrefix):  # ended before its pull started
             self._release_unpulled(handoff.params)
         elif isinstance(handoff, HoldKV) and req.status in _NORMAL_END:
             return True, self._lease(req, block_ids)

@@ -25,8 +25,8 @@ and the pool's event queue publishes them tagged with the tier (`KVCacheManager.
 so a router weighs where a pod holds a prompt's blocks (`router.prefix`).
 
 P/D: the tier wraps the engine's transport connector (`inner`), if any. A request the inner
-connector loads (a `PullKV`) is its alone; every other hook is passed on, so leases, pulls
-and their failure policies work as without a tier.
+connector loads (a `PullKV`, or a peer's `PullPrefix`) is its alone; every other hook is
+passed on, so leases, pulls and their failure policies work as without a tier.
 """
 
 from __future__ import annotations
@@ -130,7 +130,8 @@ class TierConnector(KVConnector):
             self.loads.unpin(plan[1])
 
     def loads_locally(self, req: Request) -> bool:
-        return req.request_id in self._planned
+        return req.request_id in self._planned or (
+            self.inner is not None and self.inner.loads_locally(req))
 
     def start_load(self, req: Request, block_ids: list[int]) -> None:
         plan = self._planned.pop(req.request_id, None)

@@ -36,6 +36,14 @@ class RoutingContext:
     # The prompt's tokens: exact when the router tokenized it, else estimated (~4 characters
     # a token); None when the request cannot be split (n > 1, several prompts).
     prompt_tokens: int | None = None
+    # The prompt's token ids, when the router tokenized it the engine's way (exact) and the
+    # request can be split: what a decode pod pulling a peer's prefix is given.
+    prompt_token_ids: tuple[int, ...] | None = None
+    # Peer fetch (`router.peer_fetch`): what a block another candidate holds is worth to a
+    # candidate that would pull it (0: no peer fetch), and the tokens the chosen decode pod
+    # will pull from a peer (the P/D decider counts them as cached).
+    peer_block_weight: float = 0.0
+    peer_tokens: int = 0
     session: str | None = None  # X-Session-Id header, else the request's `user` field
     tenant: str | None = None  # the caller's tenant, named to workers (their fair share)
 

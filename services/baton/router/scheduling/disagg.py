@@ -35,12 +35,12 @@ def register(name: str) -> Callable[[_F], _F]:
 @register("uncached_tokens")
 def uncached_tokens(decode_pod: Upstream | None, ctx: RoutingContext,
                     settings: DisaggSettings) -> bool:
-    """Remote when the prompt's tokens not already cached on the decode pod are at least
-    `min_prefill_tokens`; local when the prompt cannot be split (`n` > 1, several prompts)."""
+    """Remote when the prompt's tokens not already cached on the decode pod (in any tier, or
+    on a peer it will pull them from: `ctx.peer_tokens`) are at least `min_prefill_tokens`; local when the prompt cannot be split (`n` > 1, several prompts)."""
     if ctx.prompt_tokens is None:
         return False
     cached = ctx.cached_tokens(decode_pod) if decode_pod is not None else 0
-    return ctx.prompt_tokens - cached >= settings.min_prefill_tokens
+    return ctx.prompt_tokens - max(cached, ctx.peer_tokens) >= settings.min_prefill_tokens
 
 
 @dataclass(frozen=True)
@@ -55,10 +55,16 @@ class DisaggSettings:
     min_prefill_tokens: int = 256
     prefill_timeout_s: float = 60.0
     decider: str = "uncached_tokens"
+    # A decode pod pulls a prompt's prefix another pod holds (`router.peer_fetch`) when that
+    # saves at least this many tokens of prefill and the cost model says pulling is cheaper.
+    peer_fetch: bool = True
+    peer_fetch_min_tokens: int = 256
 
     def __post_init__(self) -> None:
-        if self.min_prefill_tokens < 0 or self.prefill_timeout_s <= 0:
-            raise ValueError("DisaggSettings: min_prefill_tokens >= 0, prefill_timeout_s > 0")
+        if self.min_prefill_tokens < 0 or self.prefill_timeout_s <= 0 \
+                or self.peer_fetch_min_tokens < 0:
+            raise ValueError("DisaggSettings: min_prefill_tokens >= 0, prefill_timeout_s > 0, "
+                             "peer_fetch_min_tokens >= 0")
         if self.decider not in DECIDERS:
             raise ValueError(f"DisaggSettings.decider: unknown disaggregation decider "
                              f"{self.decider!r}; known: {sorted(DECIDERS)}")

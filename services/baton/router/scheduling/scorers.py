@@ -33,11 +33,17 @@ def queue(endpoints: list[Upstream], ctx: RoutingContext) -> list[float]:
 @register("prefix")
 def prefix(endpoints: list[Upstream], ctx: RoutingContext) -> list[float]:
     """A longer share of the prompt probably cached on the worker is better, each block
-    weighed by the tier that holds it: device over host over disk (`router.prefix`)."""
+    weighed by the tier that holds it: device over host over disk (`router.prefix`), over a
+    block another candidate holds that this one would pull from it (peer fetch, when on)."""
     hashes, index = ctx.prefix_hashes, ctx.prefix_index
     if not hashes or index is None:
         return [0.0] * len(endpoints)
-    return [index.weighted_match(e, hashes) / len(hashes) for e in endpoints]
+    own = [index.weighted_match(e, hashes) for e in endpoints]
+    if ctx.peer_block_weight:  # what the others hold, this one would pull (`peer_fetch`)
+        matches = [index.match(e, hashes) for e in endpoints]
+        best = max(matches)
+        own = [w + ctx.peer_block_weight * (best - m) for w, m in zip(own, matches)]
+    return [w / len(hashes) for w in own]
 
 
 @register("kv_usage")
