@@ -139,13 +139,19 @@ def test_exact_prefix_routing_and_decision(reg_cluster):
              "the decode pod's blocks to reach the router")
     holder = max(decode, key=lambda u: cached_blocks(router)[u])
     other = decode[1 - decode.index(holder)]
-    before = {u: (hits(u), finished(u)) for u in decode}
+    pods = [reg_cluster["prefill"], *decode]
+    before = {u: (hits(u), finished(u)) for u in pods}
     local = metric_value(router, 'baton:disagg_decisions_total{decision="local"}', 0)
+    lent = metric_value(router, 'baton:peer_fetches_total{result="lent"}', 0)
     for q in ["Summarise it.", "Why does it matter?", "Name one fact.", "Translate it."]:
         complete(router, prefix + "\n\n" + q)
-    assert finished(holder) - before[holder][1] == 4
-    assert finished(other) == before[other][1]
-    assert hits(holder) - before[holder][0] >= 4 * 500  # the whole shared prefix each time
+    # Each ran on the holder, or on the other pod pulling the prefix from a pod holding it
+    # (peer fetch: the router weighs the pull against the holder's load, and the lender
+    # runs a one-block prefill); either way no request prefilled the shared prefix again.
+    moved = metric_value(router, 'baton:peer_fetches_total{result="lent"}', 0) - lent
+    assert finished(other) - before[other][1] == moved
+    assert sum(finished(u) - before[u][1] for u in pods) == 4 + moved  # + the lends
+    assert sum(hits(u) - before[u][0] for u in pods) >= 4 * 500
     # Only the short uncached tail was left: prefilled on the decode pod, not sent away.
     assert metric_value(router, 'baton:disagg_decisions_total{decision="local"}') == local + 4
 
@@ -192,6 +198,50 @@ def test_two_routers_sharing_redis_continue_one_conversation(reg_cluster, tmp_pa
         assert http_get(a + f"/v1/responses/{first['id']}")[0] == 404
     finally:
         assert other.stop()
+
+
+def session_on(pod: str, pods: list[str]) -> str:
+    """A session key the router's rendezvous hashing gives `pod` of `pods`."""
+    from types import SimpleNamespace
+
+    from baton.router.scheduling.context import RoutingContext
+    from baton.router.scheduling.scorers import session
+
+    ups = [SimpleNamespace(url=u) for u in pods]
+    return next(key for key in (f"user-{i}" for i in range(1000))
+                if session(ups, RoutingContext(session=key))[pods.index(pod)] == 1.0)
+
+
+def test_a_conversation_that_moves_pulls_its_prefix_from_the_pod_it_left(reg_cluster,
+                                                                         reference_llm):
+    """Turn 1 on one decode pod, turn 2 (its session now on the other pod) pulls turn 1's
+    blocks from a pod holding them instead of prefilling them: exact text, the tokens
+    counted as cached, no lease or block left behind."""
+    from baton import SamplingParams
+
+    router, decode = reg_cluster["router"], reg_cluster["decode"]
+    wait_for(lambda: MODEL in view(router)["exact_prefix_models"], 30, "the tokenizer")
+    a, b = decode
+    messages = [{"role": "user", "content": make_text(9, 5) + "\n\nWhat is it about?"}]
+    greedy = {"model": MODEL, "temperature": 0, "max_tokens": 12}
+    status, _, first = post_json(router + "/v1/chat/completions",
+                                 {**greedy, "messages": messages, "user": session_on(a, decode)})
+    assert status == 200, first
+    wait_for(lambda: cached_blocks(router)[a] >= 20, 10, "turn 1's blocks at the router")
+    messages += [{"role": "assistant", "content": first["choices"][0]["message"]["content"]},
+                 {"role": "user", "content": "Shorter, please."}]
+    lent = metric_value(router, 'baton:peer_fetches_total{result="lent"}', 0)
+    pulled = metric_value(b, "baton:kv_transfer_bytes_total", 0)
+    status, _, second = post_json(router + "/v1/chat/completions",
+                                  {**greedy, "messages": messages, "user": session_on(b, decode)})
+    assert status == 200, second
+    assert metric_value(router, 'baton:peer_fetches_total{result="lent"}') == lent + 1
+    assert metric_value(b, "baton:kv_transfer_bytes_total") > pulled
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= 20 * 16
+    want = reference_llm.chat(messages, SamplingParams(temperature=0, max_tokens=12),
+                              use_tqdm=False)[0].outputs[0].text
+    assert second["choices"][0]["message"]["content"] == want
+    assert_idle([reg_cluster["prefill"], *decode])  # the lease ended, its blocks free
 
 
 def test_a_killed_decode_pod_leaves_routing(reg_cluster):

@@ -33,14 +33,11 @@ from baton.common.internal import KVTransferParams, OpenAIBody, PrefillRequest
 from baton.common.protocol import CompletionRequest
 from baton.common.roles import Role
 from baton.router.discovery import Upstream
-from baton.router.prefix import BLOCK_PREFILL_S, PEER_BLOCK_S, BlockIndex, peer_fetch_saves
+from baton.router.prefix import BlockIndex, peer_fetch_saves
 from baton.router.scheduling.context import RoutingContext
 from baton.router.scheduling.disagg import DisaggSettings
 from baton.router.scheduling.filters import FILTERS
 
-# What a block another pod holds is worth to the prefix scorer of a pod that would pull it:
-# below any tier of the pod's own (`prefix.TIER_WEIGHTS`), above nothing.
-PEER_BLOCK_WEIGHT = 1.0 - PEER_BLOCK_S / BLOCK_PREFILL_S
 _HOLDER_FILTERS = ("healthy", "circuit", "model")
 
 
@@ -62,7 +59,8 @@ def holder(upstreams: Sequence[Upstream], pod: Upstream, ctx: RoutingContext,
         pods = FILTERS[name](pods, ctx)
     if not pods:
         return None
-    best = max(pods, key=lambda u: index.match(u, ctx.prefix_hashes))
+    # the longest match; of equals, the least busy (its one-block prefill waits least)
+    best = max(pods, key=lambda u: (index.match(u, ctx.prefix_hashes), -u.queue_depth))
     own = index.match(pod, ctx.prefix_hashes)
     # at least one prompt token is left for the decode pod to compute
     blocks = min(index.match(best, ctx.prefix_hashes),

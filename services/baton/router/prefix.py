@@ -14,8 +14,8 @@ disaggregation decider subtracts the match from the prompt before comparing it w
   P/D decider's cached tokens); the prefix scorer weighs it by its best tier
   (`weighted_match`, `TIER_WEIGHTS`).
 - Peer fetch: with decode pods, a prefix another pod holds can be pulled rather than
-  recomputed (`router.peer_fetch`); `peer_fetch_saves` is its cost model and the prefix
-  scorer weighs such blocks below any tier of the pod's own (`RoutingContext.peer_block_weight`).
+  recomputed (`router.peer_fetch`); `peer_fetch_saves` is its cost model, and the prefix
+  scorer values such blocks by it (`peer_fetch_value`), below any tier of the pod's own.
 - `ApproximatePrefixIndex` (llm-d's "approximate" prefix-cache mode): without the registry
   or before a model's tokenizer is fetched, the prompts the router itself sent each
   upstream, cut into 64-character (or 16-token-id) blocks, about one 16-token KV block
@@ -60,6 +60,15 @@ def peer_fetch_saves(blocks: int) -> float:
     """Seconds of prefill a decode pod saves by pulling `blocks` leading blocks of a prompt
     from a peer instead of computing them (negative: pulling costs more)."""
     return blocks * (BLOCK_PREFILL_S - PEER_BLOCK_S) - PEER_FETCH_S if blocks else 0.0
+
+
+def peer_fetch_value(blocks: int, block_tokens: int, min_tokens: int) -> float:
+    """What pulling `blocks` blocks from a peer is worth to the prefix scorer, in blocks of
+    prefill saved: 0 unless it saves at least `min_tokens` tokens and some time; always
+    less than `blocks` (a pod's own copy, in any tier, is worth more)."""
+    if blocks * block_tokens < max(min_tokens, 1):
+        return 0.0
+    return max(peer_fetch_saves(blocks), 0.0) / BLOCK_PREFILL_S
 
 
 class PrefixIndex(Protocol):

@@ -78,7 +78,7 @@ class RemotePrefill:
             return None
         peers = peer_fetch.enabled(ctx, tunables.disagg)
         if peers:
-            ctx = replace(ctx, peer_block_weight=peer_fetch.PEER_BLOCK_WEIGHT)
+            ctx = replace(ctx, peer_fetch_min_tokens=tunables.disagg.peer_fetch_min_tokens)
         decode_pod = tunables.pipeline.pick(upstreams, ctx)
         lender = peer_fetch.holder(upstreams, decode_pod, ctx, tunables.disagg) \
             if peers and decode_pod is not None else None

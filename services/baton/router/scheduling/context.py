@@ -39,10 +39,11 @@ class RoutingContext:
     # The prompt's token ids, when the router tokenized it the engine's way (exact) and the
     # request can be split: what a decode pod pulling a peer's prefix is given.
     prompt_token_ids: tuple[int, ...] | None = None
-    # Peer fetch (`router.peer_fetch`): what a block another candidate holds is worth to a
-    # candidate that would pull it (0: no peer fetch), and the tokens the chosen decode pod
-    # will pull from a peer (the P/D decider counts them as cached).
-    peer_block_weight: float = 0.0
+    # Peer fetch (`router.peer_fetch`): the fewest tokens worth pulling from a peer (None:
+    # no peer fetch; the prefix scorer values what another candidate holds by the prefill a
+    # pull would save), and the tokens the chosen decode pod will pull from a peer (the P/D
+    # decider counts them as cached).
+    peer_fetch_min_tokens: int | None = None
     peer_tokens: int = 0
     session: str | None = None  # X-Session-Id header, else the request's `user` field
     tenant: str | None = None  # the caller's tenant, named to workers (their fair share)

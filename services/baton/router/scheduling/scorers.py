@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import TypeVar
 
 from baton.router.discovery import Upstream
+from baton.router.prefix import peer_fetch_value
 from baton.router.scheduling.context import RoutingContext
 
 Scorer = Callable[[list[Upstream], RoutingContext], list[float]]
@@ -33,16 +34,19 @@ def queue(endpoints: list[Upstream], ctx: RoutingContext) -> list[float]:
 @register("prefix")
 def prefix(endpoints: list[Upstream], ctx: RoutingContext) -> list[float]:
     """A longer share of the prompt probably cached on the worker is better, each block
-    weighed by the tier that holds it: device over host over disk (`router.prefix`), over a
-    block another candidate holds that this one would pull from it (peer fetch, when on)."""
+    weighed by the tier that holds it: device over host over disk (`router.prefix`). With
+    peer fetch, the blocks another candidate holds count for a candidate that would pull
+    them as the prefill the pull saves, fixed cost included (`prefix.peer_fetch_value`):
+    less than any tier of its own, more than nothing once the pull is worth it."""
     hashes, index = ctx.prefix_hashes, ctx.prefix_index
     if not hashes or index is None:
         return [0.0] * len(endpoints)
     own = [index.weighted_match(e, hashes) for e in endpoints]
-    if ctx.peer_block_weight:  # what the others hold, this one would pull (`peer_fetch`)
+    if ctx.peer_fetch_min_tokens is not None:  # what another holds, this one would pull
         matches = [index.match(e, hashes) for e in endpoints]
         best = max(matches)
-        own = [w + ctx.peer_block_weight * (best - m) for w, m in zip(own, matches)]
+        own = [w + peer_fetch_value(best - m, ctx.block_tokens, ctx.peer_fetch_min_tokens)
+               for w, m in zip(own, matches)]
     return [w / len(hashes) for w in own]
 
 
