@@ -51,9 +51,10 @@ TIER_WEIGHTS = {tier: 1.0 - load_s / BLOCK_PREFILL_S for tier, load_s in TIER_LO
 # A block another pod holds (`router.peer_fetch`): a tcp pull of one block (PEER_BLOCK_S) after
 # a fixed cost for the fetch (PEER_FETCH_S: the router's call to the holder, its one-block
 # "prefill" in its next step, the pull's handshake). Measured with `peer_fetch_bench` on our
-# 2-core EPYC (bundled model, 368 KiB blocks, loopback tcp).
-PEER_BLOCK_S = 0.5e-3
-PEER_FETCH_S = 0.15
+# 2-core EPYC (bundled model, loopback tcp): a moved turn of ~2,100 tokens pulling ~110
+# blocks answered 0.07 s after the same turn with the prefix in the pod's own pool.
+PEER_BLOCK_S = 0.25e-3
+PEER_FETCH_S = 0.05
 
 
 def peer_fetch_saves(blocks: int) -> float:

@@ -119,10 +119,11 @@ def test_a_bad_generate_body_is_an_openai_400(body, param):
     assert engine.submitted == []
 
 
-@pytest.mark.parametrize("role, path", [(Role.DECODE, "/internal/prefill"),
-                                        (Role.PREFILL, "/internal/generate"),
-                                        (Role.BOTH, "/internal/generate")])
+@pytest.mark.parametrize("role, path", [(Role.PREFILL, "/internal/generate"),
+                                        (Role.BOTH, "/internal/generate"),
+                                        (Role.BOTH, "/internal/prefill")])
 def test_each_role_has_only_its_own_internal_endpoint(role, path):
+    """(A decode pod answers /internal/prefill too: how it lends a peer a prefix.)"""
     app, _ = make_app(role)
     assert post(app, path, {"api": "chat", "request": CHAT})[0] == 404
 
