@@ -105,7 +105,10 @@ class TransportKVConnector(KVConnector):
         # loads start only where num_remote_tokens counted
         assert isinstance(handoff, PullKV | PullPrefix)
         params = handoff.params
-        first = self._first.pop(req.request_id)  # the blocks past the local prefix hits
+        first = self._first.pop(req.request_id, None)  # the blocks past the local hits
+        if first is None:  # started without a count this schedule(): its usage says
+            first = req.num_cached_tokens // self.block_size if isinstance(handoff, PullKV) \
+                else 0
         last = -(-min(params.num_tokens, req.num_prompt_tokens) // self.block_size)
         src, dst = params.block_ids[first:last], block_ids[first:last]
         try:
