@@ -37,11 +37,10 @@ COUNTERS = ("baton:prompt_tokens_total", "baton:prefix_cache_hit_tokens_total",
 
 
 def workload(sessions: int, turns: int, think_s: float):
-    from baton_loadtest.generator import plan
-    from baton_loadtest.spec import WorkloadSpec
-
     from baton.engine.models.loader import resolve_model_dir
     from baton.engine.tokenizer import load_tokenizer
+    from baton_loadtest.generator import plan
+    from baton_loadtest.spec import WorkloadSpec
 
     spec = WorkloadSpec.load(WORKLOAD)
     spec = replace(spec, num_requests=sessions * turns, sessions=replace(

@@ -214,29 +214,39 @@ def session_on(pod: str, pods: list[str]) -> str:
 
 def test_a_conversation_that_moves_pulls_its_prefix_from_the_pod_it_left(reg_cluster,
                                                                          reference_llm):
-    """Turn 1 on one decode pod, turn 2 (its session now on the other pod) pulls turn 1's
-    blocks from a pod holding them instead of prefilling them: exact text, the tokens
-    counted as cached, no lease or block left behind."""
+    """Turn 1 on one decode pod, turn 2 (its session now on the other pod) pulls the
+    blocks the first pod holds instead of prefilling them: exact text, the tokens counted as
+    cached, the first decode pod the lender, no lease or block left behind."""
     from baton import SamplingParams
 
     router, decode = reg_cluster["router"], reg_cluster["decode"]
     wait_for(lambda: MODEL in view(router)["exact_prefix_models"], 30, "the tokenizer")
     a, b = decode
+    pods = [reg_cluster["prefill"], a, b]
     messages = [{"role": "user", "content": make_text(9, 5) + "\n\nWhat is it about?"}]
     greedy = {"model": MODEL, "temperature": 0, "max_tokens": 12}
     status, _, first = post_json(router + "/v1/chat/completions",
                                  {**greedy, "messages": messages, "user": session_on(a, decode)})
     assert status == 200, first
     wait_for(lambda: cached_blocks(router)[a] >= 20, 10, "turn 1's blocks at the router")
+    held = cached_blocks(router)[a]
     messages += [{"role": "assistant", "content": first["choices"][0]["message"]["content"]},
                  {"role": "user", "content": "Shorter, please."}]
+    # Turn 2 asked on A first (a client's retry, say): A now holds more of it than the
+    # prefill pod, which prefilled turn 1 only, so A is the one to lend it.
+    status, _, _ = post_json(router + "/v1/chat/completions", {
+        **greedy, "max_tokens": 1, "messages": messages, "user": session_on(a, decode)})
+    assert status == 200
+    wait_for(lambda: cached_blocks(router)[a] > held, 10, "turn 2's blocks at the router")
     lent = metric_value(router, 'baton:peer_fetches_total{result="lent"}', 0)
     pulled = metric_value(b, "baton:kv_transfer_bytes_total", 0)
+    served = {u: finished(u) for u in pods}
     status, _, second = post_json(router + "/v1/chat/completions",
                                   {**greedy, "messages": messages, "user": session_on(b, decode)})
     assert status == 200, second
     assert metric_value(router, 'baton:peer_fetches_total{result="lent"}') == lent + 1
     assert metric_value(b, "baton:kv_transfer_bytes_total") > pulled
+    assert {u: finished(u) - served[u] for u in pods} == {a: 1, b: 1, pods[0]: 0}  # A lent
     assert second["usage"]["prompt_tokens_details"]["cached_tokens"] >= 20 * 16
     want = reference_llm.chat(messages, SamplingParams(temperature=0, max_tokens=12),
                               use_tqdm=False)[0].outputs[0].text

@@ -129,6 +129,13 @@ async def drain(state: WorkerState, inflight: Inflight, timeout_s: float) -> Non
         log.info("drained in %.1fs", time.monotonic() - t0)
 
 
+# How long an idle kept-alive connection stays open: longer than the router's pooled
+# connections live (60 s, `router.app`) and than common clients' pools, so the client end
+# closes first. uvicorn's default, 5 s, raced clients that reuse a connection after a pause
+# of about that long (a chat session's think time): the request met a reset connection.
+KEEP_ALIVE_S = 75
+
+
 def serve(app, state: WorkerState, host: str, port: int, log_level: str,
           drain_timeout_s: float, header_timeout_s: float = HEADER_TIMEOUT_S) -> None:
     """Run the worker's app until it is stopped (drained, interrupted, engine dead); Ctrl-C
@@ -137,7 +144,8 @@ def serve(app, state: WorkerState, host: str, port: int, log_level: str,
     config = uvicorn.Config(inflight, host=host, port=port, log_level=log_level,
                             access_log=False, loop="uvloop",
                             http=httptools_protocol(header_timeout_s),
-                            timeout_graceful_shutdown=5, log_config=None)
+                            timeout_graceful_shutdown=5, log_config=None,
+                            timeout_keep_alive=KEEP_ALIVE_S)
     try:
         WorkerServer(config, state, inflight, drain_timeout_s).run()
     except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it stopped on: a clean stop
