@@ -21,6 +21,9 @@ its own, cut to what is left of the deadline, so a piece that hangs loses only i
   floor (benchmarks.gpu_bench);
 - `bench_quant`: an 8B-shaped decode step's linears in bf16, W4A16 and FP8, each as a ratio
   of bf16's (benchmarks.gpu_quant_bench);
+- `bench_kv_tier`: the host KV offload tier's copies between the device cache and pinned
+  host blocks, GB/s each way, and what one step's offloads add to a step
+  (benchmarks.gpu_tier_bench);
 - `colocated`, `kv_tcp`, `kv_nixl` (one GPU) and `kv_nccl`, `tp2` (two GPUs): `baton up`
   clusters answering the OpenAI client, prefill + decode equal to colocated, no KV block or
   lease left held (benchmarks.gpu_scenarios);
@@ -178,6 +181,12 @@ def headline_numbers(pieces: dict) -> dict:
     for fmt in ("w4a16_g128", "fp8_channel", "fp8_block"):
         if ratio := quant.get(fmt, {}).get("1", {}).get("vs_bf16"):
             numbers[f"{fmt}_batch1_step_vs_bf16"] = ratio
+    tier = pieces.get("bench_kv_tier", {}).get("results", {})
+    for key in ("offload_gbps", "load_gbps"):
+        if (gbps := tier.get("copies", {}).get(key)) is not None:
+            numbers[f"kv_tier_{key}"] = round(gbps, 1)
+    if (overlap := tier.get("step", {}).get("overlap")) is not None:
+        numbers["kv_tier_offload_overlap"] = round(overlap, 2)
     for name in ("kernel_tests", "engine_tests"):
         if "passed" in pieces.get(name, {}):
             numbers[name] = {k: pieces[name][k] for k in ("passed", "failed", "errors",

@@ -48,6 +48,8 @@ PIECES = (
           "vs FP8 (issue 39)", False),
     Piece("bench_engine", 1, 90, "one_gpu", "8B-shaped decode tok/s, batch-1 step vs weight "
           "floor"),
+    Piece("bench_kv_tier", 1, 30, "one_gpu", "the host KV tier's copies: GB/s each way, "
+          "and their cost to a step (issue 36)", False),
     Piece("kv_nccl", 2, 60, "multi_gpu", "prefill + decode on two GPUs, KV over nccl"),
     Piece("tp2", 2, 90, "multi_gpu", "one worker, tensor parallel over two GPUs"),
     # Last: on a GPU it only spends what is left; on CPU it is the versions' check.
@@ -94,7 +96,7 @@ class PieceRunner:
             "preflight": self.preflight, "probe": self.probe_result, "model": self.build_model,
             "kernel_tests": self.kernel_tests, "engine_tests": self.engine_tests,
             "bench_kernels": self.bench_kernels, "bench_engine": self.bench_engine,
-            "bench_quant": self.bench_quant,
+            "bench_quant": self.bench_quant, "bench_kv_tier": self.bench_kv_tier,
             "engine_cpu": self.engine_cpu}  # the rest: baton up scenarios
 
     def run(self, piece: Piece, timeout: float) -> dict:
@@ -196,6 +198,9 @@ class PieceRunner:
 
     def bench_quant(self, piece: Piece, timeout: float) -> dict:
         return self.bench(piece, timeout, "", "benchmarks.gpu_quant_bench")
+
+    def bench_kv_tier(self, piece: Piece, timeout: float) -> dict:
+        return self.bench(piece, timeout, "", "benchmarks.gpu_tier_bench")
 
     def scenario(self, piece: Piece, timeout: float) -> dict:
         reference = self.scratch / "colocated.json"

@@ -224,7 +224,23 @@ class _WithOpenAIBody(BaseModel):
 
 
 class PrefillRequest(_WithOpenAIBody):
-    """Compute the prompt's KV, sample its first token, and hold the KV for a decode pod."""
+    """Compute the prompt's KV, sample its first token, and hold the KV for a decode pod.
+    `peer_prefix`: another pod lends the KV of the prompt's first `num_tokens` tokens (the
+    router's peer fetch); pull it, compute the rest. It comes with `prompt_token_ids`, the
+    prompt as the router tokenized it (what the lease's blocks were computed from)."""
+
+    prompt_token_ids: list[TokenId] | None = None
+    peer_prefix: KVTransferParams | None = None
+
+    @model_validator(mode="after")
+    def _peer_with_ids(self) -> Self:
+        ids, peer = self.prompt_token_ids, self.peer_prefix
+        if peer is not None and (not ids or peer.num_tokens >= len(ids)):
+            raise ValueError("a peer_prefix covers fewer tokens than the prompt_token_ids it "
+                             "comes with")
+        if ids is not None and peer is None:
+            raise ValueError("prompt_token_ids come with a peer_prefix")
+        return self
 
 
 class PrefillResponse(BaseModel):

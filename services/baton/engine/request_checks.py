@@ -9,7 +9,12 @@ from baton.engine import tokenizer as tok
 from baton.engine.context_window import check_context
 from baton.engine.errors import InvalidRequestError
 from baton.engine.kv_cache import KVCacheManager
-from baton.engine.kv_connector.handoff import KVHandoff, PullKV, PullPrefix
+from baton.engine.kv_connector.handoff import (
+    KVHandoff,
+    PullKV,
+    check_peer_prefix,
+    peer_prefix,
+)
 
 
 def check_prompt(prompt_token_ids: list[int], vocab: int, max_model_len: int,
@@ -43,7 +48,8 @@ def check_handoff(handoff: KVHandoff, num_prompt: int, params: SamplingParams,
                   has_connector: bool, kv: KVCacheManager, vocab: int) -> None:
     if not has_connector:
         raise InvalidRequestError("this engine has no KV transport (kv_transport=None)")
-    if isinstance(handoff, PullKV | PullPrefix):
+    peer = peer_prefix(handoff)
+    if isinstance(handoff, PullKV) or peer is not None:
         if params.prompt_logprobs is not None:  # only the engine computing it sees the prompt
             raise InvalidRequestError("prompt_logprobs come from the engine that computes "
                                       "the prompt, not one pulling its KV",
@@ -52,6 +58,7 @@ def check_handoff(handoff: KVHandoff, num_prompt: int, params: SamplingParams,
             if isinstance(handoff, PullKV):
                 handoff.check(num_prompt, kv.blocks_for(num_prompt), vocab)
             else:
-                handoff.check(num_prompt, kv.block_size)
+                assert peer is not None
+                check_peer_prefix(peer, num_prompt, kv.block_size)
         except ValueError as err:
             raise InvalidRequestError(str(err)) from None

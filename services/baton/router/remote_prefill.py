@@ -38,7 +38,13 @@ import aiohttp
 
 from baton.common.auth import TENANT_HEADER
 from baton.common.errors import OpenAIError
-from baton.common.internal import Api, OpenAIBody, PrefillRequest, PrefillResponse
+from baton.common.internal import (
+    Api,
+    KVTransferParams,
+    OpenAIBody,
+    PrefillRequest,
+    PrefillResponse,
+)
 from baton.common.metrics import RouterMetrics
 from baton.common.roles import Role
 from baton.common.tracing import Span, Tracing
@@ -94,18 +100,37 @@ class RemotePrefill:
         if prefill_pod is None:
             self._local("no_prefill_worker")
             return await self._peer_fetch(local, lender, request_id, ctx, tunables)
+        return await self._remote(local, prefill_pod, upstreams, request_id, ctx, tunables,
+                                  peers)
+
+    async def _remote(self, local: DecodeCall, pod: Upstream, upstreams: list[Upstream],
+                      request_id: str, ctx: RoutingContext, tunables: Tunables, peers: bool
+                      ) -> DecodeCall:
+        """The prefill on `pod` (pulling first the prefix another pod holds, when that is
+        worth it), or `local` when it fails."""
+        message = PrefillRequest(api=local.api, request=local.request)
+        lent = None
+        lender = peer_fetch.holder(upstreams, pod, ctx, tunables.disagg) if peers else None
+        if lender is not None:
+            lent = await self._lend(lender, local.request, request_id, ctx, tunables)
+        if lent is not None:
+            assert ctx.prompt_token_ids is not None  # a lender is found only with the ids
+            message = PrefillRequest(api=local.api, request=local.request,
+                                     prompt_token_ids=list(ctx.prompt_token_ids),
+                                     peer_prefix=lent)
         t0 = time.monotonic()
         with self.tracing.span("router.prefill", kind="client",
-                               attributes={"baton.upstream": prefill_pod.url}) as span:
-            answer = await self._call(prefill_pod, PrefillRequest(api=api, request=req),
-                                      request_id, ctx, tunables, span)
+                               attributes={"baton.upstream": pod.url}) as span:
+            answer = await self._call(pod, message, request_id, ctx, tunables, span)
         took = time.monotonic() - t0
-        if answer is None:
+        if answer is None:  # the decode pod prefills; the lent prefix is still its to pull
             local = replace(local, prefill_s=took)
-            return await self._peer_fetch(local, lender, request_id, ctx, tunables)
+            if lent is None or lender is None:
+                return local
+            return self._with_peer_prefix(local, lent, lender[0], ctx)
         return replace(local, prompt_token_ids=answer.prompt_token_ids,
                        kv_transfer_params=answer.kv_transfer_params, prefill_s=took,
-                       handover=Handover(answer.kv_transfer_params, prefill_pod))
+                       handover=Handover(answer.kv_transfer_params, pod))
 
     async def _peer_fetch(self, local: DecodeCall, lender: tuple[Upstream, int] | None,
                           request_id: str, ctx: RoutingContext, tunables: Tunables
@@ -114,24 +139,37 @@ class RemotePrefill:
         there is none or the lend fails."""
         if lender is None:
             return local
+        lent = await self._lend(lender, local.request, request_id, ctx, tunables)
+        return local if lent is None else self._with_peer_prefix(local, lent, lender[0], ctx)
+
+    @staticmethod
+    def _with_peer_prefix(local: DecodeCall, lent: KVTransferParams, holder: Upstream,
+                          ctx: RoutingContext) -> DecodeCall:
+        assert ctx.prompt_token_ids is not None  # a lender is found only with the ids
+        return replace(local, prompt_token_ids=list(ctx.prompt_token_ids), peer_prefix=lent,
+                       handover=Handover(lent, holder))
+
+    async def _lend(self, lender: tuple[Upstream, int], request: OpenAIBody, request_id: str,
+                    ctx: RoutingContext, tunables: Tunables) -> KVTransferParams | None:
+        """The lease of the prompt's prefix `lender` holds, checked; None when it fails."""
         pod, tokens = lender
         assert ctx.prompt_token_ids is not None  # a lender is found only with the ids
-        ids, prefix = list(ctx.prompt_token_ids), ctx.prompt_token_ids[:tokens]
+        prefix = ctx.prompt_token_ids[:tokens]
         with self.tracing.span("router.peer_fetch", kind="client",
                                attributes={"baton.upstream": pod.url}) as span:
-            answer = await self._call(pod, peer_fetch.lend_request(local.request, prefix),
+            answer = await self._call(pod, peer_fetch.lend_request(request, prefix),
                                       request_id, ctx, tunables, span, peer=True)
-            problem = None if answer is None else peer_fetch.lent_problem(
-                answer.kv_transfer_params, answer.prompt_token_ids, prefix, ctx.block_tokens)
-            if answer is not None and problem is not None:
+            if answer is None:
+                return None
+            problem = peer_fetch.lent_problem(answer.kv_transfer_params,
+                                              answer.prompt_token_ids, prefix, ctx.block_tokens)
+            if problem is not None:
                 self.discovery.record_misbehaviour(pod, problem)
                 self._failed(pod, "peer_fetch_failed", request_id, problem, span,
                              breaker=False, peer=True)
-        if answer is None or problem is not None:
-            return local
+                return None
         self.metrics.peer_fetches.labels("lent").inc()
-        return replace(local, prompt_token_ids=ids, peer_prefix=answer.kv_transfer_params,
-                       handover=Handover(answer.kv_transfer_params, pod))
+        return answer.kv_transfer_params
 
     async def _call(self, pod: Upstream, message: PrefillRequest, request_id: str,
                     ctx: RoutingContext, tunables: Tunables,

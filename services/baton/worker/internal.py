@@ -107,13 +107,16 @@ async def prefill(pipeline: Pipeline, msg: PrefillRequest, request_id: str,
 async def _prefill_jobs(pipeline: Pipeline, msg: PrefillRequest, request_id: str) -> list:
     req = msg.request
     pipeline.check_model(req.model)
-    prompts = await pipeline.tokenize_prompts(msg.api, req)
+    lora = await pipeline.lora.adapter_for(req.model)  # None: the base model
+    prompts = [list(msg.prompt_token_ids)] if msg.prompt_token_ids is not None \
+        else await pipeline.tokenize_prompts(msg.api, req)
     if len(prompts) != 1:
         raise OpenAIError(400, "remote prefill takes one prompt per request")
     params = prefill_params(pipeline.sampling_params(msg.api, req))
     grammar = await pipeline.serving.compile_grammar(params.structured, constraint_field(req))
-    return pipeline.serving.make_jobs(request_id, prompts, params, "prompt", kv=HoldKV(),
-                                      priority=req.priority, grammar=grammar)
+    return pipeline.serving.make_jobs(request_id, prompts, params, "prompt",
+                                      kv=HoldKV(peer=msg.peer_prefix), priority=req.priority,
+                                      grammar=grammar, lora=lora)
 
 
 async def _run_prefill(serving, jobs: list, request_id: str, tenant: str) -> PrefillResponse:

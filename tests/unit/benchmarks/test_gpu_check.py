@@ -224,7 +224,7 @@ def test_the_deadline_cuts_each_piece_and_skips_what_it_cannot_start(tmp_path, m
     assert 0.3 < check.given["engine_tests"] < 2.0 - 1.2 - 0.2 + 0.05
     assert pieces["engine_tests"]["status"] == "timeout"
     late = [n for n, r in pieces.items() if r.get("reason", "").startswith("deadline")]
-    assert late == ["bench_kernels", "bench_quant", "bench_engine", "engine_cpu"]
+    assert late == ["bench_kernels", "bench_quant", "bench_engine", "bench_kv_tier", "engine_cpu"]
     assert pieces["kv_nccl"]["reason"].startswith("needs 2 CUDA devices")
     assert json.loads((tmp_path / "r.json").read_text())["pieces"] == pieces  # written as it went
 

@@ -321,6 +321,27 @@ def test_a_peers_prefix_is_pulled_and_only_the_rest_computed(engines, tokenizer)
     assert_no_blocks(p, d)
 
 
+def test_a_prefill_engine_pulls_a_peers_prefix_then_holds_the_whole_prompt(engines,
+                                                                            tokenizer):
+    """A prefill pod lacking a prefix another pod holds: `HoldKV(peer=...)` pulls it, computes
+    the rest, samples the first token and holds the whole prompt for a decode pod."""
+    p, d, c = engines
+    turns = tokenizer.encode("Earlier turns.\n" + make_text(3, 7) + "\nThen:")
+    ids = turns + tokenizer.encode(" the new question for the prefill pod.\nAnswer:")
+    held = len(turns) // 16 * 16
+    peer = lend(p, "hp-lend", ids[:held])
+    before = d.connector.stats.bytes
+    req = d.make_request("hp-prefill", ids, SamplingParams(temperature=0, max_tokens=1),
+                         kv=HoldKV(peer=peer))
+    d.add(req)
+    final = list(run_until_finished(d, "hp-prefill"))[-1]
+    assert final.kv_transfer_params is not None and final.num_cached_tokens == held
+    assert d.connector.stats.bytes - before == held // 16 * d.runner.bytes_per_block
+    tokens, _ = decode(p, "hp-decode", ids, final.kv_transfer_params)
+    assert tokens == colocated(c, "hp-c", ids)
+    assert_no_blocks(p, d)
+
+
 def test_a_failed_peer_pull_recomputes_even_under_the_fail_policy(engines, tokenizer):
     """A peer's prefix only saves work: its pull failing (the lease expired here) recomputes
     the prompt whatever the P/D failure policy says."""

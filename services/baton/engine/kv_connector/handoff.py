@@ -11,7 +11,11 @@ from baton.common.internal import KVTransferParams
 @dataclass(frozen=True)
 class HoldKV:
     """Prefill role: when the request ends, keep its prompt's blocks under a lease and hand
-    out `KVTransferParams` (on the request's final output) for a decode pod to pull them."""
+    out `KVTransferParams` (on the request's final output) for a decode pod to pull them.
+    `peer`: another pod lends the prompt's first tokens (as a `PullPrefix` would pull them):
+    pull those first, compute the rest, then hold the whole prompt."""
+
+    peer: KVTransferParams | None = None
 
 
 @dataclass(frozen=True)
@@ -44,16 +48,34 @@ class PullPrefix:
     params: KVTransferParams
 
     def check(self, num_prompt_tokens: int, block_size: int) -> None:
-        """Raise ValueError unless the held KV is a whole-block prefix of this prompt, short
-        of its end, in blocks of this engine's size."""
-        p = self.params
-        if p.num_tokens % block_size or p.num_tokens >= num_prompt_tokens:
-            raise ValueError(f"a peer's prefix covers {p.num_tokens} tokens: it must be whole "
-                             f"blocks of {block_size} tokens, fewer than the prompt's "
-                             f"{num_prompt_tokens}")
-        if len(p.block_ids) != p.num_tokens // block_size:
-            raise ValueError(f"a peer's prefix of {p.num_tokens} tokens comes in "
-                             f"{len(p.block_ids)} blocks, not {p.num_tokens // block_size}")
+        check_peer_prefix(self.params, num_prompt_tokens, block_size)
+
+
+def check_peer_prefix(p: KVTransferParams, num_prompt_tokens: int, block_size: int) -> None:
+    """Raise ValueError unless a peer's lease is a whole-block prefix of this prompt, short
+    of its end, in blocks of this engine's size."""
+    if p.num_tokens % block_size or p.num_tokens >= num_prompt_tokens:
+        raise ValueError(f"a peer's prefix covers {p.num_tokens} tokens: it must be whole "
+                         f"blocks of {block_size} tokens, fewer than the prompt's "
+                         f"{num_prompt_tokens}")
+    if len(p.block_ids) != p.num_tokens // block_size:
+        raise ValueError(f"a peer's prefix of {p.num_tokens} tokens comes in "
+                         f"{len(p.block_ids)} blocks, not {p.num_tokens // block_size}")
 
 
 KVHandoff = HoldKV | PullKV | PullPrefix
+
+
+def peer_prefix(handoff: KVHandoff | None) -> KVTransferParams | None:
+    """The peer's lease a request pulls its prompt's prefix from first, if any."""
+    if isinstance(handoff, PullPrefix):
+        return handoff.params
+    if isinstance(handoff, HoldKV):
+        return handoff.peer
+    return None
+
+
+def after_load(handoff: KVHandoff | None) -> KVHandoff | None:
+    """What a request asks of the connector once its load ended (done, or given up for a
+    local prefill): a prefill still holds its KV at its end; a pull asks nothing more."""
+    return HoldKV() if isinstance(handoff, HoldKV) else None

@@ -24,7 +24,7 @@ import uuid
 from baton.common.internal import KVTransferParams
 from baton.engine.config import LiveKVSettings
 from baton.engine.kv_connector.base import KVConnector, KVConnectorStats, KVUpdates
-from baton.engine.kv_connector.handoff import HoldKV, PullKV, PullPrefix
+from baton.engine.kv_connector.handoff import HoldKV, PullKV, after_load, peer_prefix
 from baton.engine.kv_connector.tp_ranks import (
     RankedTransfer,
     TensorParallelKV,
@@ -82,29 +82,30 @@ class TransportKVConnector(KVConnector):
     # -- admission (decode) ----------------------------------------------------------------
     def num_remote_tokens(self, req: Request, num_cached: int) -> int:
         handoff = req.kv_handoff
-        if not isinstance(handoff, PullKV | PullPrefix):
+        peer = peer_prefix(handoff)
+        if not isinstance(handoff, PullKV) and peer is None:
             return 0
         self._first[req.request_id] = num_cached // self.block_size  # for start_load
         if isinstance(handoff, PullKV):
             return req.num_prompt_tokens - num_cached
-        remote = handoff.params.num_tokens - num_cached  # whole blocks: both are
+        assert peer is not None
+        remote = peer.num_tokens - num_cached  # whole blocks: both are
         if remote <= 0:  # this pool holds the peer's prefix already: nothing to pull
             self.stats.fallback("peer_prefix_cached")
-            self._release_unpulled(handoff.params)
-            req.kv_handoff = None
+            self._release_unpulled(peer)
+            req.kv_handoff = after_load(handoff)
             return 0
         return remote
 
     def loads_locally(self, req: Request) -> bool:
         """A peer's prefix counts as cached in the request's usage (this pod did not
         compute it for this request); a P/D pull's prompt does not."""
-        return isinstance(req.kv_handoff, PullPrefix)
+        return peer_prefix(req.kv_handoff) is not None
 
     def start_load(self, req: Request, block_ids: list[int]) -> None:
         handoff = req.kv_handoff
-        # loads start only where num_remote_tokens counted
-        assert isinstance(handoff, PullKV | PullPrefix)
-        params = handoff.params
+        params = handoff.params if isinstance(handoff, PullKV) else peer_prefix(handoff)
+        assert params is not None  # loads start only where num_remote_tokens counted
         first = self._first.pop(req.request_id, None)  # the blocks past the local hits
         if first is None:  # started without a count this schedule(): its usage says
             first = req.num_cached_tokens // self.block_size if isinstance(handoff, PullKV) \
@@ -189,7 +190,7 @@ class TransportKVConnector(KVConnector):
     def _fail(self, req: Request, error: TransferError | None, updates: KVUpdates) -> None:
         """A failed P/D pull follows the failure policy; a peer's prefix always recomputes
         (it only saved work), counted as `peer_<reason>`."""
-        peer = isinstance(req.kv_handoff, PullPrefix)
+        peer = peer_prefix(req.kv_handoff) is not None
         policy = "recompute" if peer else self.live.failure_policy
         log.warning("pulling the KV of %s failed (%s); policy %s", req.request_id, error,
                     policy)
@@ -213,8 +214,10 @@ class TransportKVConnector(KVConnector):
             return True, None
         if self._not_started.pop(rid, None) is not None:
             return False, None
-        if isinstance(handoff, PullKV | PullPrefix):  # ended before its pull started
+        if isinstance(handoff, PullKV):  # ended before its pull started
             self._release_unpulled(handoff.params)
+        elif (peer := peer_prefix(handoff)) is not None:  # likewise, a peer's prefix
+            self._release_unpulled(peer)
         elif isinstance(handoff, HoldKV) and req.status in _NORMAL_END:
             return True, self._lease(req, block_ids)
         return False, None

@@ -5,8 +5,7 @@ prompt continues in chunks), then waiting requests are admitted while the token 
 `max_num_seqs` and the KV pool allow; a prompt that does not fit the remaining budget is
 chunked across steps. When the pool runs dry, the lowest-priority (FCFS: newest) running
 request not yet scheduled this step is preempted by recompute: its blocks are freed and it
-goes back to the waiting queue with its output tokens, to be prefilled again.
-"""
+goes back to the waiting queue with its output tokens, to be prefilled again."""
 
 from __future__ import annotations
 
@@ -16,6 +15,7 @@ from dataclasses import dataclass
 
 from baton.engine.kv_cache import KVCacheManager
 from baton.engine.kv_connector.base import KVConnector, KVUpdates
+from baton.engine.kv_connector.handoff import after_load
 from baton.engine.request import Request, RequestStatus
 from baton.engine.scheduler.output import EngineEnd, ScheduledRequest, SchedulerOutput
 from baton.engine.scheduler.queues import make_queue
@@ -115,13 +115,13 @@ class Scheduler:
         for req in updates.freeable:
             self.kv.free(req)
         for req in updates.loaded:  # the loaded KV is in place: run (the rest computes)
-            req.kv_handoff = None
+            req.kv_handoff = after_load(req.kv_handoff)
             req.num_computed_tokens = self._load_ends.pop(req.request_id)
             self.kv.publish(req, req.num_computed_tokens)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
         for req in updates.recompute:  # prefill locally, first in line, keeping its token
-            req.kv_handoff = None
+            req.kv_handoff = after_load(req.kv_handoff)
             self._load_ends.pop(req.request_id, None)
             self.kv.free(req)
             req.num_computed_tokens = 0
