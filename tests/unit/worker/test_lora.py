@@ -118,3 +118,33 @@ def test_metrics_count_each_adapter(setup):
         lint = [ln for ln in (r.stdout + r.stderr).decode().splitlines()
                 if "lora" in ln and "should not contain ':'" not in ln]
         assert r.returncode in (0, 3) and not lint, lint
+
+
+def test_a_remote_prefill_runs_the_requests_adapter(tmp_path):
+    """A prefill pod computes an adapter's request with the adapter: its KV (and so the
+    first token it samples and hands over) are the adapter's, not the base model's."""
+    from baton.common.roles import Role
+
+    base = tiny_base(tmp_path / "tiny")
+    peft = save_adapter(base, tmp_path / "a0", seed=1, r=4)
+    engine = EngineConfig.from_args(model=str(tmp_path / "tiny"), dtype="float32",
+                                    num_kv_blocks=32, skip_tokenizer_init=True, max_loras=1,
+                                    lora_modules=[f"a0={tmp_path / 'a0'}"],
+                                    kv_transport="local", engine_id="lora-prefill")
+    state = WorkerState(WorkerSettings(engine=engine, served_model_name="tiny",
+                                       role=Role.PREFILL))
+    state.load()
+    try:
+        app = build_app(state.settings, state)
+        firsts = {}
+        for model in ("a0", "tiny"):
+            code, raw = call(app, "POST", "/internal/prefill", {"api": "completions", "request": {
+                "model": model, "prompt": PROMPT, "max_tokens": 4, "temperature": 0}})
+            assert code == 200, raw
+            firsts[model] = json.loads(raw)["kv_transfer_params"]["first_token"]
+            assert state.engine.release_lease(
+                json.loads(raw)["kv_transfer_params"]["lease_id"])
+        want = {"a0": hf_greedy(peft, [PROMPT], 1)[0][0], "tiny": hf_greedy(base, [PROMPT], 1)[0][0]}
+        assert firsts == want and want["a0"] != want["tiny"]
+    finally:
+        state.engine.shutdown()
