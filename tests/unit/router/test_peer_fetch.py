@@ -12,7 +12,7 @@ from baton.common.internal import KVTransferParams
 from baton.common.registry import DEVICE, HOST, member
 from baton.common.roles import Role
 from baton.router import peer_fetch
-from baton.router.discovery import Upstream
+from baton.router.discovery import Discovery, Upstream
 from baton.router.prefix import (
     BLOCK_PREFILL_S,
     PEER_BLOCK_S,
@@ -126,3 +126,74 @@ def test_a_generate_request_carries_a_peer_prefix_shorter_than_its_prompt():
                 {"prompt_token_ids": list(range(40)), "kv_transfer_params": lease}):
         with pytest.raises(ValidationError, match="peer_prefix"):
             GenerateRequest.model_validate(base | bad)
+
+
+class Pods(Discovery):
+    """Upstreams as given (no health checks)."""
+
+    def __init__(self, upstreams: list[Upstream]) -> None:
+        self.endpoints = {u.url: u for u in upstreams}
+
+    async def start(self, session) -> None:
+        pass
+
+    async def stop(self) -> None:
+        pass
+
+
+def lease_for(n: int) -> KVTransferParams:
+    layout = {"num_layers": 1, "block_size": 16, "num_kv_heads": 1, "head_dim": 8,
+              "dtype": "float32"}
+    return KVTransferParams.model_validate({
+        "block_ids": list(range(n // 16)), "first_token": 0, "lease_id": f"lease-{n}",
+        "num_tokens": n, "lease_ttl_s": 30.0, "endpoint": {
+            "transport": "tcp", "engine_id": "e", "address": "a:1", "layout": layout}})
+
+
+@pytest.mark.parametrize("prefill_ok", [True, False])
+def test_a_prefill_pod_is_lent_the_prefix_and_a_failed_prefill_leaves_it_to_decode(prefill_ok):
+    """The P/D decider sends the prompt to a prefill pod holding none of it while a decode
+    pod holds 40 blocks: that pod lends them to the prefill pod (its PrefillRequest carries
+    them); if the prefill fails, the decode pod picked pulls the lent prefix itself."""
+    import asyncio
+
+    from baton.common.internal import PrefillResponse
+    from baton.common.metrics import RouterMetrics
+    from baton.common.protocol import CompletionRequest
+    from baton.router.remote_prefill import RemotePrefill
+    from baton.router.scheduling.pipeline import RoutingPipeline
+    from baton.router.settings import ProxySettings, Tunables
+
+    index = BlockIndex()
+    picked, holder = pod("d0", index=index), pod("d1", held=40, index=index, running=9)
+    prefill = pod("p0", Role.PREFILL, index=index)
+    remote = RemotePrefill(None, Pods([picked, holder, prefill]), RouterMetrics())
+    calls: list = []
+    answer = PrefillResponse(prompt_token_ids=list(IDS), prefill_s=0.1,
+                             kv_transfer_params=lease_for(len(IDS) - 5).model_copy(
+                                 update={"num_tokens": len(IDS), "lease_id": "whole"}))
+
+    async def call(up, message, request_id, ctx, tunables, span, peer=False):
+        calls.append((up.url, peer, message))
+        if peer:
+            prompt = message.request.prompt
+            return PrefillResponse(prompt_token_ids=prompt, prefill_s=0.0,
+                                   kv_transfer_params=lease_for(len(prompt)))
+        return answer if prefill_ok else None
+
+    remote._call = call
+    tunables = Tunables(RoutingPipeline(scorers={"queue": 1.0}), ProxySettings(),
+                        DisaggSettings(min_prefill_tokens=64))
+    req = CompletionRequest.model_validate({"model": "m", "prompt": "x", "max_tokens": 4})
+    plan = asyncio.run(remote.plan("completions", req, "r1", context(index), tunables))
+    lent = lease_for(40 * 16)
+    assert [(u, peer) for u, peer, _ in calls] == [(holder.url, True), (prefill.url, False)]
+    assert calls[0][2].request.prompt == list(IDS[:40 * 16])
+    assert calls[1][2].peer_prefix == lent and calls[1][2].prompt_token_ids == list(IDS)
+    assert plan.preferred is picked
+    if prefill_ok:
+        assert plan.kv_transfer_params == answer.kv_transfer_params and plan.peer_prefix is None
+        assert plan.handover.holder is prefill
+    else:
+        assert plan.kv_transfer_params is None and plan.peer_prefix == lent
+        assert plan.prompt_token_ids == list(IDS) and plan.handover.holder is holder
