@@ -25,7 +25,7 @@ import urllib.request
 from pathlib import Path
 
 from benchmarks.kv_tier_bench import cpu_model
-from benchmarks.kv_tier_serving import MODEL, counters, workload
+from benchmarks.kv_tier_serving import COUNTERS, MODEL, counters, workload
 from benchmarks.procs import free_port, tail, wait_ready
 
 DISK_READS = "baton:kv_offload_disk_read_blocks_total"
@@ -71,13 +71,13 @@ def run(sessions: list[list], turns: int, disk: Path | None, blocks: int, log: P
         t0 = time.perf_counter()
         proc = serve(port, disk, blocks, log)
         restart_s = time.perf_counter() - t0
-        before = counters(url) | {DISK_READS: _value(url, DISK_READS)}
+        before = counters(url, (*COUNTERS, DISK_READS))
         ttft, first = [], []
         for turns_of in sessions:
             took, tokens = complete(url, turns_of[turns].prompt, 1)
             ttft.append(took)
             first.append(tokens)
-        after = counters(url) | {DISK_READS: _value(url, DISK_READS)}
+        after = counters(url, (*COUNTERS, DISK_READS))
     except BaseException:
         print(tail(log), file=sys.stderr)
         raise
@@ -89,12 +89,6 @@ def run(sessions: list[list], turns: int, disk: Path | None, blocks: int, log: P
                                   - before["baton:prompt_tokens_total"]),
             "disk_read_blocks": int(after[DISK_READS] - before[DISK_READS]),
             "restart_s": restart_s, "first_tokens": first}
-
-
-def _value(url: str, name: str) -> float:
-    with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
-        return sum(float(line.rsplit(" ", 1)[1]) for line in resp.read().decode().splitlines()
-                   if line.startswith(name + " ") or line.startswith(name + "{"))
 
 
 def main() -> None:

@@ -52,16 +52,17 @@ def workload(sessions: int, turns: int, think_s: float):
     return spec, reqs, factory, lengths
 
 
-def counters(url: str) -> dict[str, float]:
+def counters(url: str, names: tuple[str, ...] = COUNTERS) -> dict[str, float]:
+    """Each metric of `names` on the worker's `/metrics`, summed over its labels."""
     import urllib.request
 
     with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
         page = resp.read().decode()
-    out = dict.fromkeys(COUNTERS, 0.0)
+    out = dict.fromkeys(names, 0.0)
     for line in page.splitlines():
-        name, _, value = line.partition(" ")
+        name = line.partition(" ")[0].partition("{")[0]
         if name in out:
-            out[name] += float(value)
+            out[name] += float(line.rsplit(" ", 1)[1])
     return out
 
 

@@ -223,6 +223,13 @@ class _WithOpenAIBody(BaseModel):
         return self.model_dump_json().encode()
 
 
+def _check_peer_prefix(peer: KVTransferParams | None, ids: list[int] | None) -> None:
+    """A peer's prefix covers fewer tokens than the prompt's ids it comes with."""
+    if peer is not None and (not ids or peer.num_tokens >= len(ids)):
+        raise ValueError("a peer_prefix covers fewer tokens than the prompt_token_ids it "
+                         "comes with")
+
+
 class PrefillRequest(_WithOpenAIBody):
     """Compute the prompt's KV, sample its first token, and hold the KV for a decode pod.
     `peer_prefix`: another pod lends the KV of the prompt's first `num_tokens` tokens (the
@@ -235,9 +242,7 @@ class PrefillRequest(_WithOpenAIBody):
     @model_validator(mode="after")
     def _peer_with_ids(self) -> Self:
         ids, peer = self.prompt_token_ids, self.peer_prefix
-        if peer is not None and (not ids or peer.num_tokens >= len(ids)):
-            raise ValueError("a peer_prefix covers fewer tokens than the prompt_token_ids it "
-                             "comes with")
+        _check_peer_prefix(peer, ids)
         if ids is not None and peer is None:
             raise ValueError("prompt_token_ids come with a peer_prefix")
         return self
@@ -288,10 +293,9 @@ class GenerateRequest(_WithOpenAIBody):
         ids, resume, peer = self.prompt_token_ids, self.resume, self.peer_prefix
         if self.kv_transfer_params is not None and not ids:
             raise ValueError("kv_transfer_params need the prompt_token_ids they cover")
-        if peer is not None and (not ids or peer.num_tokens >= len(ids)
-                                 or self.kv_transfer_params is not None):
-            raise ValueError("a peer_prefix covers fewer tokens than the prompt_token_ids "
-                             "it comes with, and never with kv_transfer_params")
+        _check_peer_prefix(peer, ids)
+        if peer is not None and self.kv_transfer_params is not None:
+            raise ValueError("a peer_prefix never comes with kv_transfer_params")
         if resume is not None and (ids is None or resume.prompt_tokens > len(ids) or
                                    resume.prompt_tokens + resume.completion_tokens != len(ids)):
             raise ValueError("a resumed request gives prompt_token_ids = the original prompt "

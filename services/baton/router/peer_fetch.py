@@ -33,7 +33,7 @@ from baton.common.internal import KVTransferParams, OpenAIBody, PrefillRequest
 from baton.common.protocol import CompletionRequest
 from baton.common.roles import Role
 from baton.router.discovery import Upstream
-from baton.router.prefix import BlockIndex, peer_fetch_saves
+from baton.router.prefix import BlockIndex, peer_fetch_value
 from baton.router.scheduling.context import RoutingContext
 from baton.router.scheduling.disagg import DisaggSettings
 from baton.router.scheduling.filters import FILTERS
@@ -65,9 +65,8 @@ def holder(upstreams: Sequence[Upstream], pod: Upstream, ctx: RoutingContext,
     # at least one prompt token is left for the decode pod to compute
     blocks = min(index.match(best, ctx.prefix_hashes),
                  (len(ctx.prompt_token_ids) - 1) // ctx.block_tokens)
-    gain = (blocks - own) * ctx.block_tokens
-    if gain < max(settings.peer_fetch_min_tokens, 1) or peer_fetch_saves(blocks - own) <= 0:
-        return None
+    if not peer_fetch_value(blocks - own, ctx.block_tokens, settings.peer_fetch_min_tokens):
+        return None  # too few tokens to gain, or the pull costs more than it saves
     return best, blocks * ctx.block_tokens
 
 

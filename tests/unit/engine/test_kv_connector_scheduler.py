@@ -40,7 +40,7 @@ class ScriptedConnector(KVConnector):
     def num_remote_tokens(self, req, num_cached):
         return req.num_prompt_tokens - num_cached if isinstance(req.kv_handoff, PullKV) else 0
 
-    def start_load(self, req, block_ids):
+    def start_load(self, req, block_ids, num_cached):
         self.loads[req.request_id] = list(block_ids)
         self.loading[req.request_id] = [self.polls, req, False]
 

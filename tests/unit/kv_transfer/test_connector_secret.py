@@ -42,7 +42,7 @@ def held(prefill: TransportKVConnector, rid: str):
 def pulled(decode: TransportKVConnector, params, rid: str):
     req = Request(rid, list(range(8)), SamplingParams(max_tokens=4), max_tokens=4,
                   kv_handoff=PullKV(params))
-    decode.start_load(req, [0, 1])
+    decode.start_load(req, [0, 1], 0)
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         updates = decode.poll()

@@ -5,7 +5,8 @@ concurrently. The connector never frees, allocates or publishes blocks itself: i
 the scheduler which requests' blocks to keep and, through `poll()`, when they can go.
 
     admission   num_remote_tokens(req, num_cached) > 0  -> the scheduler allocates blocks
-                for the whole prompt (cached ones kept) and calls start_load(req, block_ids);
+                for the whole prompt (cached ones kept) and calls start_load(req, block_ids,
+                num_cached);
                 the request waits in WAITING_FOR_REMOTE_KV, counted in `num_loading`
     each step   poll() -> KVUpdates: loads that finished (run it), failed (recompute it
                 locally, or end it: policy), and requests whose blocks nobody needs now
@@ -64,7 +65,7 @@ class KVConnector(ABC):
         load brings its first output (a P/D pull)."""
 
     @abstractmethod
-    def start_load(self, req: Request, block_ids: list[int]) -> None:
+    def start_load(self, req: Request, block_ids: list[int], num_cached: int) -> None:
         """Blocks for the cached and the `num_remote_tokens` tokens are allocated
         (`block_ids`; those of the `num_cached` ones already hold their KV): start filling
         the rest. Called in the same `schedule()` as the `num_remote_tokens` that counted

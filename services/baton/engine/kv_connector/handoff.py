@@ -47,9 +47,6 @@ class PullPrefix:
 
     params: KVTransferParams
 
-    def check(self, num_prompt_tokens: int, block_size: int) -> None:
-        check_peer_prefix(self.params, num_prompt_tokens, block_size)
-
 
 def check_peer_prefix(p: KVTransferParams, num_prompt_tokens: int, block_size: int) -> None:
     """Raise ValueError unless a peer's lease is a whole-block prefix of this prompt, short

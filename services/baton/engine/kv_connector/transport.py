@@ -76,7 +76,6 @@ class TransportKVConnector(KVConnector):
         self._not_started: dict[str, tuple[Request, str]] = {}  # loads that failed to start
         self._aborted: set[str] = set()  # ended while loading: free when the load stops
         self._held: dict[str, Request] = {}  # prefill: under a lease
-        self._first: dict[str, int] = {}  # admission: a pull's first block past local hits
         self._durations: collections.deque[float] = collections.deque()
 
     # -- admission (decode) ----------------------------------------------------------------
@@ -85,7 +84,6 @@ class TransportKVConnector(KVConnector):
         peer = peer_prefix(handoff)
         if not isinstance(handoff, PullKV) and peer is None:
             return 0
-        self._first[req.request_id] = num_cached // self.block_size  # for start_load
         if isinstance(handoff, PullKV):
             return req.num_prompt_tokens - num_cached
         assert peer is not None
@@ -102,14 +100,11 @@ class TransportKVConnector(KVConnector):
         compute it for this request); a P/D pull's prompt does not."""
         return peer_prefix(req.kv_handoff) is not None
 
-    def start_load(self, req: Request, block_ids: list[int]) -> None:
+    def start_load(self, req: Request, block_ids: list[int], num_cached: int) -> None:
         handoff = req.kv_handoff
         params = handoff.params if isinstance(handoff, PullKV) else peer_prefix(handoff)
         assert params is not None  # loads start only where num_remote_tokens counted
-        first = self._first.pop(req.request_id, None)  # the blocks past the local hits
-        if first is None:  # started without a count this schedule(): its usage says
-            first = req.num_cached_tokens // self.block_size if isinstance(handoff, PullKV) \
-                else 0
+        first = num_cached // self.block_size  # local prefix hits are not pulled
         last = -(-min(params.num_tokens, req.num_prompt_tokens) // self.block_size)
         src, dst = params.block_ids[first:last], block_ids[first:last]
         try:
@@ -208,7 +203,6 @@ class TransportKVConnector(KVConnector):
     def request_finished(self, req: Request, block_ids: list[int]
                          ) -> tuple[bool, KVTransferParams | None]:
         rid, handoff = req.request_id, req.kv_handoff
-        self._first.pop(rid, None)
         if rid in self._loading:  # its pull may still be writing into its blocks
             self._aborted.add(rid)
             return True, None

@@ -62,8 +62,8 @@ class TierConnector(KVConnector):
         self._counts = dict.fromkeys(("hit_blocks", "offloaded", "skipped", "fallbacks"), 0)
         self._offloads_this_step = 0
         self._last_step_offloads = 0
-        # This schedule()'s tier loads not started yet: request id -> (first block, hashes)
-        self._planned: dict[str, tuple[int, list[int]]] = {}
+        # This schedule()'s tier loads not started yet: request id -> the blocks' hashes
+        self._planned: dict[str, list[int]] = {}
         self._failed: set[str] = set()  # requests whose tier load failed: no disk reads
         kv.on_evict(self._offload, host.hashes)
         host.on_change(kv.tier_event)  # the pod publishes each tier's blocks
@@ -92,7 +92,7 @@ class TierConnector(KVConnector):
             if block_hash in self.host:
                 self.host.touch(block_hash)
         self.loads.pin(hashes)
-        self._planned[req.request_id] = (num_cached // self.block_size, hashes)
+        self._planned[req.request_id] = hashes
         return len(hashes) * self.block_size
 
     def _tier_hits(self, req: Request, num_cached: int) -> list[int]:
@@ -125,21 +125,21 @@ class TierConnector(KVConnector):
         return hits
 
     def _unplan(self, request_id: str) -> None:
-        plan = self._planned.pop(request_id, None)
-        if plan is not None:
-            self.loads.unpin(plan[1])
+        hashes = self._planned.pop(request_id, None)
+        if hashes is not None:
+            self.loads.unpin(hashes)
 
     def loads_locally(self, req: Request) -> bool:
         return req.request_id in self._planned or (
             self.inner is not None and self.inner.loads_locally(req))
 
-    def start_load(self, req: Request, block_ids: list[int]) -> None:
-        plan = self._planned.pop(req.request_id, None)
-        if plan is None:
+    def start_load(self, req: Request, block_ids: list[int], num_cached: int) -> None:
+        hashes = self._planned.pop(req.request_id, None)
+        if hashes is None:
             assert self.inner is not None  # only the inner connector counts other loads
-            self.inner.start_load(req, block_ids)
+            self.inner.start_load(req, block_ids, num_cached)
             return
-        first, hashes = plan
+        first = num_cached // self.block_size
         self.loads.start(req, hashes, block_ids[first:first + len(hashes)])
         self.loads.unpin(hashes)  # the plan's pins: the load holds its own
 

@@ -272,7 +272,7 @@ class Scheduler:
         self._load_ends[req.request_id] = num_cached + num_remote
         if req.first_scheduled_time is None:
             req.first_scheduled_time = time.monotonic()
-        self.connector.start_load(req, self.kv.get_block_ids(req.request_id))
+        self.connector.start_load(req, self.kv.get_block_ids(req.request_id), num_cached)
         return True
 
     def _admit(self, req: Request, num_cached: int) -> None:

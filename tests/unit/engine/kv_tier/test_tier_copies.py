@@ -49,7 +49,7 @@ def run_prefix_evicted_then_hit(cache, kv: KVCacheManager, tier: TierConnector,
     num_remote = tier.num_remote_tokens(again, num_cached)
     assert num_remote == 4 * BS and tier.loads_locally(again)
     assert kv.allocate_slots(again, num_remote, computed, publish=False) is not None
-    tier.start_load(again, kv.get_block_ids("a2"))
+    tier.start_load(again, kv.get_block_ids("a2"), 0)
     return again, a_ids
 
 

@@ -50,7 +50,7 @@ def written_then_restarted(root: Path, disk_cls=DiskKVPool):
     computed, num_cached = kv.get_computed_blocks(again)
     assert num_cached == 0 and tier.num_remote_tokens(again, 0) == 4 * BS
     assert kv.allocate_slots(again, 4 * BS, computed, publish=False) is not None
-    tier.start_load(again, kv.get_block_ids("a2"))
+    tier.start_load(again, kv.get_block_ids("a2"), 0)
     return cache, kv, tier, again, disk
 
 
