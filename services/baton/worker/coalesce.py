@@ -11,13 +11,14 @@ from baton.engine.outputs import EngineOutput
 from baton.worker.serving import Update
 
 
-async def coalesced(updates: AsyncIterator[Update], interval: int) -> AsyncIterator[Update]:
+def coalesced(updates: AsyncIterator[Update], interval: int) -> AsyncIterator[Update]:
     """`updates`, each choice's held back until it carries `interval` tokens, its first
-    (the time to first token) and its last (the finish) at once."""
-    if interval <= 1:
-        async for update in updates:
-            yield update
-        return
+    (the time to first token) and its last (the finish) at once; `updates` itself (no
+    layer in between) when `interval` is 1."""
+    return updates if interval <= 1 else _held(updates, interval)
+
+
+async def _held(updates: AsyncIterator[Update], interval: int) -> AsyncIterator[Update]:
     held: dict[int, list[EngineOutput]] = {}  # by choice: outputs not sent yet
     started: set[int] = set()  # choices whose first update has gone
     async for job, batch in updates:

@@ -55,6 +55,7 @@ from baton.engine.sampler import TokenLogprobs
 from baton.worker.logprobs import TokenTexts, joined
 from baton.worker.reasoning import ReasoningFormat, ThinkingSplitter, chat_deltas, chat_message
 from baton.worker.serving import FirstToken, Job, Update, engine_error
+from baton.worker.sse_frames import TextFrames
 from baton.worker.tool_calls import ChoiceTools, ToolFormat
 
 SSE_DONE = b"data: [DONE]\n\n"
@@ -187,6 +188,7 @@ class Answer:
         self.want_logprobs = bool(request.logprobs) if self.chat \
             else request.logprobs is not None
         self.continuous_usage = request.continuous_usage
+        self.frames = TextFrames(header, self.chat)  # the plain text deltas' events
         self.first_token: FirstToken | None = None  # the first choice's to get a token
         self.kv_transfer_s: float | None = None
 
@@ -254,17 +256,27 @@ class Answer:
         c = self.add(job, batch)
         finished = c.finish_reason is not None
         chars = len(c.new_text) + (len(c.echo) if c.echo_pending else 0)
+        plain = self._plain(c, finished)
         choices: list[ChatChunkChoice] | list[TextChoice] = (
-            self._chat_deltas(c, finished) if self.chat else self._text_delta(c, finished))
+            [] if plain else self._chat_deltas(c, finished) if self.chat
+            else self._text_delta(c, finished))
         out = b""
-        if self.internal.return_token_ids and (c.new_token_ids or choices):
+        if self.internal.return_token_ids and (c.new_token_ids or plain or choices):
             out += TokenEvent(token_ids=c.new_token_ids, text_chars=chars,
                               finished=finished).sse()
+        if plain:
+            return out + self.frames.event(c.index, c.new_text)
         for i in range(len(choices)):  # one event each; the last has the finish reason
             event = self._chunk(choices[i:i + 1])
             last = finished and i == len(choices) - 1
             out += (self._timed(event) if last else event).dump_sse()
         return out
+
+    def _plain(self, c: Choice, finished: bool) -> bool:
+        """Whether this update's event is a plain text delta only (`TextFrames`)."""
+        return bool(c.new_text) and not (
+            finished or self.want_logprobs or self.continuous_usage or c.echo_pending
+            or c.tools is not None or c.thinking is not None)
 
     def _chat_deltas(self, c: Choice, finished: bool) -> list[ChatChunkChoice]:
         """A chat choice's stream choices for its latest update: its content, or its

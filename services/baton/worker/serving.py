@@ -154,13 +154,13 @@ class Serving:
             self.engine.abort(job.request_id)
 
     # -- running ---------------------------------------------------------------------------
-    async def run(self, jobs: list[Job]) -> AsyncIterator[Update]:
-        """The admitted jobs' output batches, merged in arrival order. Raises
-        EngineDeadError if the engine loop dies; leaving early aborts every job."""
-        if len(jobs) == 1:
-            async for update in self._updates(jobs[0]):
-                yield update
-            return
+    def run(self, jobs: list[Job]) -> AsyncIterator[Update]:
+        """The admitted jobs' output batches, merged in arrival order (one job's own, no
+        layer in between). Raises EngineDeadError if the engine loop dies; leaving early
+        aborts every job."""
+        return self._updates(jobs[0]) if len(jobs) == 1 else self._merged(jobs)
+
+    async def _merged(self, jobs: list[Job]) -> AsyncIterator[Update]:
         queue: asyncio.Queue = asyncio.Queue()
         done = object()
 
