@@ -109,10 +109,13 @@ def test_a_seeded_sampled_request_completes_on_the_device(tiny_model):
 def test_async_scheduling_launches_ahead_and_gives_the_synchronous_outputs(tiny_model):
     """Steps launched ahead of the host (`runner/ahead.py`): the pending inputs come from
     the last step's token tensor on the device; greedy, seeded and stopped requests end as
-    in the synchronous engine, every block back."""
-    prompts = prompt_ids(6, TINY["vocab_size"], seed=8)
+    in the synchronous engine, every block back; penalised ones too, their pending token
+    read on the device (`engine/penalty_ids.py`)."""
+    prompts = prompt_ids(8, TINY["vocab_size"], seed=8)
     params = [greedy(24), SamplingParams(temperature=1.0, seed=7, max_tokens=20, logprobs=2),
-              SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[5, 9, 17])] * 2
+              SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[5, 9, 17]),
+              SamplingParams(temperature=0, max_tokens=24, presence_penalty=2.0,
+                             frequency_penalty=1.0, repetition_penalty=1.5)] * 2
     got = {}
     for mode in (False, True):
         llm = LLM(tiny_model, device="cuda", dtype="float32", async_scheduling=mode, **SHARE)

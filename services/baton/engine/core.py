@@ -245,7 +245,7 @@ class EngineCore:
         except Exception as err:  # noqa: BLE001 - as in a synchronous step
             return (outputs + (self._read(prev) if prev is not None else [])
                     + self._step_failed(sched, err))
-        step = launched(sched, handle, self.runner.launches_async)
+        step = launched(sched, handle)
         if prev is not None:
             outputs += self._read(prev)
         if step.sync or not self.scheduler.has_unfinished_requests():  # nothing to overlap:

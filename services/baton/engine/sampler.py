@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from baton.engine.logprobs import TokenLogprobs, logprob_table
+from baton.engine.penalty_ids import PendingTokens, id_rows, pending_sources, with_pending
 from baton.engine.request import Request
 from baton.engine.sample_readback import read_staged, stage
 from baton.engine.staging import HostStaging
@@ -80,7 +81,7 @@ class _StepTensors:
     ban_rows: torch.Tensor  # (X,)
     ban_ids: torch.Tensor  # (X,)
     pen_rows: torch.Tensor  # (P,)
-    outputs: torch.Tensor  # (P, Lo) output ids in the vocabulary, padded (`_id_rows`)
+    outputs: torch.Tensor  # (P, Lo) output ids in the vocabulary, padded (`id_rows`)
     out_lens: torch.Tensor  # (P,) how many of a row's `outputs` are its own
     seen: torch.Tensor  # (P, Ls) prompt + output ids in the vocabulary, padded
     temperature: torch.Tensor  # (R,)
@@ -117,17 +118,19 @@ class Sampler:
 
     def sample_on_device(self, logits: torch.Tensor, reqs: list[Request],
                          failed: dict[str, str] | None = None,
-                         masks: GrammarMasks | None = None) -> DeviceSample:
+                         masks: GrammarMasks | None = None,
+                         pending: PendingTokens | None = None) -> DeviceSample:
         """The step's tokens as device tensors, nothing read back. In order: logit_bias,
         penalties and min_tokens bans, the grammar `masks` of the constrained rows
         (`structured.masks.fill_grammar_masks`), then temperature and truncation, greedy
-        rows by argmax. Logprobs come from the raw distribution. `failed` as `__call__`."""
+        rows by argmax. Logprobs come from the raw distribution. `failed` as `__call__`;
+        `pending`: where a penalised request's pending last token is (`penalty_ids`)."""
         logits = logits.float()  # (N, V)
         plan = self._plan(reqs, logits.shape[-1], logits.device, failed)
         if not (plan.rand or plan.logprob_rows or plan.bias[0] or plan.bans[0]
                 or plan.penalised or masks):
             return DeviceSample(logits.argmax(dim=-1), None, [], [])  # all plain greedy
-        t = self._upload(plan, reqs, logits.shape[-1], logits.device)
+        t = self._upload(plan, reqs, logits.shape[-1], logits.device, pending)
         constrained = _apply_constraints(logits, plan, t, masks)
         tokens = self._choose(constrained, plan, t)  # (N,)
         table = None
@@ -175,14 +178,16 @@ class Sampler:
             top_p_on=any(p.top_p < 1.0 for p in params), min_p_on=any(p.min_p > 0 for p in params),
             logprob_rows=logprobs, logprob_ks=logprob_ks)
 
-    def _upload(self, plan: _Plan, reqs: list[Request], vocab: int, device: torch.device
-                ) -> _StepTensors:
-        """Every number the device part needs, in one host → device copy."""
+    def _upload(self, plan: _Plan, reqs: list[Request], vocab: int, device: torch.device,
+                pending: PendingTokens | None) -> _StepTensors:
+        """Every number the device part needs, in one host → device copy (the penalised
+        rows' pending tokens then read from `pending` on the device)."""
         pen = [reqs[i] for i in plan.penalised]
-        outputs, out_lens = _id_rows([[r.output_token_ids] for r in pen]
-                                     if plan.counts_on else [], vocab)
-        seen, seen_lens = _id_rows([[r.prompt_token_ids, r.output_token_ids] for r in pen]
-                                   if plan.repetition_on else [], vocab)
+        outputs, out_lens = id_rows([[r.output_token_ids] for r in pen]
+                                    if plan.counts_on else [], vocab)
+        seen, seen_lens = id_rows([[r.prompt_token_ids, r.output_token_ids] for r in pen]
+                                  if plan.repetition_on else [], vocab)
+        sources = pending_sources(pen, pending)
         rand = [reqs[i].sampling_params for i in plan.rand]
         pen_params = [r.sampling_params for r in pen]
         ints: dict[str, Sequence[int] | np.ndarray] = {
@@ -190,7 +195,7 @@ class Sampler:
             "logprob_rows": plan.logprob_rows, "bias_rows": plan.bias[0],
             "bias_ids": plan.bias[1], "ban_rows": plan.bans[0], "ban_ids": plan.bans[1],
             "pen_rows": plan.penalised, "outputs": outputs.reshape(-1),
-            "out_lens": out_lens, "seen": seen.reshape(-1)}
+            "out_lens": out_lens, "seen": seen.reshape(-1), "sources": sources or []}
         floats = {"temperature": [p.temperature for p in rand], "top_p": [p.top_p for p in rand],
                   "min_p": [p.min_p for p in rand], "bias": plan.bias[2],
                   "frequency": [p.frequency_penalty for p in pen_params],
@@ -205,6 +210,13 @@ class Sampler:
             list(ints.values()), list(floats.values()), float_dtype=torch.float32)))
         parts["outputs"] = parts["outputs"].view(outputs.shape)
         parts["seen"] = parts["seen"].view(seen.shape)
+        at = parts.pop("sources")
+        if sources is not None:  # pending_sources raised unless `pending` is given
+            assert pending is not None
+            tokens = pending.tokens.index_select(0, at)  # (P,)
+            for name, on in (("outputs", plan.counts_on), ("seen", plan.repetition_on)):
+                if on:
+                    parts[name] = with_pending(parts[name], tokens, vocab)
         return _StepTensors(**parts)
 
     def _choose(self, logits: torch.Tensor, plan: _Plan, t: _StepTensors) -> torch.Tensor:
@@ -293,23 +305,6 @@ def _banned_tokens(req: Request) -> list[int]:
     if req.eos_token_id is not None and not p.ignore_eos:
         banned.append(req.eos_token_id)
     return banned
-
-
-def _id_rows(rows: list[list[list[int]]], vocab: int) -> tuple[np.ndarray, list[int]]:
-    """Each row's lists of ids, one after another, those outside [0, vocab) dropped ->
-    (R, L) int64 and each row's length. A row is padded with its own last id (0 when it
-    has none), so a scatter of per-id values writes the padding's cell with the same value
-    as the real one."""
-    kept = []
-    for parts in rows:
-        ids = np.concatenate([np.asarray(p, dtype=np.int64) for p in parts])
-        kept.append(ids[(ids >= 0) & (ids < vocab)])
-    out = np.zeros((len(kept), max((len(k) for k in kept), default=0)), dtype=np.int64)
-    for i, ids in enumerate(kept):
-        out[i, :len(ids)] = ids
-        if len(ids):
-            out[i, len(ids):] = ids[-1]
-    return out, [len(k) for k in kept]
 
 
 def _apply_constraints(logits: torch.Tensor, plan: _Plan, t: _StepTensors,

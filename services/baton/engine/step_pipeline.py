@@ -18,8 +18,9 @@ device; not yet ModelRunner on CUDA, unmeasured on a GPU).
 
 A request whose next step needs its last token on the host — a structured output's grammar
 masks the next token's logits by it; a prefill whose KV a puller takes once its token is
-known; penalties counted on the host when the inputs come from the device — makes its step
-a synchronous one (`Launched.sync`): the engine reads it at once."""
+known — makes its step a synchronous one (`Launched.sync`): the engine reads it at once.
+Penalties need no such read: a penalised request's pending token is read on the device
+too (`penalty_ids`)."""
 
 from __future__ import annotations
 
@@ -73,25 +74,17 @@ def check_live(scheduling_async: bool, live: LiveSettings) -> None:
                          "this engine schedules asynchronously")
 
 
-def launched(sched: SchedulerOutput, handle: StepHandle, device_inputs: bool) -> Launched:
+def launched(sched: SchedulerOutput, handle: StepHandle) -> Launched:
     """A step just launched: its requests' counters advance as if it had run, a pending
-    token for each that samples (a row's `samples` is read now: it counts from them).
-    `device_inputs`: the runner takes pending inputs from the device, so the sampler's
-    penalties, which count a request's outputs on the host, need them read too."""
+    token for each that samples (a row's `samples` is read now: it counts from them)."""
     sampling = [s.request for s in sched.scheduled if s.samples]
     for s in sched.scheduled:
         s.request.num_computed_tokens += s.num_new_tokens
     sync = False
     for req in sampling:
         req.add_pending()
-        sync = sync or req.grammar is not None or isinstance(req.kv_handoff, HoldKV) or (
-            device_inputs and _penalised(req))
+        sync = sync or req.grammar is not None or isinstance(req.kv_handoff, HoldKV)
     return Launched(sched, handle, sampling, sync)
-
-
-def _penalised(req: Request) -> bool:
-    p = req.sampling_params
-    return bool(p.frequency_penalty or p.presence_penalty or p.repetition_penalty != 1.0)
 
 
 def fill_inputs(prev: Launched) -> None:

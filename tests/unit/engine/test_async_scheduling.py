@@ -200,7 +200,7 @@ SCHEMA = {"type": "object", "properties": {"name": {"type": "string"}},
 
 
 def _workload(tokenizer):
-    prompts = [tokenizer.encode(p) for p in parity_prompts()[:10]]
+    prompts = [tokenizer.encode(p) for p in parity_prompts()[:10] + parity_prompts()[2:3]]
     params = [
         SamplingParams(temperature=0, max_tokens=24),
         SamplingParams(temperature=0, max_tokens=40, stop=[" the", "."]),
@@ -214,6 +214,9 @@ def _workload(tokenizer):
         SamplingParams(temperature=0, max_tokens=12, prompt_logprobs=2),
         SamplingParams(temperature=0, max_tokens=1),
         SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[13, 30]),
+        # penalised and sampled: on the device path its pending token is read there
+        SamplingParams(temperature=0.8, seed=3, max_tokens=24, presence_penalty=1.2,
+                       repetition_penalty=1.2, logprobs=1),
     ]
     return prompts, params
 
@@ -255,3 +258,20 @@ def test_the_bundled_model_gives_the_synchronous_engines_outputs(tokenizer, engi
     assert got["host"] == got["sync"]
     assert got["device"] == got["sync"]
     assert got["host"][6][2][0][1].startswith("{")  # the structured one held its schema
+
+
+@pytest.mark.slow
+def test_penalties_read_the_pending_token_on_the_device_path(tokenizer):
+    """Penalised requests alone: no step is read at once, so each step's penalties count
+    the token the step before sampled, read from its token tensor on the device."""
+    prompts = [tokenizer.encode(p) for p in parity_prompts()[:6]]
+    params = [SamplingParams(temperature=0, max_tokens=32, presence_penalty=2.0,
+                             frequency_penalty=1.0, repetition_penalty=1.5),
+              SamplingParams(temperature=0.8, seed=7, max_tokens=32, repetition_penalty=3.0)]
+    params = [params[i % 2] for i in range(len(prompts))]
+    got = {}
+    for mode in ("sync", "device"):
+        llm = LLM(dtype="float32", async_scheduling=mode != "sync")
+        llm.engine.runner.launches_async = mode == "device"
+        got[mode] = _outputs(llm, prompts, params, approx=True)
+    assert got["device"] == got["sync"]

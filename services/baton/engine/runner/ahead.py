@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from baton.engine.penalty_ids import PendingTokens
 from baton.engine.request import Request
 from baton.engine.runner.batch import FlatBatch
 from baton.engine.runner.step_result import StepResult
@@ -98,3 +99,11 @@ def fill_pending(batch: FlatBatch, prev: StepInFlight | None) -> None:
         raise RuntimeError("a pending input with no step launched before it to take it from")
     batch.input_ids.index_copy_(0, batch.pending_rows,
                                 prev.tokens.index_select(0, batch.pending_src))
+
+
+def pending_tokens(prev: StepInFlight | None) -> PendingTokens | None:
+    """Where the next step's sampler reads its penalised requests' pending tokens: `prev`'s
+    sampled tokens on the device (None when no step is in flight)."""
+    if prev is None or prev.tokens is None:
+        return None
+    return PendingTokens(prev.tokens, prev.token_index)

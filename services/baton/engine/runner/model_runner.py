@@ -20,7 +20,13 @@ from baton.engine.models.base import CausalLM
 from baton.engine.models.layers import local_heads
 from baton.engine.models.loader import default_cache_dir, load_model
 from baton.engine.platforms import make_platform
-from baton.engine.runner.ahead import LaunchedRow, StepInFlight, fill_pending, sampled_index
+from baton.engine.runner.ahead import (
+    LaunchedRow,
+    StepInFlight,
+    fill_pending,
+    pending_tokens,
+    sampled_index,
+)
 from baton.engine.runner.batch import FlatBatch, build_batch
 from baton.engine.runner.cuda_graphs import DecodeGraphs, capture_sizes
 from baton.engine.runner.memory import CudaMemory, KVMemoryPlan, KVMemoryProfiler, largest_batch
@@ -256,7 +262,7 @@ class ModelRunner:
         t0 = time.perf_counter()
         with torch.inference_mode():
             fill_pending(batch, prev)
-            step = self._launch_step(batch, ahead=True)
+            step = self._launch_step(batch, ahead=True, prev=prev)
         if step.timed is None:  # no CUDA events: the launch ran the step (CPU)
             self.busy_seconds += time.perf_counter() - t0
         else:  # read when the step is: its events' time
@@ -285,9 +291,11 @@ class ModelRunner:
         finally:  # the model step, as the device's time (common.step_timing)
             self.busy_seconds += time.perf_counter() - t0
 
-    def _launch_step(self, batch: FlatBatch, ahead: bool = False) -> StepInFlight:
+    def _launch_step(self, batch: FlatBatch, ahead: bool = False,
+                     prev: StepInFlight | None = None) -> StepInFlight:
         """The step's forward, logits and the sampler's device part; `ahead`: its tokens'
-        copy to the host queued (CUDA: non-blocking, timed by events), not waited for."""
+        copy to the host queued (CUDA: non-blocking, timed by events), not waited for,
+        and pending tokens (inputs, penalties) read from `prev`'s on the device."""
         entries = batch.sampling_entries
         # one row per sampling row (a request with k guesses has k + 1), each with the
         # guesses scored before it; the sampler draws all but the rows verified by
@@ -314,7 +322,8 @@ class ModelRunner:
             whole = len(rows) == len(every)
             sample = self.sampler.sample_on_device(
                 logits if whole else logits[rows], reqs, failed,
-                masks if whole or masks is None else masks.select(rows))
+                masks if whole or masks is None else masks.select(rows),
+                pending_tokens(prev))
             staged = stage(sample, non_blocking=ahead)
         if timed is not None:
             timed[1].record()
