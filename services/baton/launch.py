@@ -84,8 +84,8 @@ class Cluster:
     def from_args(cls, args) -> Cluster:
         """The cluster `baton up`'s parsed flags describe: every worker flag (the engine's
         and the worker's, `cli_common.WORKER_FLAGS`) given a value other than its default
-        is passed on to every worker; `--policy`, `--disagg-min-prefill-tokens` and the peer fetch flags
-        to the router."""
+        is passed on to every worker; `--policy`, `--disagg-min-prefill-tokens` and the peer
+        fetch flags to the router."""
         from baton.cli_common import worker_flag_args
 
         router_args = ["--policy", args.policy, "--disagg-min-prefill-tokens",

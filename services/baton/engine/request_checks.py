@@ -57,8 +57,7 @@ def check_handoff(handoff: KVHandoff, num_prompt: int, params: SamplingParams,
         try:
             if isinstance(handoff, PullKV):
                 handoff.check(num_prompt, kv.blocks_for(num_prompt), vocab)
-            else:
-                assert peer is not None
+            elif peer is not None:
                 check_peer_prefix(peer, num_prompt, kv.block_size)
         except ValueError as err:
             raise InvalidRequestError(str(err)) from None

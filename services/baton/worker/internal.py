@@ -16,7 +16,8 @@ applies them to the first token too. Its KV stays held (`HoldKV`) for a decode p
 
 A generate with `kv_transfer_params` pulls the prompt's KV (`PullKV`); one with `peer_prefix`
 pulls that prefix from the peer that lent it and prefills the rest (`PullPrefix`); else the
-decode pod prefills locally; it goes through the same pipeline as a public request (`pipeline.py`).
+decode pod prefills locally. Each goes through the same pipeline as a public request
+(`pipeline.py`).
 `return_token_ids` adds `TokenEvent`s to the stream (`openai_api`); `resume` continues a
 stream another decode pod started: its prompt is the original prompt + the tokens already
 sent, a seeded sampler skips the draws those tokens took, and the usage, id, `created` and

@@ -81,12 +81,11 @@ class TransportKVConnector(KVConnector):
     # -- admission (decode) ----------------------------------------------------------------
     def num_remote_tokens(self, req: Request, num_cached: int) -> int:
         handoff = req.kv_handoff
-        peer = peer_prefix(handoff)
-        if not isinstance(handoff, PullKV) and peer is None:
-            return 0
         if isinstance(handoff, PullKV):
             return req.num_prompt_tokens - num_cached
-        assert peer is not None
+        peer = peer_prefix(handoff)
+        if peer is None:
+            return 0
         remote = peer.num_tokens - num_cached  # whole blocks: both are
         if remote <= 0:  # this pool holds the peer's prefix already: nothing to pull
             self.stats.fallback("peer_prefix_cached")

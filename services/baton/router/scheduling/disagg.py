@@ -36,7 +36,8 @@ def register(name: str) -> Callable[[_F], _F]:
 def uncached_tokens(decode_pod: Upstream | None, ctx: RoutingContext,
                     settings: DisaggSettings) -> bool:
     """Remote when the prompt's tokens not already cached on the decode pod (in any tier, or
-    on a peer it will pull them from: `ctx.peer_tokens`) are at least `min_prefill_tokens`; local when the prompt cannot be split (`n` > 1, several prompts)."""
+    on a peer it will pull them from: `ctx.peer_tokens`) are at least `min_prefill_tokens`;
+    local when the prompt cannot be split (`n` > 1, several prompts)."""
     if ctx.prompt_tokens is None:
         return False
     cached = ctx.cached_tokens(decode_pod) if decode_pod is not None else 0
