@@ -128,3 +128,26 @@ def test_async_scheduling_launches_ahead_and_gives_the_synchronous_outputs(tiny_
         del llm
         torch.cuda.empty_cache()
     assert got[True] == got[False]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="tensor parallelism needs 2 GPUs")
+def test_tp2_launches_ahead_and_gives_the_synchronous_outputs(tiny_model):
+    """Two ranks over NCCL, steps launched ahead: rank 0 broadcasts each step's pending
+    tokens to the follower on the device (`ahead.fill_pending`); outputs equal the
+    synchronous engine's, every step read."""
+    prompts = prompt_ids(6, TINY["vocab_size"], seed=9)
+    params = [greedy(24), SamplingParams(temperature=1.0, seed=7, max_tokens=20),
+              SamplingParams(temperature=0, max_tokens=24, repetition_penalty=1.5)] * 2
+    got = {}
+    for mode in (False, True):
+        llm = LLM(tiny_model, device="cuda", dtype="float32", async_scheduling=mode,
+                  tensor_parallel_size=2, **SHARE)
+        try:
+            outs = llm.generate(prompts, params, use_tqdm=False)
+            got[mode] = [o.outputs[0].token_ids for o in outs]
+            assert not llm.engine.runner.tp_leader._unread
+        finally:
+            llm.engine.close()
+        del llm
+        torch.cuda.empty_cache()
+    assert got[True] == got[False]

@@ -8,6 +8,7 @@ slice of each weight this rank holds and which collectives its forward needs. Wi
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -16,7 +17,7 @@ import torch
 class TPGroup:
     rank: int = 0
     size: int = 1
-    group: object = None  # a torch.distributed ProcessGroup when size > 1
+    group: Any = None  # a torch.distributed ProcessGroup when size > 1
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         """Sum of `x` over the ranks (in place where it can be)."""
@@ -36,6 +37,19 @@ class TPGroup:
         parts = [torch.empty_like(x) for _ in range(self.size)]
         dist.all_gather(parts, x.contiguous(), group=self.group)
         return torch.cat(parts, dim=dim)
+
+    def broadcast(self, x: torch.Tensor) -> torch.Tensor:
+        """`x` as rank 0 holds it, on every rank (in place). Through the group's own
+        backend, not `dist.broadcast` (whose source is a rank of the default group this
+        one is not registered in). On NCCL the wait only orders the current stream."""
+        if self.size == 1:
+            return x
+        import torch.distributed as dist
+
+        opts = dist.BroadcastOptions()
+        opts.rootRank, opts.rootTensor = 0, 0
+        self.group.broadcast([x], opts).wait()
+        return x
 
     def split(self, total: int, what: str) -> tuple[int, int]:
         """(offset, size) of this rank's equal share of `total` rows of `what`."""

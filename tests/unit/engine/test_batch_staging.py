@@ -4,6 +4,7 @@ never overwritten by the next."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -60,6 +61,33 @@ def test_on_cpu_the_tensors_are_views_of_one_packed_buffer():
     span = batch.prompt_logprob_spans[0]  # positions 4..8 predict prompt tokens 5..9
     assert (span.row, span.first_target, span.count) == (2, 5, 5)
     assert batch.prompt_targets.tolist() == list(range(55, 60))
+
+
+def test_a_followers_step_comes_from_the_host_arrays_never_the_device():
+    """What rank 0 sends a tensor-parallel follower (`tp_wire.StepMessage`) is made from the
+    arrays the builder packed: built on the meta device (whose tensors hold no values to
+    read), the step is the CPU batch's, pending rows included, and the follower's batch
+    from it has the same inputs."""
+    from baton.engine.runner.tp_wire import StepMessage
+
+    rows, blocks = make_rows()
+    rows[0].request.output_token_ids = []
+    rows[0].request.add_pending()  # r0's input is the token the step before sampled
+    built = {name: build_batch(rows, blocks.__getitem__, BLOCK, torch.device(name),
+                               pending={"r0": 3}) for name in ("meta", "cpu")}
+    msg = StepMessage.from_batch(built["meta"], [np.asarray(built["meta"].logits_indices)])
+    cpu = built["cpu"]
+    assert msg.input_ids.tolist()[1:] == cpu.input_ids.tolist()[1:] == [7, 54, 55, 56, 57,
+                                                                          58, 59]
+    assert msg.positions.tolist() == cpu.positions.tolist()
+    assert msg.slot_mapping.tolist() == cpu.layout.slot_mapping.tolist()
+    assert msg.block_tables.tolist() == cpu.layout.block_tables.tolist()
+    assert msg.pending_rows.tolist() == cpu.pending_rows.tolist() == [0]
+    assert cpu.pending_src.tolist() == [3]
+    follower = msg.to_batch(torch.device("cpu"))
+    assert follower.input_ids.tolist() == cpu.input_ids.tolist()
+    assert follower.pending_rows.tolist() == [0]
+    assert follower.layout.block_tables.tolist() == cpu.layout.block_tables.tolist()
 
 
 def test_a_later_step_does_not_overwrite_an_earlier_ones_tensors():

@@ -79,3 +79,41 @@ def test_tp2_speculates_exactly(tmp_path, model_dir):
             llm.engine.close()
     assert outs["spec"] == outs["plain"]
     assert verified > 0
+
+
+def test_tp2_launched_ahead_gives_the_synchronous_outputs(tmp_path, model_dir, monkeypatch):
+    """Async scheduling with each step launched ahead as on CUDA (forced on CPU, where the
+    launch runs the step): a step's pending input tokens are on rank 0 only, which
+    broadcasts them to the follower for the same rows. A follower that ran without them
+    would add wrong partial sums to every all-reduce, so greedy, seeded, penalised and
+    logprob outputs equal the synchronous engine's only if they arrive. Every step
+    launched is read (the watcher times none afterwards)."""
+    import baton.engine.runner.model_runner as model_runner
+
+    tiny_llama(tmp_path, model_dir, 2)
+    prompts = prompts_for(1001, (5, 40, 130, 17))
+    params = [SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=3, max_tokens=10, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=12, ignore_eos=True,
+                             repetition_penalty=1.5, frequency_penalty=0.5),
+              SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2)]
+    kwargs = dict(dtype="float32", tensor_parallel_size=2, num_threads=1, num_kv_blocks=256,
+                  block_size=16, max_num_batched_tokens=64)
+    pending_steps = []
+    fill = model_runner.fill_pending
+    monkeypatch.setattr(model_runner, "fill_pending", lambda batch, prev, group: (
+        pending_steps.append(batch.pending_rows is not None), fill(batch, prev, group))[1])
+    outs = {}
+    for mode in ("sync", "ahead"):
+        llm = LLM(str(tmp_path), async_scheduling=mode == "ahead", **kwargs)
+        runner = llm.engine.runner
+        runner.launches_async = mode == "ahead"
+        try:
+            outs[mode] = [
+                [(c.token_ids, [(lp.token_id, round(lp.logprob, 3)) for lp in c.logprobs or []])
+                 for c in o.outputs] for o in llm.generate(prompts, params, use_tqdm=False)]
+            assert runner.tp_leader._step_since is None and not runner.tp_leader._unread
+        finally:
+            llm.engine.close()
+    assert outs["ahead"] == outs["sync"]
+    assert sum(pending_steps) >= 8  # the decodes' inputs came from the step before

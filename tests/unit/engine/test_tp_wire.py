@@ -22,7 +22,7 @@ from baton.engine.runner.tp_wire import (
 )
 
 
-def step(num_calls: int = 2) -> StepMessage:
+def step(num_calls: int = 2, pending: tuple[int, ...] = (0, 1)) -> StepMessage:
     rng = np.random.default_rng(0)
     T, B, M = 7, 3, 4
     return StepMessage(
@@ -30,29 +30,34 @@ def step(num_calls: int = 2) -> StepMessage:
         slot_mapping=np.array([5, 6, -1, 8, 9, 10, 11]), query_start_loc=np.array([0, 1, 2, 7]),
         context_lens=np.array([4, 9, 0]), seq_lens=np.array([5, 10, 5]),
         block_tables=rng.integers(0, 50, (B, M)), num_decodes=2, block_size=16,
-        logits_calls=[np.arange(2, 2 + i + 1) for i in range(num_calls)])
+        logits_calls=[np.arange(2, 2 + i + 1) for i in range(num_calls)],
+        pending_rows=np.asarray(pending, np.int64))
 
 
 def test_step_round_trip_and_stop():
     msg = step()
-    stream = io.BytesIO(msg.encode() + step(0).encode() + stop_frame())
+    stream = io.BytesIO(msg.encode() + step(0, pending=()).encode() + stop_frame())
     got = read_message(stream)
     for name in ("input_ids", "positions", "slot_mapping", "query_start_loc", "context_lens",
-                 "seq_lens", "block_tables"):
+                 "seq_lens", "block_tables", "pending_rows"):
         np.testing.assert_array_equal(getattr(got, name), getattr(msg, name), err_msg=name)
     assert (got.num_decodes, got.block_size) == (2, 16)
     assert [c.tolist() for c in got.logits_calls] == [[2], [2, 3]]
     batch = got.to_batch(torch.device("cpu"))
     assert batch.layout.num_decodes == 2 and batch.layout.seq_lens == [5, 10, 5]
     assert batch.input_ids.tolist() == msg.input_ids.tolist()
-    assert read_message(stream).logits_calls == []
+    assert batch.layout.block_tables.tolist() == msg.block_tables.tolist()
+    assert batch.pending_rows.tolist() == [0, 1]
+    plain = read_message(stream)
+    assert plain.logits_calls == [] and plain.to_batch(torch.device("cpu")).pending_rows is None
     assert read_message(stream) is None  # the stop frame
     assert read_message(stream) is None  # end of file: rank 0 gone
 
 
-@pytest.mark.parametrize("damage", ["magic", "version", "oversize", "short", "truncated"])
+@pytest.mark.parametrize("damage", ["magic", "version", "oversize", "short", "truncated",
+                                    "pending-row"])
 def test_bad_frames_are_refused(damage):
-    frame = bytearray(step().encode())
+    frame = bytearray(step(pending=(0, 7) if damage == "pending-row" else (0,)).encode())
     head = list(_HEADER.unpack(bytes(frame[:_HEADER.size])))
     if damage == "magic":
         head[0] = b"XXXX"
@@ -104,7 +109,7 @@ def control_frame(raw: bytes) -> bytes:
     from baton.engine.runner.tp_wire import KIND_CONTROL, MAGIC, VERSION
 
     padded = raw + b" " * (-len(raw) % 8)
-    return _HEADER.pack(MAGIC, VERSION, KIND_CONTROL, len(raw), 0, 0, 0, 0, 0,
+    return _HEADER.pack(MAGIC, VERSION, KIND_CONTROL, len(raw), 0, 0, 0, 0, 0, 0,
                         len(padded) // 8) + padded
 
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from baton.engine.distributed import TPGroup
 from baton.engine.penalty_ids import PendingTokens
 from baton.engine.request import Request
 from baton.engine.runner.batch import FlatBatch
@@ -60,6 +61,7 @@ class StepInFlight:
     token_index: dict[str, int] = field(default_factory=dict)
     timed: tuple[torch.cuda.Event, torch.cuda.Event] | None = None  # CUDA: around the step
     on_timed: Callable[[float], None] | None = None  # hears the step's device seconds
+    on_read: Callable[[], None] | None = None  # called once its tokens are read
     _result: StepResult | None = None
 
     @property
@@ -70,6 +72,8 @@ class StepInFlight:
         """The step's `StepResult` (waiting for its tokens the first time)."""
         if self._result is None:
             tokens, lps = read_staged(self.staged) if self.staged is not None else ([], [])
+            if self.on_read is not None:
+                self.on_read()
             if self.timed is not None and self.on_timed is not None:
                 self.timed[1].synchronize()
                 self.on_timed(self.timed[0].elapsed_time(self.timed[1]) / 1000)
@@ -90,15 +94,27 @@ def sampled_index(reqs: list[Request]) -> dict[str, int]:
     return {r.request_id: i for i, r in enumerate(reqs)}
 
 
-def fill_pending(batch: FlatBatch, prev: StepInFlight | None) -> None:
+def fill_pending(batch: FlatBatch, prev: StepInFlight | None, group: TPGroup) -> None:
     """Write the previous step's sampled tokens into this batch's pending input rows, on the
-    device (no host read)."""
+    device (no host read). Under tensor parallelism rank 0 (the one that samples) also
+    broadcasts them to the followers, which fill the same rows (`fill_follower_pending`);
+    it has sent them the step first, so each is waiting for them."""
     if batch.pending_rows is None or batch.pending_src is None:
         return
     if prev is None or prev.tokens is None:
         raise RuntimeError("a pending input with no step launched before it to take it from")
-    batch.input_ids.index_copy_(0, batch.pending_rows,
-                                prev.tokens.index_select(0, batch.pending_src))
+    tokens = group.broadcast(prev.tokens.index_select(0, batch.pending_src).contiguous())
+    batch.input_ids.index_copy_(0, batch.pending_rows, tokens)
+
+
+def fill_follower_pending(batch: FlatBatch, group: TPGroup) -> None:
+    """A follower's side of `fill_pending`: its pending rows take the tokens rank 0
+    broadcasts."""
+    if batch.pending_rows is None:
+        return
+    tokens = torch.empty(batch.pending_rows.shape[0], dtype=torch.int64,
+                         device=batch.input_ids.device)
+    batch.input_ids.index_copy_(0, batch.pending_rows, group.broadcast(tokens))
 
 
 def pending_tokens(prev: StepInFlight | None) -> PendingTokens | None:

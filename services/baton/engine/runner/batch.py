@@ -29,6 +29,24 @@ class PromptLogprobSpan:
     gap: int = 0
 
 
+@dataclass(frozen=True)
+class HostArrays:
+    """A batch's integer arrays as built on the host, before their copy to the device: what
+    a tensor-parallel follower is sent (`tp_wire.StepMessage`), so that nothing reads them
+    back from the device (on CUDA that read would wait for the step in flight)."""
+
+    input_ids: np.ndarray  # (T,)
+    positions: np.ndarray  # (T,)
+    slot_mapping: np.ndarray  # (T,)
+    block_table: np.ndarray  # (B, M)
+    pending_rows: np.ndarray  # (P,): `FlatBatch.pending_rows`, possibly empty
+
+    def parts(self) -> list[np.ndarray]:
+        """The 1-D arrays as `HostStaging.pack` takes them (the table flattened)."""
+        return [self.input_ids, self.positions, self.slot_mapping, self.block_table.reshape(-1),
+                self.pending_rows]
+
+
 @dataclass
 class FlatBatch:
     input_ids: torch.Tensor  # (T,)
@@ -48,6 +66,7 @@ class FlatBatch:
     # sampled tokens; (P,) int64 on the device, or None
     pending_rows: torch.Tensor | None = None
     pending_src: torch.Tensor | None = None
+    host: HostArrays | None = None  # set by `build_batch`
 
     @property
     def seq_requests(self) -> list[Request]:
@@ -100,12 +119,11 @@ def build_batch(scheduled: list[ScheduledRequest], block_ids_of: Callable[[str],
     logits_indices = [row_of[(id(s), p)] for s in sampling for p in _sampled_positions(s)]
     table = _block_table(tables)
     pending_rows, pending_src = _pending_inputs(pieces, qsl, pending)
-    staging = staging if staging is not None else HostStaging(device)
-    ids, pos, slot_mapping, flat_table, rows, prompt_targets, p_rows, p_src = staging.pack(
-        [tokens, np.concatenate([np.asarray(positions, np.int64), *chunk_positions]),
-         np.concatenate([np.asarray(slots, np.int64), *chunk_slots]), table.reshape(-1),
-         logits_indices, np.concatenate(targets) if targets else [], pending_rows,
-         pending_src])
+    host = HostArrays(np.asarray(tokens, np.int64), _joined(positions, chunk_positions),
+                      _joined(slots, chunk_slots), table, np.asarray(pending_rows, np.int64))
+    ids, pos, slot_mapping, flat_table, p_rows, rows, prompt_targets, p_src = (
+        staging or HostStaging(device)).pack(
+        [*host.parts(), logits_indices, np.concatenate(targets) if targets else [], pending_src])
     layout = BatchLayout(
         query_start_loc=qsl, context_lens=ctx_lens, seq_lens=seq_lens, num_decodes=num_decodes,
         block_tables=flat_table.view(table.shape), slot_mapping=slot_mapping,
@@ -113,8 +131,13 @@ def build_batch(scheduled: list[ScheduledRequest], block_ids_of: Callable[[str],
     return FlatBatch(
         input_ids=ids, positions=pos, layout=layout, entries=entries,
         logits_indices=logits_indices, sampling_entries=sampling, prompt_logprob_spans=spans,
-        logits_rows=rows, prompt_targets=prompt_targets,
+        logits_rows=rows, prompt_targets=prompt_targets, host=host,
         pending_rows=p_rows if pending_rows else None, pending_src=p_src if pending_rows else None)
+
+
+def _joined(ints: list[int], arrays: list[np.ndarray]) -> np.ndarray:
+    """One-token rows' values (ints), then the chunks' (arrays), as one int64 array."""
+    return np.concatenate([np.asarray(ints, np.int64), *arrays])
 
 
 def _sampled_positions(s: ScheduledRequest) -> range:

@@ -142,7 +142,7 @@ class ModelRunner:
         self.staging = HostStaging(self.device)  # the batch metadata's one copy a step
         self.busy_seconds = 0.0  # time in the model steps (forward, logits, sampling)
         # `launch` launches ahead (tests set it on CPU, where the launch runs the step)
-        self.launches_async = self.device.type == "cuda" and self.tp_leader is None
+        self.launches_async = self.device.type == "cuda"
         self._ahead: StepInFlight | None = None  # the last step launched ahead
         self.max_model_len = max_model_len
         self.platform.warm_up(self)
@@ -245,9 +245,9 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    # Async scheduling (`engine.step_pipeline`): on CUDA without tensor parallelism a step
-    # is launched ahead of the host (`runner/ahead.py`); elsewhere `launch` runs it whole and
-    # the engine writes a step's pending token ids in first. Off unless asked for.
+    # Async scheduling (`engine.step_pipeline`): on CUDA a step is launched ahead of the
+    # host (`runner/ahead.py`; tensor-parallel followers get its pending tokens from rank
+    # 0 by broadcast); elsewhere `launch` runs it whole, its pending ids written in first.
     async_by_default = False
     idle_seconds = None  # not tracked: the device waits on the host whenever it is not stepping
 
@@ -260,9 +260,12 @@ class ModelRunner:
         batch = build_batch(out.rows, block_ids_of, self.block_size, self.device,
                             self.staging, pending=prev.token_index if prev is not None else {})
         t0 = time.perf_counter()
+        if self.tp_leader is not None:  # the followers run it too, watched until it is read
+            self.tp_leader.launch(batch, logits_calls(batch, PROMPT_LOGPROB_ROWS))
         with torch.inference_mode():
-            fill_pending(batch, prev)
+            fill_pending(batch, prev, self.tp)
             step = self._launch_step(batch, ahead=True, prev=prev)
+        step.on_read = self.tp_leader.landed if self.tp_leader is not None else None
         if step.timed is None:  # no CUDA events: the launch ran the step (CPU)
             self.busy_seconds += time.perf_counter() - t0
         else:  # read when the step is: its events' time

@@ -30,6 +30,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from contextlib import contextmanager
 from datetime import timedelta
@@ -126,7 +127,8 @@ class TPLeader:
                  step_timeout_s: float = 120.0) -> None:
         self.procs = procs  # rank r is procs[r - 1]
         self.step_timeout_s = step_timeout_s
-        self._step_since: float | None = None  # when the step in progress began
+        self._step_since: float | None = None  # when the oldest step not read began
+        self._unread: deque[float] = deque()  # launch times of steps not read yet
         self.group = group
         self._store = store  # rank 0 hosts it; followers' groups need it alive
         self.failure: TPWorkerDied | None = None
@@ -200,12 +202,25 @@ class TPLeader:
     def stepping(self, batch: FlatBatch, logits_calls: list[np.ndarray]):
         """Hand the step to the followers (`send_step`) and time rank 0's part of it, which
         the watcher bounds by `step_timeout_s`."""
-        self.send_step(batch, logits_calls)
-        self._step_since = time.monotonic()
+        self.launch(batch, logits_calls)
         try:
             yield
         finally:
-            self._step_since = None
+            self.landed()
+
+    def launch(self, batch: FlatBatch, logits_calls: list[np.ndarray]) -> None:
+        """Hand a step to the followers; the watcher bounds it by `step_timeout_s` from now
+        until `landed` (a step launched ahead is read after the next one launches: the
+        oldest unread step's launch is what the watcher times)."""
+        self.send_step(batch, logits_calls)
+        self._unread.append(time.monotonic())
+        self._step_since = self._unread[0]
+
+    def landed(self) -> None:
+        """The oldest unread step has been read."""
+        if self._unread:
+            self._unread.popleft()
+        self._step_since = self._unread[0] if self._unread else None
 
     def send_control(self, body: KVControl, ranks: list[int] | None = None) -> None:
         """A KV control message (`tp_wire.Control`) to `ranks` (default: every follower)."""

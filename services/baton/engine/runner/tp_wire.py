@@ -7,6 +7,11 @@ rank 0 computes, since `compute_logits` is a collective) or the stop frame. A fr
 fixed header (magic, version, kind, counts) and int64 arrays; its size is checked against
 `MAX_FRAME_INT64S` before anything is allocated.
 
+A step launched ahead (async scheduling, `runner/ahead.py`) has input rows whose token the
+step before it sampled, on rank 0's device only: the message names those rows
+(`pending_rows`) and rank 0 broadcasts their tokens in the process group right before the
+forward (`ahead.fill_pending`), device to device, so no rank reads them on the host.
+
 Why a pipe and not a broadcast in the process group: a follower waits between steps for as
 long as the engine idles (hours), which a collective's timeout would not allow, and the
 pipe's end-of-file tells it at once that rank 0 is gone.
@@ -26,16 +31,17 @@ from pydantic import ValidationError
 
 from baton.engine.attention.base import BatchLayout
 from baton.engine.config import EngineConfig
-from baton.engine.runner.batch import FlatBatch
+from baton.engine.runner.batch import FlatBatch, HostArrays
 from baton.engine.runner.tp_kv_messages import CONTROL, KVControl
+from baton.engine.staging import HostStaging
 
 SPEC_VERSION = 1
 MAGIC = b"BTPS"
-VERSION = 1
+VERSION = 2
 KIND_STEP, KIND_STOP, KIND_CONTROL = 1, 2, 3
 # magic, version, kind, tokens T, sequences B, table width M, num_decodes, block_size,
-# logits calls C, payload length (int64s)
-_HEADER = struct.Struct("<4sHHqqqqqqq")
+# logits calls C, pending rows P, payload length (int64s)
+_HEADER = struct.Struct("<4sHHqqqqqqqq")
 MAX_FRAME_INT64S = 1 << 27  # 1 GiB: far above any step's batch
 
 
@@ -91,15 +97,23 @@ class StepMessage:
     num_decodes: int
     block_size: int
     logits_calls: list[np.ndarray]  # each (rows,)
+    # (P,): rows whose token rank 0 broadcasts before the forward (a step launched ahead)
+    pending_rows: np.ndarray = dataclasses.field(
+        default_factory=lambda: np.zeros(0, np.int64))
 
     @classmethod
     def from_batch(cls, batch: FlatBatch, logits_calls: list[np.ndarray]) -> StepMessage:
-        layout = batch.layout
-        return cls(_host(batch.input_ids), _host(batch.positions), _host(layout.slot_mapping),
+        """The step of a batch `build_batch` made, from its host arrays (`FlatBatch.host`):
+        never a read of the device's copy."""
+        layout, host = batch.layout, batch.host
+        if host is None:
+            raise ValueError("a tensor-parallel step needs the batch's host arrays "
+                             "(FlatBatch.host, set by build_batch)")
+        return cls(host.input_ids, host.positions, host.slot_mapping,
                    np.asarray(layout.query_start_loc, np.int64),
                    np.asarray(layout.context_lens, np.int64),
-                   np.asarray(layout.seq_lens, np.int64), _host(layout.block_tables),
-                   layout.num_decodes, layout.block_size, logits_calls)
+                   np.asarray(layout.seq_lens, np.int64), host.block_table,
+                   layout.num_decodes, layout.block_size, logits_calls, host.pending_rows)
 
     def encode(self) -> bytes:
         T, B = len(self.input_ids), len(self.seq_lens)
@@ -107,23 +121,30 @@ class StepMessage:
         sizes = np.asarray([len(c) for c in self.logits_calls], np.int64)
         parts = [self.input_ids, self.positions, self.slot_mapping, self.query_start_loc,
                  self.context_lens, self.seq_lens, self.block_tables.reshape(-1), sizes,
-                 *self.logits_calls]
+                 self.pending_rows, *self.logits_calls]
         payload = np.concatenate([np.asarray(p, np.int64).reshape(-1) for p in parts])
         header = _HEADER.pack(MAGIC, VERSION, KIND_STEP, T, B, M, self.num_decodes,
-                              self.block_size, len(sizes), payload.size)
+                              self.block_size, len(sizes), len(self.pending_rows),
+                              payload.size)
         return header + payload.tobytes()
 
-    def to_batch(self, device: torch.device) -> FlatBatch:
-        """The FlatBatch the forward runs on (no requests: followers never sample)."""
+    def to_batch(self, device: torch.device, staging: HostStaging | None = None
+                 ) -> FlatBatch:
+        """The FlatBatch the forward runs on (no requests: followers never sample), its
+        arrays on the device in one copy through `staging` (the follower's, reused:
+        pinned on CUDA, so the copy queues behind the step in flight instead of waiting
+        for it)."""
+        staging = staging if staging is not None else HostStaging(device)
+        ids, positions, slots, table, pending = staging.pack(HostArrays(
+            self.input_ids, self.positions, self.slot_mapping, self.block_tables,
+            self.pending_rows).parts())
         layout = BatchLayout(
             query_start_loc=self.query_start_loc.tolist(),
             context_lens=self.context_lens.tolist(), seq_lens=self.seq_lens.tolist(),
-            num_decodes=self.num_decodes,
-            block_tables=torch.from_numpy(self.block_tables).to(device),
-            slot_mapping=torch.from_numpy(self.slot_mapping).to(device),
-            block_size=self.block_size)
-        return FlatBatch(torch.from_numpy(self.input_ids).to(device),
-                         torch.from_numpy(self.positions).to(device), layout, [], [], [])
+            num_decodes=self.num_decodes, block_tables=table.view(self.block_tables.shape),
+            slot_mapping=slots, block_size=self.block_size)
+        return FlatBatch(ids, positions, layout, [], [], [],
+                         pending_rows=pending if len(self.pending_rows) else None)
 
 
 @dataclass(frozen=True)
@@ -137,7 +158,7 @@ class Control:
     def encode(self) -> bytes:
         raw = self.body.model_dump_json().encode()
         padded = raw + b" " * (-len(raw) % 8)
-        return _HEADER.pack(MAGIC, VERSION, KIND_CONTROL, len(raw), 0, 0, 0, 0, 0,
+        return _HEADER.pack(MAGIC, VERSION, KIND_CONTROL, len(raw), 0, 0, 0, 0, 0, 0,
                             len(padded) // 8) + padded
 
     @classmethod
@@ -150,7 +171,7 @@ class Control:
 
 
 def stop_frame() -> bytes:
-    return _HEADER.pack(MAGIC, VERSION, KIND_STOP, 0, 0, 0, 0, 0, 0, 0)
+    return _HEADER.pack(MAGIC, VERSION, KIND_STOP, 0, 0, 0, 0, 0, 0, 0, 0)
 
 
 def read_message(stream: BinaryIO) -> StepMessage | Control | None:
@@ -159,7 +180,7 @@ def read_message(stream: BinaryIO) -> StepMessage | Control | None:
     head = _read_exactly(stream, _HEADER.size)
     if head is None:
         return None
-    magic, version, kind, T, B, M, num_decodes, block_size, C, n = _HEADER.unpack(head)
+    magic, version, kind, T, B, M, num_decodes, block_size, C, P, n = _HEADER.unpack(head)
     if magic != MAGIC or version != VERSION:
         raise TPProtocolError(f"frame magic {magic!r} version {version}; expected {MAGIC!r} "
                               f"version {VERSION}")
@@ -168,22 +189,24 @@ def read_message(stream: BinaryIO) -> StepMessage | Control | None:
     if kind == KIND_CONTROL and 0 <= n <= MAX_FRAME_INT64S and 0 <= T <= 8 * n:
         body = _read_exactly(stream, 8 * n)
         return None if body is None else Control.decode(body[:T])
-    if kind != KIND_STEP or not 0 <= n <= MAX_FRAME_INT64S or min(T, B, M, C) < 0:
+    if kind != KIND_STEP or not 0 <= n <= MAX_FRAME_INT64S or min(T, B, M, C, P) < 0:
         raise TPProtocolError(f"bad frame: kind {kind}, {n} int64s")
     body = _read_exactly(stream, 8 * n)
     if body is None:
         return None
     data = np.frombuffer(body, dtype=np.int64)
-    cuts = np.cumsum([T, T, T, B + 1, B, B, B * M, C])
+    cuts = np.cumsum([T, T, T, B + 1, B, B, B * M, C, P])
     if cuts[-1] > n:
         raise TPProtocolError(f"frame of {n} int64s is shorter than its counts say")
-    ids, pos, slots, qsl, ctx, seq, tables, sizes, rest = np.split(data, cuts)
+    ids, pos, slots, qsl, ctx, seq, tables, sizes, pending, rest = np.split(data, cuts)
     if sizes.sum() != len(rest) or (sizes < 0).any():
         raise TPProtocolError("frame's logits calls do not add up")
+    if P and ((pending < 0) | (pending >= T)).any():
+        raise TPProtocolError("frame's pending rows are outside its tokens")
     calls = np.split(rest, np.cumsum(sizes)[:-1]) if C else []
     return StepMessage(ids.copy(), pos.copy(), slots.copy(), qsl, ctx, seq,
                        tables.reshape(B, M).copy(), num_decodes, block_size,
-                       [c.copy() for c in calls])
+                       [c.copy() for c in calls], pending.copy())
 
 
 def logits_calls(batch: FlatBatch, rows_per_call: int) -> list[np.ndarray]:
@@ -197,10 +220,6 @@ def logits_calls(batch: FlatBatch, rows_per_call: int) -> list[np.ndarray]:
     if batch.sampling_entries:
         calls.append(np.asarray(batch.logits_indices, np.int64))
     return calls
-
-
-def _host(t: torch.Tensor) -> np.ndarray:
-    return t.detach().to("cpu", torch.int64).numpy()
 
 
 def _read_exactly(stream: BinaryIO, n: int) -> bytes | None:

@@ -25,6 +25,7 @@ from typing import BinaryIO
 import torch
 
 from baton.engine.distributed import TPGroup
+from baton.engine.runner.ahead import fill_follower_pending
 from baton.engine.runner.tp import (
     COLLECTIVE_TIMEOUT_S,
     WATCH_INTERVAL_S,
@@ -32,6 +33,7 @@ from baton.engine.runner.tp import (
     threads_per_rank,
 )
 from baton.engine.runner.tp_wire import Control, FollowerSpec, read_message
+from baton.engine.staging import HostStaging
 
 log = logging.getLogger("baton.tp_worker")
 
@@ -85,11 +87,13 @@ def build_runner(spec: FollowerSpec):
 def serve(runner, steps: BinaryIO, kv=None) -> None:
     """Run rank 0's steps (and KV control messages, handed to `kv`) until the stop frame
     or end of file."""
+    staging = HostStaging(runner.device)
     while (msg := read_message(steps)) is not None:
         if isinstance(msg, Control):
             kv.handle(msg.body)
             continue
-        batch = msg.to_batch(runner.device)
+        batch = msg.to_batch(runner.device, staging)
+        fill_follower_pending(batch, runner.tp)  # a step launched ahead: rank 0's tokens
         hidden = runner._forward(batch)  # (T, h), this rank's part of every collective
         for rows in msg.logits_calls:
             index = torch.from_numpy(rows).to(runner.device)
