@@ -78,6 +78,7 @@ class EngineCore:
         self.structured = StructuredOutputs.for_tokenizer(
             self.tokenizer, self.model_config.vocab_size, self.eos_token_id)
         self._detok: dict[str, tok.IncrementalDetokenizer | None] = {}
+        tok.piece_table(self.tokenizer)  # built now, not on the first request's step
         self.speculator = Speculator(limits.speculative, max_len, draft=(
             load_draft(config, self.model_config.vocab_size, max_len)
             if limits.speculative.method == "draft_model" else None))
@@ -336,8 +337,7 @@ class EngineCore:
         return None if t is None else t - req.arrival_time
 
     def _final_output(self, req: Request, tokens: list[int], text: str, lps) -> EngineOutput:
-        detok = self._detok.pop(req.request_id, None)
-        if detok is not None:
+        if (detok := self._detok.pop(req.request_id, None)) is not None:
             text += detok.flush()
         self.runner.sampler.release(req.request_id)
         self.runner.rejection.release(req.request_id)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from baton.engine.tokenizer import IncrementalDetokenizer
+from baton.engine.tokenizer import IncrementalDetokenizer, piece_table
 
 TEXT = ("Hello, world! Ünïcödé ☃ and emoji 🎉 work; stop here: END of the line.\n"
         "  Indented code() { return 42; }")
@@ -103,3 +103,45 @@ def test_an_invalid_byte_after_byte_pieces_does_not_fail_the_request(byte_fallba
     ids += byte_fallback.encode("the quick", add_special_tokens=False)  # ▁the ▁quick
     text, matched, _ = stream(byte_fallback, ids)
     assert matched is None and text.startswith("9") and text.endswith(" the quick")
+
+
+@pytest.mark.parametrize("skip_special", [True, False])
+def test_the_piece_table_gives_the_streaming_decoders_deltas(tokenizer, skip_special):
+    """The bundled byte-level tokenizer's tokens whose text is exact on their own skip the
+    streaming decoder (`piece_table`). Random ids — parts of characters, bytes that make
+    no character, special tokens — give the same deltas, token by token, as the streaming
+    decoder alone, with and without stop strings."""
+    import random
+
+    table = piece_table(tokenizer)
+    assert table is not None and sum(p is not None for p in table) > 0.9 * len(table)
+    assert all(table[i] is None for i in tokenizer.all_special_ids)
+    rng = random.Random(5)
+    prompt = tokenizer.encode("Say:")
+    for trial in range(12):
+        ids = [rng.choice(tokenizer.all_special_ids) if rng.random() < 0.05
+               else rng.randrange(len(tokenizer)) for _ in range(200)]
+        stop = [tokenizer.decode(ids[50:52])[-3:]] if trial % 2 else []
+        fast, alone = (IncrementalDetokenizer(tokenizer, prompt, stop, False, skip_special)
+                       for _ in range(2))
+        alone._pieces = []  # the streaming decoder reads every token
+        got = {}
+        for name, d in (("fast", fast), ("alone", alone)):
+            got[name] = []
+            for t in ids:
+                got[name].append(d.add(t))
+                if got[name][-1][1] is not None:
+                    break
+            got[name].append((d.flush(), None))
+        assert got["fast"] == got["alone"]
+        assert fast.text == alone.text == "".join(delta for delta, _ in got["fast"])
+
+
+def test_a_long_output_with_a_stop_string_streams_whole(tokenizer):
+    """Thousands of tokens with a stop string never there: the deltas, the text held back
+    and the final text all add up to the full decode."""
+    ids = tokenizer.encode(TEXT * 100)
+    d = IncrementalDetokenizer(tokenizer, [], ["never-there"], False, True)
+    deltas = [d.add(t)[0] for t in ids]
+    assert "".join(deltas) + d.flush() == d.text == tokenizer.decode(ids,
+                                                                   skip_special_tokens=True)
