@@ -64,7 +64,9 @@ class CompletionOutput:
         self.text += self.delta_text
         self.token_ids.extend(self.delta_token_ids)
         if self.delta_logprobs is not None:
-            self.logprobs = (self.logprobs or []) + self.delta_logprobs
+            if self.logprobs is None:
+                self.logprobs = []
+            self.logprobs.extend(self.delta_logprobs)  # not a new list a token: linear
             self.cumulative_logprob = (self.cumulative_logprob or 0.0) + sum(
                 lp.logprob for lp in self.delta_logprobs)
         last = outs[-1]
