@@ -227,7 +227,7 @@ class Pipeline:
             traces.end_request(self.tracing, span, jobs, err)
             raise
         if stream:
-            def done() -> None:
+            async def done() -> None:  # on the loop: a sync one would cost a thread hop
                 serving.abort(jobs)
                 traces.end_request(self.tracing, span, jobs)
             updates = coalesced(serving.run(jobs), self.stream_interval)
