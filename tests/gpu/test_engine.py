@@ -130,7 +130,8 @@ def test_async_scheduling_launches_ahead_and_gives_the_synchronous_outputs(tiny_
     assert got[True] == got[False]
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="tensor parallelism needs 2 GPUs")
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < 2,
+                    reason="tensor parallelism needs 2 GPUs")  # no CUDA: conftest's reason
 def test_tp2_launches_ahead_and_gives_the_synchronous_outputs(tiny_model):
     """Two ranks over NCCL, steps launched ahead: rank 0 broadcasts each step's pending
     tokens to the follower on the device (`ahead.fill_pending`); outputs equal the

@@ -43,7 +43,8 @@ def test_step_round_trip_and_stop():
         np.testing.assert_array_equal(getattr(got, name), getattr(msg, name), err_msg=name)
     assert (got.num_decodes, got.block_size) == (2, 16)
     assert [c.tolist() for c in got.logits_calls] == [[2], [2, 3]]
-    batch = got.to_batch(torch.device("cpu"))
+    batch, calls = got.to_device(torch.device("cpu"))
+    assert [c.tolist() for c in calls] == [[2], [2, 3]]  # staged with the batch
     assert batch.layout.num_decodes == 2 and batch.layout.seq_lens == [5, 10, 5]
     assert batch.input_ids.tolist() == msg.input_ids.tolist()
     assert batch.layout.block_tables.tolist() == msg.block_tables.tolist()
@@ -55,7 +56,7 @@ def test_step_round_trip_and_stop():
 
 
 @pytest.mark.parametrize("damage", ["magic", "version", "oversize", "short", "truncated",
-                                    "pending-row"])
+                                    "pending-row", "overflow"])
 def test_bad_frames_are_refused(damage):
     frame = bytearray(step(pending=(0, 7) if damage == "pending-row" else (0,)).encode())
     head = list(_HEADER.unpack(bytes(frame[:_HEADER.size])))
@@ -67,6 +68,8 @@ def test_bad_frames_are_refused(damage):
         head[-1] = MAX_FRAME_INT64S + 1
     elif damage == "short":  # counts need more than the payload holds
         head[3] += 100
+    elif damage == "overflow":  # B * M past int64: refused, not wrapped
+        head[4] = head[5] = 2**40
     frame[:_HEADER.size] = _HEADER.pack(*head)
     if damage == "truncated":
         frame = frame[:-8]

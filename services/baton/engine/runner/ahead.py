@@ -71,9 +71,12 @@ class StepInFlight:
     def result(self) -> StepResult:
         """The step's `StepResult` (waiting for its tokens the first time)."""
         if self._result is None:
-            tokens, lps = read_staged(self.staged) if self.staged is not None else ([], [])
-            if self.on_read is not None:
-                self.on_read()
+            try:
+                tokens, lps = read_staged(self.staged) if self.staged is not None else ([], [])
+            finally:  # read or failed, it is no longer in flight
+                if self.on_read is not None:
+                    self.on_read()
+                    self.on_read = None
             if self.timed is not None and self.on_timed is not None:
                 self.timed[1].synchronize()
                 self.on_timed(self.timed[0].elapsed_time(self.timed[1]) / 1000)
@@ -103,7 +106,7 @@ def fill_pending(batch: FlatBatch, prev: StepInFlight | None, group: TPGroup) ->
         return
     if prev is None or prev.tokens is None:
         raise RuntimeError("a pending input with no step launched before it to take it from")
-    tokens = group.broadcast(prev.tokens.index_select(0, batch.pending_src).contiguous())
+    tokens = group.broadcast(prev.tokens.index_select(0, batch.pending_src))
     batch.input_ids.index_copy_(0, batch.pending_rows, tokens)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -245,9 +246,8 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
-    # Async scheduling (`engine.step_pipeline`): on CUDA a step is launched ahead of the
-    # host (`runner/ahead.py`; tensor-parallel followers get its pending tokens from rank
-    # 0 by broadcast); elsewhere `launch` runs it whole, its pending ids written in first.
+    # Async scheduling (`engine.step_pipeline`): on CUDA a step is launched ahead of the host
+    # (`runner/ahead.py`); elsewhere `launch` runs it whole, its pending ids written in first.
     async_by_default = False
     idle_seconds = None  # not tracked: the device waits on the host whenever it is not stepping
 
@@ -260,9 +260,9 @@ class ModelRunner:
         batch = build_batch(out.rows, block_ids_of, self.block_size, self.device,
                             self.staging, pending=prev.token_index if prev is not None else {})
         t0 = time.perf_counter()
-        if self.tp_leader is not None:  # the followers run it too, watched until it is read
-            self.tp_leader.launch(batch, logits_calls(batch, PROMPT_LOGPROB_ROWS))
-        with torch.inference_mode():
+        followers = nullcontext() if self.tp_leader is None else self.tp_leader.launching(
+            batch, logits_calls(batch, PROMPT_LOGPROB_ROWS))  # watched until it is read
+        with torch.inference_mode(), followers:
             fill_pending(batch, prev, self.tp)
             step = self._launch_step(batch, ahead=True, prev=prev)
         step.on_read = self.tp_leader.landed if self.tp_leader is not None else None

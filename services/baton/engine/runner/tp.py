@@ -216,6 +216,18 @@ class TPLeader:
         self._unread.append(time.monotonic())
         self._step_since = self._unread[0]
 
+    @contextmanager
+    def launching(self, batch: FlatBatch, logits_calls: list[np.ndarray]):
+        """`launch`, then rank 0's part of the step; if that fails to launch, the step is
+        never read: `landed` at once (the engine ends: a tensor-parallel step that fails
+        is fatal)."""
+        self.launch(batch, logits_calls)
+        try:
+            yield
+        except BaseException:
+            self.landed()
+            raise
+
     def landed(self) -> None:
         """The oldest unread step has been read."""
         if self._unread:

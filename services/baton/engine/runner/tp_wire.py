@@ -130,21 +130,26 @@ class StepMessage:
 
     def to_batch(self, device: torch.device, staging: HostStaging | None = None
                  ) -> FlatBatch:
-        """The FlatBatch the forward runs on (no requests: followers never sample), its
-        arrays on the device in one copy through `staging` (the follower's, reused:
-        pinned on CUDA, so the copy queues behind the step in flight instead of waiting
-        for it)."""
+        """The FlatBatch the forward runs on (`to_device`'s)."""
+        return self.to_device(device, staging)[0]
+
+    def to_device(self, device: torch.device, staging: HostStaging | None = None
+                  ) -> tuple[FlatBatch, list[torch.Tensor]]:
+        """The FlatBatch the forward runs on (no requests: followers never sample) and each
+        logits call's rows, on the device in one copy through `staging` (the follower's,
+        reused: pinned on CUDA, so the copy queues behind the step in flight instead of
+        waiting for it, as a copy from pageable memory would)."""
         staging = staging if staging is not None else HostStaging(device)
-        ids, positions, slots, table, pending = staging.pack(HostArrays(
+        ids, positions, slots, table, pending, *calls = staging.pack([*HostArrays(
             self.input_ids, self.positions, self.slot_mapping, self.block_tables,
-            self.pending_rows).parts())
+            self.pending_rows).parts(), *self.logits_calls])
         layout = BatchLayout(
             query_start_loc=self.query_start_loc.tolist(),
             context_lens=self.context_lens.tolist(), seq_lens=self.seq_lens.tolist(),
             num_decodes=self.num_decodes, block_tables=table.view(self.block_tables.shape),
             slot_mapping=slots, block_size=self.block_size)
         return FlatBatch(ids, positions, layout, [], [], [],
-                         pending_rows=pending if len(self.pending_rows) else None)
+                         pending_rows=pending if len(self.pending_rows) else None), calls
 
 
 @dataclass(frozen=True)
@@ -189,7 +194,8 @@ def read_message(stream: BinaryIO) -> StepMessage | Control | None:
     if kind == KIND_CONTROL and 0 <= n <= MAX_FRAME_INT64S and 0 <= T <= 8 * n:
         body = _read_exactly(stream, 8 * n)
         return None if body is None else Control.decode(body[:T])
-    if kind != KIND_STEP or not 0 <= n <= MAX_FRAME_INT64S or min(T, B, M, C, P) < 0:
+    if (kind != KIND_STEP or not 0 <= n <= MAX_FRAME_INT64S or min(T, B, M, C, P) < 0
+            or max(T, B, C, P, B * M) > n):  # each count within the payload: no overflow
         raise TPProtocolError(f"bad frame: kind {kind}, {n} int64s")
     body = _read_exactly(stream, 8 * n)
     if body is None:

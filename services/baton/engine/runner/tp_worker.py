@@ -92,11 +92,10 @@ def serve(runner, steps: BinaryIO, kv=None) -> None:
         if isinstance(msg, Control):
             kv.handle(msg.body)
             continue
-        batch = msg.to_batch(runner.device, staging)
+        batch, calls = msg.to_device(runner.device, staging)
         fill_follower_pending(batch, runner.tp)  # a step launched ahead: rank 0's tokens
         hidden = runner._forward(batch)  # (T, h), this rank's part of every collective
-        for rows in msg.logits_calls:
-            index = torch.from_numpy(rows).to(runner.device)
+        for index in calls:
             runner.model.compute_logits(hidden.index_select(0, index))  # all-gather
 
 
