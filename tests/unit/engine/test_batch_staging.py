@@ -84,7 +84,7 @@ def test_a_followers_step_comes_from_the_host_arrays_never_the_device():
     assert msg.block_tables.tolist() == cpu.layout.block_tables.tolist()
     assert msg.pending_rows.tolist() == cpu.pending_rows.tolist() == [0]
     assert cpu.pending_src.tolist() == [3]
-    follower = msg.to_batch(torch.device("cpu"))
+    follower, _ = msg.to_device(torch.device("cpu"))
     assert follower.input_ids.tolist() == cpu.input_ids.tolist()
     assert follower.pending_rows.tolist() == [0]
     assert follower.layout.block_tables.tolist() == cpu.layout.block_tables.tolist()

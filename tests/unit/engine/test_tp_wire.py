@@ -50,7 +50,7 @@ def test_step_round_trip_and_stop():
     assert batch.layout.block_tables.tolist() == msg.block_tables.tolist()
     assert batch.pending_rows.tolist() == [0, 1]
     plain = read_message(stream)
-    assert plain.logits_calls == [] and plain.to_batch(torch.device("cpu")).pending_rows is None
+    assert plain.logits_calls == [] and plain.to_device(torch.device("cpu"))[0].pending_rows is None
     assert read_message(stream) is None  # the stop frame
     assert read_message(stream) is None  # end of file: rank 0 gone
 

@@ -128,11 +128,6 @@ class StepMessage:
                               payload.size)
         return header + payload.tobytes()
 
-    def to_batch(self, device: torch.device, staging: HostStaging | None = None
-                 ) -> FlatBatch:
-        """The FlatBatch the forward runs on (`to_device`'s)."""
-        return self.to_device(device, staging)[0]
-
     def to_device(self, device: torch.device, staging: HostStaging | None = None
                   ) -> tuple[FlatBatch, list[torch.Tensor]]:
         """The FlatBatch the forward runs on (no requests: followers never sample) and each
