@@ -6,6 +6,7 @@ against the device's copy bandwidth measured in the same run.
         [--contexts 512,2048,8192,32768] [--dtype bfloat16] [--block-size 16]
     python -m benchmarks.gpu_bench engine [--decode-batches 1,32,256] [--prompt-len 128]
         [--max-tokens 128] [--enforce-eager] [--attention-backend triton]
+        [--async-scheduling off|on|both]
     python -m benchmarks.gpu_bench all [--shape tiny] [--json result.json]
 
 What is measured:
@@ -25,7 +26,15 @@ What is measured:
   For each decode batch B: B requests of random prompt ids, prefill untimed until every one
   has its first token, two untimed decode steps, then the decode steps in which all B are
   still running are timed one by one (``step()`` returns host ints, so each step has synced).
-  Output tokens/s = B x steps / time.
+  Output tokens/s = B x steps / time. ``--async-scheduling both`` (the default) times every
+  batch twice on the same engine: synchronous steps, then steps launched ahead of the host
+  (``runner/ahead.py``), whose device time the engine takes from CUDA events ("busy": device
+  time / wall time; in a synchronous row, the share of the wall the host waited on the step).
+  A mode that fails on the device is recorded in its row and the run goes on.
+- the simulated device beside it (``benchmarks/sim_calibration.py``): each row's "sim ms" is
+  the step the bundled profile of this GPU (H200 by name, else H100) models for the same
+  shape, batch and contexts, and the fit over the rows (step time against bytes read) gives
+  the profile's ``memory_bandwidth_gbs`` and ``launch_us`` as this GPU measures them.
 - weight-streaming floor: a batch-1 decode step reads every weight once, so it cannot beat
   weight bytes / copy bandwidth. The copy rate counts read + write bytes; reading the weights
   is that many bytes of traffic, so the floor divides by the same rate (the stricter choice:
@@ -56,6 +65,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from benchmarks.sim_calibration import (
+    calibrate,
+    decode_contexts,
+    modelled_ms,
+    profile_for,
+    step_bytes,
+    with_shape,
+)
 from benchmarks.timing import measure_copy_bandwidth, release, time_calls
 
 GIB = 1 << 30
@@ -225,7 +242,7 @@ def make_engine(args: argparse.Namespace, model_dir: Path, device: torch.device)
         max_num_batched_tokens=args.max_num_batched_tokens, enable_prefix_caching=False,
         num_kv_blocks=max_batch * per_seq + 16, attention_backend=args.attention_backend,
         enforce_eager=args.enforce_eager, seed=args.seed,
-        async_scheduling=args.async_scheduling == "on"))
+        async_scheduling=args.async_scheduling == "on"))  # `both` switches (set_scheduling)
 
 
 def decode_throughput(engine, batch: int, prompt_len: int, max_tokens: int,
@@ -245,18 +262,27 @@ def decode_throughput(engine, batch: int, prompt_len: int, max_tokens: int,
     for _ in range(DECODE_WARMUP_STEPS):
         engine.step()
     times = []
+    timing = engine.timing.snapshot()
     while max(r.num_output_tokens for r in reqs) < max_tokens:  # every request decodes
         t0 = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - t0)
+    device_s = engine.timing.device_s - timing.device_s
+    busy_steps = engine.timing.steps - timing.steps
     while engine.has_unfinished_requests():
         engine.step()
     if not times:
         raise SystemExit(f"no full decode step at batch {batch}: raise --max-tokens "
                          f"(now {max_tokens}) or --max-num-batched-tokens")
+    # Scheduling ahead, the engine times each step on the device (CUDA events); a synchronous
+    # step's "device" time is only what the host waited, so it gives none.
+    ahead = engine.async_scheduling
     return {"batch": batch, "steps": len(times), "step_ms_mean": 1e3 * statistics.mean(times),
             "step_ms_median": 1e3 * statistics.median(times),
-            "output_tok_s": batch * len(times) / sum(times)}
+            "output_tok_s": batch * len(times) / sum(times),
+            "async_scheduling": "on" if ahead else "off",
+            "device_busy": device_s / sum(times),
+            "device_ms": 1e3 * device_s / busy_steps if ahead and busy_steps else None}
 
 
 def weight_bytes(engine) -> int:
@@ -284,9 +310,24 @@ def weight_floor(engine, step_ms: float, batch: int, copy_gbps: float) -> dict:
             "step_over_floor": ratio, "target": FLOOR_TARGET, "met": met}
 
 
+def set_scheduling(engine, mode: str) -> None:
+    """Switch the idle engine between synchronous steps and scheduling ahead (the flag
+    `EngineCore.step` reads each step; nothing else holds it, and an idle engine has no step
+    in flight)."""
+    if engine.has_unfinished_requests():
+        raise RuntimeError("the engine switches scheduling modes only when idle")
+    engine.async_scheduling = mode == "on"
+
+
 def run_engine(args: argparse.Namespace, device: torch.device, shape: ModelShape,
                copy_gbps: float, on_row=lambda rows: None) -> dict:
-    """`on_row(rows)` after each batch is measured (the caller saves what it has so far)."""
+    """`on_row(rows)` after each batch is measured (the caller saves what it has so far).
+    With `--async-scheduling both` every batch runs synchronously, then scheduled ahead;
+    a mode that fails is recorded in its row and the run goes on."""
+    modes = ("off", "on") if args.async_scheduling == "both" else (args.async_scheduling,)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    elem = torch.finfo(DTYPES[args.dtype]).bits // 8
+    sim = with_shape(profile_for(name), shape, elem, elem)
     with tempfile.TemporaryDirectory(prefix="baton-gpu-bench-") as tmp:
         engine = make_engine(args, write_model_dir(shape, Path(tmp), args.tokenizer_dir), device)
     try:
@@ -297,25 +338,62 @@ def run_engine(args: argparse.Namespace, device: torch.device, shape: ModelShape
               f"{shape.hidden_size}, {shape.num_heads} heads, {shape.num_kv_heads} KV heads, "
               f"vocab {shape.vocab_size}), {args.dtype} on {device.type}, random weights; "
               f"attention backend {backend}, CUDA graphs {'on' if graphs else 'off'}")
-        print(f"prompt {args.prompt_len} tokens, {args.max_tokens} output tokens per request")
-        print(f"{'batch':>7}{'steps':>7}{'step ms':>10}{'out tok/s':>12}")
+        print(f"prompt {args.prompt_len} tokens, {args.max_tokens} output tokens per request; "
+              f"sim ms: the {sim.name} profile's model of the same step")
+        print(f"{'batch':>7}{'steps':>7}{'ahead':>7}{'step ms':>10}{'out tok/s':>12}"
+              f"{'busy':>7}{'sim ms':>9}")
         rng = np.random.default_rng(args.seed)
-        rows = []
+        rows: list[dict] = []
         for batch in args.decode_batches:
-            row = decode_throughput(engine, batch, args.prompt_len, args.max_tokens, rng)
-            rows.append(row)
-            on_row(rows)
-            print(f"{batch:>7}{row['steps']:>7}{row['step_ms_mean']:>10.3f}"
-                  f"{row['output_tok_s']:>12.1f}")
-        smallest = min(rows, key=lambda r: r["batch"])
+            for mode in modes:
+                rows.append(measure_row(engine, sim, args, batch, mode, rng))
+                on_row(rows)
+        timed = [r for r in rows if "error" not in r]
+        if not timed:
+            raise SystemExit("no decode batch could be measured: " + rows[0]["error"])
+        smallest = min(timed, key=lambda r: r["batch"])
         floor = weight_floor(engine, smallest["step_ms_median"], smallest["batch"], copy_gbps)
+        calibration = calibrate(sim, timed)
+        print_calibration(calibration)
     finally:
         engine.close()
     return {"shape": dataclasses.asdict(shape), "dtype": args.dtype, "device": device.type,
             "attention_backend": backend, "cuda_graphs": graphs,
             "async_scheduling": args.async_scheduling,
             "prompt_len": args.prompt_len, "max_tokens": args.max_tokens,
-            "batches": rows, "weight_floor": floor}
+            "batches": rows, "weight_floor": floor, "sim": calibration}
+
+
+def measure_row(engine, sim, args: argparse.Namespace, batch: int, mode: str,
+                rng: np.random.Generator) -> dict:
+    """One batch in one scheduling mode, printed, with the profile's modelled step beside it;
+    an error (a mode that fails on this device) becomes the row."""
+    try:
+        set_scheduling(engine, mode)
+        row = decode_throughput(engine, batch, args.prompt_len, args.max_tokens, rng)
+    except Exception as err:  # noqa: BLE001 - reported in the row; the next mode still runs
+        print(f"{batch:>7}{'-':>7}{mode:>7}  failed: {type(err).__name__}: {err}")
+        return {"batch": batch, "async_scheduling": mode,
+                "error": f"{type(err).__name__}: {err}"[:2000]}
+    contexts = decode_contexts(args.prompt_len, DECODE_WARMUP_STEPS + 1, row["steps"])
+    row.update(sim_ms=modelled_ms(sim, batch, contexts),
+               sim_bytes=step_bytes(sim, batch, contexts))
+    row["measured_over_sim"] = row["step_ms_mean"] / row["sim_ms"]
+    print(f"{batch:>7}{row['steps']:>7}{mode:>7}{row['step_ms_mean']:>10.3f}"
+          f"{row['output_tok_s']:>12.1f}{row['device_busy']:>7.3f}{row['sim_ms']:>9.3f}")
+    return row
+
+
+def print_calibration(calibration: dict) -> None:
+    now, fitted = calibration["profile_device"], calibration["fit"]
+    print(f"sim profile {calibration['profile']}: memory_bandwidth_gbs "
+          f"{now['memory_bandwidth_gbs']:g}, launch_us {now['launch_us']:g}; ", end="")
+    if fitted is None:
+        print("no fit (it needs two batch sizes whose time grows with their bytes)")
+    else:
+        print(f"fitted to these steps: memory_bandwidth_gbs {fitted['memory_bandwidth_gbs']:g}, "
+              f"launch_us {fitted['launch_us']:g} (worst residual "
+              f"{100 * fitted['max_relative_residual']:.0f}%)")
 
 
 # -- command line ------------------------------------------------------------------------------
@@ -360,9 +438,10 @@ def build_parser() -> argparse.ArgumentParser:
     e.add_argument("--max-num-batched-tokens", type=int, default=8192)
     e.add_argument("--attention-backend", choices=("auto", "torch", "triton"), default="auto")
     e.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs for decode")
-    e.add_argument("--async-scheduling", choices=("off", "on"), default="off",
+    e.add_argument("--async-scheduling", choices=("off", "on", "both"), default="both",
                    help="launch each step ahead of the host (runner/ahead.py): a step's "
-                        "time is then the wall between steps, host work overlapped")
+                        "time is then the wall between steps, host work overlapped; both: "
+                        "each batch synchronously, then ahead")
     return ap
 
 

@@ -176,7 +176,16 @@ def headline_numbers(pieces: dict) -> dict:
         numbers["batch1_step_over_weight_floor"] = round(floor["step_over_floor"], 2)
         numbers["batch1_step_ms"] = round(floor["step_ms"], 3)
     for row in engine.get("batches", []):
-        numbers[f"decode_tok_s_batch{row['batch']}"] = round(row["output_tok_s"], 1)
+        if "error" in row:
+            mode = "ahead" if row.get("async_scheduling") == "on" else "sync"
+            numbers[f"decode_batch{row['batch']}_{mode}_error"] = row["error"][:200]
+            continue
+        ahead = "_ahead" if row.get("async_scheduling") == "on" else ""
+        numbers[f"decode_tok_s_batch{row['batch']}{ahead}"] = round(row["output_tok_s"], 1)
+        if ahead:
+            numbers[f"device_busy_batch{row['batch']}_ahead"] = round(row["device_busy"], 3)
+    if fitted := engine.get("sim", {}).get("fit"):
+        numbers["sim_profile_fit"] = fitted
     quant = pieces.get("bench_quant", {}).get("results", {}).get("formats", {})
     for fmt in ("w4a16_g128", "fp8_channel", "fp8_block"):
         if ratio := quant.get(fmt, {}).get("1", {}).get("vs_bf16"):

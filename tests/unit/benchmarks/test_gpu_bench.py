@@ -20,7 +20,7 @@ slow = pytest.mark.slow
 
 NUM = r"([0-9][0-9.e+-]*)"
 KERNEL_ROW = re.compile(rf"^\s*(\d+)\s+(\d+)\s+{NUM}\s+{NUM}\s+{NUM}%$")
-ENGINE_ROW = re.compile(rf"^\s*(\d+)\s+(\d+)\s+{NUM}\s+{NUM}$")
+ENGINE_ROW = re.compile(rf"^\s*(\d+)\s+(\d+)\s+(off|on)\s+{NUM}\s+{NUM}\s+{NUM}\s+{NUM}$")
 MAX_TOKENS = 8
 # The four KV sizes are 32, 64, 128 and 256 KiB; the 0.0002 GiB limit (210 KB) skips the last.
 ARGS = ["all", "--device", "cpu", "--shape", "tiny", "--batches", "1,2", "--contexts", "64,256",
@@ -81,13 +81,39 @@ def test_engine_times_only_full_decode_steps(bench):
     engine = results["engine"]
     assert engine["attention_backend"] == "torch" and engine["cuda_graphs"] is False
     assert any("attention backend torch, CUDA graphs off" in ln for ln in lines)
-    table = rows(lines, ENGINE_ROW)
-    assert set(table) == {(1, MAX_TOKENS - 1 - DECODE_WARMUP_STEPS),
-                          (4, MAX_TOKENS - 1 - DECODE_WARMUP_STEPS)}
+    table = {(int(m[1]), int(m[2]), m[3]): [float(v) for v in m.groups()[3:]]
+             for m in map(ENGINE_ROW.match, lines) if m}
+    full = MAX_TOKENS - 1 - DECODE_WARMUP_STEPS
+    # every batch in both modes; scheduling ahead, the last token is pending one step sooner
+    assert set(table) == {(1, full, "off"), (4, full, "off"), (1, full - 1, "on"),
+                          (4, full - 1, "on")}
     assert all(v > 0 for values in table.values() for v in values)
+    assert [(r["batch"], r["async_scheduling"]) for r in engine["batches"]] == [
+        (1, "off"), (1, "on"), (4, "off"), (4, "on")]
     for row in engine["batches"]:
         seconds = row["steps"] * row["step_ms_mean"] / 1e3
         assert row["output_tok_s"] == pytest.approx(row["batch"] * row["steps"] / seconds)
+        assert 0 < row["device_busy"] <= 1
+        # only a step launched ahead is timed on the device
+        assert (row["device_ms"] is not None) == (row["async_scheduling"] == "on")
+
+
+@slow
+def test_engine_rows_carry_the_sim_profiles_model_of_the_same_step(bench):
+    from baton.engine.sim.profile import load_profile
+    from benchmarks.gpu_bench import SHAPES
+    from benchmarks.sim_calibration import modelled_ms, with_shape
+
+    lines, results = bench
+    engine = results["engine"]
+    sim = with_shape(load_profile("h100-llama3-8b"), SHAPES["tiny"], 2, 2)
+    for row in engine["batches"]:
+        contexts = [16 + DECODE_WARMUP_STEPS + k for k in range(row["steps"])]
+        assert row["sim_ms"] == pytest.approx(modelled_ms(sim, row["batch"], contexts))
+        assert row["measured_over_sim"] == pytest.approx(row["step_ms_mean"] / row["sim_ms"])
+    assert engine["sim"]["profile"] == "h100-llama3-8b"
+    assert engine["sim"]["profile_device"]["memory_bandwidth_gbs"] == 2850
+    assert any(ln.startswith("sim profile h100-llama3-8b: memory_bandwidth_gbs 2850") for ln in lines)
 
 
 @slow

@@ -134,7 +134,11 @@ def test_headline_numbers_come_from_the_bench_and_scenarios():
                                       "kernels": {"best_large": {"fraction_of_copy": 0.8123}}}},
         "bench_engine": {"results": {"engine": {
             "weight_floor": {"step_over_floor": 1.234, "step_ms": 6.1},
-            "batches": [{"batch": 1, "output_tok_s": 160.04}]}}},
+            "batches": [{"batch": 1, "output_tok_s": 160.04, "async_scheduling": "off"},
+                        {"batch": 1, "output_tok_s": 170.04, "async_scheduling": "on",
+                         "device_busy": 0.9876},
+                        {"batch": 8, "async_scheduling": "on", "error": "RuntimeError: x"}],
+            "sim": {"fit": {"memory_bandwidth_gbs": 2700.0, "launch_us": 250.0}}}}},
         "bench_quant": {"results": {"formats": {"fp8_channel": {"1": {"vs_bf16": 0.55}},
                                                 "w4a16_g128": {"16": {"vs_bf16": 0.4}}}}},
         "kv_nixl": {"kv_pull": {"gbps": 41.5}},
@@ -142,7 +146,10 @@ def test_headline_numbers_come_from_the_bench_and_scenarios():
     assert headline_numbers(pieces) == {
         "decode_attention_share_of_copy": 0.812, "copy_gbps": 2900.0,
         "batch1_step_over_weight_floor": 1.23, "batch1_step_ms": 6.1,
-        "decode_tok_s_batch1": 160.0, "fp8_channel_batch1_step_vs_bf16": 0.55,
+        "decode_tok_s_batch1": 160.0, "decode_tok_s_batch1_ahead": 170.0,
+        "device_busy_batch1_ahead": 0.988, "decode_batch8_ahead_error": "RuntimeError: x",
+        "sim_profile_fit": {"memory_bandwidth_gbs": 2700.0, "launch_us": 250.0},
+        "fp8_channel_batch1_step_vs_bf16": 0.55,
         "kv_nixl_pull_gbps": 41.5}
 
 
