@@ -27,10 +27,10 @@ What is measured:
   has its first token, two untimed decode steps, then the decode steps in which all B are
   still running are timed one by one (``step()`` returns host ints, so each step has synced).
   Output tokens/s = B x steps / time. ``--async-scheduling both`` (the default) times every
-  batch twice on the same engine: synchronous steps, then steps launched ahead of the host
-  (``runner/ahead.py``), whose device time the engine takes from CUDA events ("busy": device
-  time / wall time; in a synchronous row, the share of the wall the host waited on the step).
-  A mode that fails on the device is recorded in its row and the run goes on.
+  batch twice on the same engine: synchronous steps, then (all batches again) steps launched
+  ahead of the host (``runner/ahead.py``), whose device time the engine takes from CUDA
+  events ("busy": device time / wall time; in a synchronous row, the share of the wall the
+  host waited on the step). A row that fails is recorded as such and the run goes on.
 - the simulated device beside it (``benchmarks/sim_calibration.py``): each row's "sim ms" is
   the step the bundled profile of this GPU (H200 by name, else H100) models for the same
   shape, batch and contexts, and the fit over the rows (step time against bytes read) gives
@@ -322,8 +322,8 @@ def set_scheduling(engine, mode: str) -> None:
 def run_engine(args: argparse.Namespace, device: torch.device, shape: ModelShape,
                copy_gbps: float, on_row=lambda rows: None) -> dict:
     """`on_row(rows)` after each batch is measured (the caller saves what it has so far).
-    With `--async-scheduling both` every batch runs synchronously, then scheduled ahead;
-    a mode that fails is recorded in its row and the run goes on."""
+    With `--async-scheduling both` every batch runs synchronously, then every batch
+    scheduled ahead; a row that fails is recorded as such and the run goes on."""
     modes = ("off", "on") if args.async_scheduling == "both" else (args.async_scheduling,)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     elem = torch.finfo(DTYPES[args.dtype]).bits // 8
@@ -344,8 +344,8 @@ def run_engine(args: argparse.Namespace, device: torch.device, shape: ModelShape
               f"{'busy':>7}{'sim ms':>9}")
         rng = np.random.default_rng(args.seed)
         rows: list[dict] = []
-        for batch in args.decode_batches:
-            for mode in modes:
+        for mode in modes:  # every synchronous row first: a mode that hangs keeps them
+            for batch in args.decode_batches:
                 rows.append(measure_row(engine, sim, args, batch, mode, rng))
                 on_row(rows)
         timed = [r for r in rows if "error" not in r]
