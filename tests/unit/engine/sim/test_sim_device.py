@@ -19,10 +19,13 @@ H100 = load_profile("h100-llama3-8b")
 
 
 def test_bundled_profiles_load_and_bad_ones_are_named(tmp_path):
-    assert {"h100-llama3-8b", "h200-llama3-8b"} <= set(available())
+    assert {"h100-llama3-8b", "h200-llama3-8b", "h100-llama3.2-1b"} <= set(available())
     m = H100.model
     assert m.layer_params + m.head_params + m.vocab_size * m.hidden_size == pytest.approx(
         8.03e9, rel=0.01)  # Llama-3-8B: blocks, lm_head and the embedding
+    small = load_profile("h100-llama3.2-1b").model
+    assert small.layer_params + small.head_params == pytest.approx(
+        1.24e9, rel=0.01)  # Llama-3.2-1B: blocks and the tied embedding
     with pytest.raises(ValueError, match="neither a file nor one of .*h100-llama3-8b"):
         load_profile("a100-nothing")
     bad = tmp_path / "bad.yaml"
