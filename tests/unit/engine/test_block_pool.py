@@ -101,3 +101,41 @@ def test_random_allocations_keep_integrity(ops, caching):
         kv.free(req)
     kv.check_integrity()
     assert kv.num_used_blocks == 0
+
+
+def test_a_block_table_row_follows_its_requests_blocks():
+    """`get_block_ids` reads a row kept between steps: it changes when the request gains a
+    block, and each caller gets a list of its own."""
+    kv = KVCacheManager(8, 4)
+    a = make_request("a", list(range(6)))
+    assert kv.allocate_slots(a, 6) is not None
+    a.num_computed_tokens = 6
+    first = kv.get_block_ids("a")
+    first.append(99)  # the caller's copy
+    assert kv.get_block_ids("a") == first[:2]
+    assert kv.allocate_slots(a, 2) == []  # tokens 6, 7: its last block has room
+    a.num_computed_tokens = 8
+    assert kv.get_block_ids("a") == first[:2]
+    assert len(kv.allocate_slots(a, 1)) == 1  # token 8: a third block
+    row = kv.get_block_ids("a")
+    assert row[:2] == first[:2] and len(row) == 3
+    kv.check_integrity()
+    kv.free(a)
+    assert kv.get_block_ids("a") == []
+    kv.check_integrity()
+
+
+def test_a_window_release_shows_in_the_row_even_when_the_allocation_fails():
+    """A sliding window releases a request's leading blocks before the pool is asked for new
+    ones; with no room the allocation fails, and the row already shows the release."""
+    kv = KVCacheManager(6, 4, sliding_window=4)
+    a = make_request("a", list(range(20)))
+    assert kv.allocate_slots(a, 8) is not None  # blocks 0, 1
+    a.num_computed_tokens = 8
+    b = make_request("b", list(range(100, 116)))
+    assert kv.allocate_slots(b, 16) is not None  # the other four
+    before = kv.get_block_ids("a")
+    # from position 8 a window of 4 sees 5..: block 0 is released, then 3 more are needed
+    assert kv.allocate_slots(a, 12) is None
+    assert kv.get_block_ids("a") == [before[1], before[1]]
+    kv.check_integrity()

@@ -40,6 +40,10 @@ class KVCacheManager:
         # Each request's blocks by position; None where a block fell out of the window and
         # was released (always a leading run).
         self._blocks: dict[str, list[KVBlock | None]] = {}
+        # Each request's block table row (`get_block_ids`), rebuilt only when its blocks
+        # change: a decode step in its last block reads it as it was (a step of a large
+        # batch read every request's row, block by block, each step).
+        self._rows: dict[str, list[int]] = {}
         self._num_hashed: dict[str, int] = {}  # blocks of the request already cached by hash
 
     # -- queries ---------------------------------------------------------------------------
@@ -65,9 +69,13 @@ class KVCacheManager:
     def get_block_ids(self, request_id: str) -> list[int]:
         """The request's block table row; released positions hold its first live block
         (its own finite KV, which the window hides), block 0 if it has none."""
-        blocks = self._blocks.get(request_id, ())
-        live = next((b.block_id for b in blocks if b is not None), 0)
-        return [live if b is None else b.block_id for b in blocks]
+        row = self._rows.get(request_id)
+        if row is None:
+            blocks = self._blocks.get(request_id)
+            if blocks is None:
+                return []
+            row = self._rows[request_id] = _row(blocks)
+        return list(row)  # the caller's own: a transfer may keep it
 
     def num_held_blocks(self, request_id: str) -> int:
         """Blocks the request holds now (released ones not counted)."""
@@ -113,6 +121,7 @@ class KVCacheManager:
         num_new_blocks = self.blocks_for(total_tokens) - len(held) - len(computed)
         out_of_window = self._num_out_of_window(request, num_computed)
         self._release_before(held, out_of_window)
+        self._rows.pop(request.request_id, None)  # its row changes (a release, or blocks added)
         skipped = min(len(computed), max(0, out_of_window - len(held)))  # hits never taken
         taken = computed[skipped:]
         reclaimed = sum(1 for b in taken if b.ref_cnt == 0)
@@ -135,6 +144,7 @@ class KVCacheManager:
     def free(self, request: Request) -> None:
         """Release every block the request holds (tail first, so heads stay cached longer)."""
         blocks = self._blocks.pop(request.request_id, None)
+        self._rows.pop(request.request_id, None)
         self._num_hashed.pop(request.request_id, None)
         if blocks:
             self.pool.free([b for b in reversed(blocks) if b is not None])
@@ -222,3 +232,13 @@ class KVCacheManager:
                                    f"{refs.get(b.block_id, 0)} times")
         if used != len(refs):
             raise RuntimeError(f"{used} blocks marked used but {len(refs)} held by requests")
+        for rid, row in self._rows.items():
+            if rid not in self._blocks or row != _row(self._blocks[rid]):
+                raise RuntimeError(f"request {rid}'s block table row {row} is stale")
+
+
+def _row(blocks) -> list[int]:
+    """A block table row: each block's id, a released place its first live block's (block 0
+    when none is live)."""
+    live = next((b.block_id for b in blocks if b is not None), 0)
+    return [live if b is None else b.block_id for b in blocks]

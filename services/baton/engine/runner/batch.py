@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from itertools import chain
 
 import numpy as np
 import torch
@@ -84,66 +85,105 @@ def build_batch(scheduled: list[ScheduledRequest], block_ids_of: Callable[[str],
     entries = sorted(scheduled, key=lambda s: (s.num_new_tokens != 1 and not s.spec_token_ids,
                                                -s.request.num_computed_tokens))
     pieces = _pieces(entries)
-    num_decodes = sum(1 for _, _, n in pieces if n == 1)
-    tokens: list[int] = []
-    # One-token rows' positions and slots as ints (cheaper than an array each), chunks' arrays
-    positions: list[int] = []
-    slots: list[int] = []
-    chunk_positions: list[np.ndarray] = []
-    chunk_slots: list[np.ndarray] = []
-    qsl, ctx_lens, seq_lens, tables = [0], [], [], []
-    row_of: dict[tuple[int, int], int] = {}  # (entry, position) -> its batch row
-    spans: list[PromptLogprobSpan] = []
-    targets: list[np.ndarray] = []
+    num_decodes = sum(1 for _, _, n in pieces if n == 1)  # the one-token rows, first
+    g = _Rows()
     for s, start, count in pieces:
-        end = start + count
-        blocks = block_ids_of(s.request.request_id)
-        tokens.extend(s.input_ids(start, end))
-        if count == 1:
-            positions.append(start)
-            slots.append(blocks[start // block_size] * block_size + start % block_size
-                         if s.writes_kv else -1)  # -1: no KV write
-        else:
-            chunk = np.arange(start, end, dtype=np.int64)
-            chunk_positions.append(chunk)
-            chunk_slots.append(_slots(blocks, chunk, block_size) if s.writes_kv
-                               else np.full(count, -1, np.int64))
-        row_of[(id(s), end - 1)] = qsl[-1] + count - 1
-        qsl.append(qsl[-1] + count)
-        ctx_lens.append(start)
-        seq_lens.append(end)
-        tables.append(blocks)
-        if s.writes_kv and s.request.prompt_logprobs is not None:
-            _add_span(spans, targets, s.request, start, end, qsl[-2])
-    sampling = [s for s in entries if s.samples]
-    logits_indices = [row_of[(id(s), p)] for s in sampling for p in _sampled_positions(s)]
-    table = _block_table(tables)
+        g.add(s, start, count, block_ids_of(s.request.request_id), block_size)
+    sampling, logits_indices = _sampling_rows(entries, g.last_row, g.row_of)
+    table = _block_table(g.tables)
+    # the one-token rows' positions and slots, for all of them at once
+    positions = np.asarray(g.ctx_lens[:num_decodes], dtype=np.int64)
+    slots = (table[np.arange(num_decodes), positions // block_size] * block_size
+             + positions % block_size)
+    slots[g.no_kv] = -1  # no KV write
+    qsl, targets = g.qsl, g.targets
     pending_rows, pending_src = _pending_inputs(pieces, qsl, pending)
-    host = HostArrays(np.asarray(tokens, np.int64), _joined(positions, chunk_positions),
-                      _joined(slots, chunk_slots), table, np.asarray(pending_rows, np.int64))
+    host = HostArrays(np.asarray(g.tokens, np.int64),
+                      np.concatenate([positions, *g.chunk_positions]),
+                      np.concatenate([slots, *g.chunk_slots]), table,
+                      np.asarray(pending_rows, np.int64))
     ids, pos, slot_mapping, flat_table, p_rows, rows, prompt_targets, p_src = (
         staging or HostStaging(device)).pack(
         [*host.parts(), logits_indices, np.concatenate(targets) if targets else [], pending_src])
     layout = BatchLayout(
-        query_start_loc=qsl, context_lens=ctx_lens, seq_lens=seq_lens, num_decodes=num_decodes,
+        query_start_loc=qsl, context_lens=g.ctx_lens, seq_lens=g.seq_lens,
+        num_decodes=num_decodes,
         block_tables=flat_table.view(table.shape), slot_mapping=slot_mapping,
         block_size=block_size)
     return FlatBatch(
         input_ids=ids, positions=pos, layout=layout, entries=entries,
-        logits_indices=logits_indices, sampling_entries=sampling, prompt_logprob_spans=spans,
+        logits_indices=logits_indices, sampling_entries=sampling, prompt_logprob_spans=g.spans,
         logits_rows=rows, prompt_targets=prompt_targets, host=host,
         pending_rows=p_rows if pending_rows else None, pending_src=p_src if pending_rows else None)
 
 
-def _joined(ints: list[int], arrays: list[np.ndarray]) -> np.ndarray:
-    """One-token rows' values (ints), then the chunks' (arrays), as one int64 array."""
-    return np.concatenate([np.asarray(ints, np.int64), *arrays])
+@dataclass
+class _Rows:
+    """What `build_batch` gathers piece by piece (`_pieces`' order): token ids, the chunks'
+    positions and slots (one-token rows' are computed at once, from `ctx_lens` and the
+    table), query start offsets, context and sequence lengths, block table rows, and where
+    each entry's tokens land."""
+
+    tokens: list[int] = field(default_factory=list)
+    chunk_positions: list[np.ndarray] = field(default_factory=list)
+    chunk_slots: list[np.ndarray] = field(default_factory=list)
+    qsl: list[int] = field(default_factory=lambda: [0])
+    ctx_lens: list[int] = field(default_factory=list)
+    seq_lens: list[int] = field(default_factory=list)
+    tables: list[list[int]] = field(default_factory=list)
+    no_kv: list[int] = field(default_factory=list)  # one-token rows writing no KV (padding)
+    last_row: dict[int, int] = field(default_factory=dict)  # entry of one piece -> last row
+    row_of: dict[tuple[int, int], int] = field(default_factory=dict)  # verifying (entry, pos)
+    spans: list[PromptLogprobSpan] = field(default_factory=list)
+    targets: list[np.ndarray] = field(default_factory=list)
+
+    def add(self, s: ScheduledRequest, start: int, count: int, blocks: list[int],
+            block_size: int) -> None:
+        """The piece of `s` feeding positions [start, start + count)."""
+        end = start + count
+        self.tokens.extend(s.input_ids(start, end))
+        if count == 1:
+            if not s.writes_kv:
+                self.no_kv.append(len(self.ctx_lens))
+        else:
+            chunk = np.arange(start, end, dtype=np.int64)
+            self.chunk_positions.append(chunk)
+            self.chunk_slots.append(_slots(blocks, chunk, block_size) if s.writes_kv
+                                    else np.full(count, -1, np.int64))
+        row = self.qsl[-1] + count - 1
+        if s.spec_token_ids:
+            self.row_of[(id(s), end - 1)] = row
+        else:
+            self.last_row[id(s)] = row
+        self.qsl.append(row + 1)
+        self.ctx_lens.append(start)
+        self.seq_lens.append(end)
+        self.tables.append(blocks)
+        if s.writes_kv and s.request.prompt_logprobs is not None:
+            _add_span(self.spans, self.targets, s.request, start, end, self.qsl[-2])
 
 
-def _sampled_positions(s: ScheduledRequest) -> range:
-    """The positions of a sampling row whose logits are sampled: its last, or with guesses
-    its last 1 + k."""
-    return range(s.start + s.num_new_tokens - s.num_sampled, s.start + s.num_new_tokens)
+def _sampling_rows(entries: list[ScheduledRequest], last_row: dict[int, int],
+                   row_of: dict[tuple[int, int], int]) -> tuple[list[ScheduledRequest], list[int]]:
+    """The entries that sample, in order, and the batch rows of their sampled logits: an
+    entry's last position, or with guesses its last 1 + k (`last_row`: the row of the last
+    token of each entry of one piece; `row_of`: a verifying entry's rows by position)."""
+    sampling: list[ScheduledRequest] = []
+    rows: list[int] = []
+    for s in entries:
+        k = s.num_sampled
+        if not k:
+            continue
+        sampling.append(s)
+        last = last_row.get(id(s))
+        if last is None:  # one piece a row: by position
+            end = s.start + s.num_new_tokens
+            rows.extend(row_of[(id(s), p)] for p in range(end - k, end))
+        elif k == 1:
+            rows.append(last)
+        else:
+            rows.extend(range(last - k + 1, last + 1))
+    return sampling, rows
 
 
 def _pending_inputs(pieces: list[tuple[ScheduledRequest, int, int]], qsl: list[int],
@@ -156,8 +196,11 @@ def _pending_inputs(pieces: list[tuple[ScheduledRequest, int, int]], qsl: list[i
         return rows, src
     for (s, start, count), first_row in zip(pieces, qsl):
         req = s.request
-        if req.num_pending and start + count > req.num_known_tokens:
-            rows.append(first_row + req.num_known_tokens - start)
+        if not req.num_pending:
+            continue
+        known = len(req.prompt_token_ids) + len(req.output_token_ids) - req.num_pending
+        if start + count > known:
+            rows.append(first_row + known - start)
             src.append(pending[req.request_id])
     return rows, src
 
@@ -192,10 +235,12 @@ def _slots(blocks: list[int], pos: np.ndarray, block_size: int) -> np.ndarray:
 
 
 def _block_table(tables: list[list[int]]) -> np.ndarray:
-    """(B, max blocks) int64, rows padded with block 0."""
-    table = np.zeros((len(tables), max(len(t) for t in tables)), dtype=np.int64)
-    for i, t in enumerate(tables):
-        table[i, :len(t)] = t
+    """(B, max blocks) int64, rows padded with block 0 (filled in one masked write, not a
+    write per row: a large batch's rows cost more written one by one than built)."""
+    lengths = np.fromiter(map(len, tables), np.int64, len(tables))
+    table = np.zeros((len(tables), int(lengths.max())), dtype=np.int64)
+    flat = np.fromiter(chain.from_iterable(tables), np.int64, int(lengths.sum()))
+    table[np.arange(table.shape[1]) < lengths[:, None]] = flat  # row by row, in order
     return table
 
 

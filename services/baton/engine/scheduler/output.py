@@ -31,6 +31,8 @@ class ScheduledRequest:
 
     def input_ids(self, start: int, end: int) -> list[int]:
         """Its token ids at positions [start, end): known tokens, then guesses."""
+        if not self.spec_token_ids:  # a row without guesses feeds known tokens only
+            return self.request.token_ids(start, end)
         known = self.request.num_tokens
         ids = self.request.token_ids(start, min(end, known)) if start < known else []
         if end > known:

@@ -1,8 +1,9 @@
 """`SimRunner`: the model runner's interface (`execute`, the KV pool's size, the model's
-config) over a simulated device. A step's time is modelled from its real rows
-(`roofline.step_seconds`), launched, and waited for only when its tokens are read; the
-tokens are drawn from a seeded generator over the tokenizer's vocabulary, never EOS, so each
-request runs to its `max_tokens` (or a stop string its nonsense happens to contain).
+config) over a simulated device. The host builds each step's batch as the model runner
+does, and the step's time is modelled from that batch's rows (`roofline.layout_seconds`),
+launched, and waited for only when its tokens are read; the tokens are drawn from a seeded
+generator over the tokenizer's vocabulary, never EOS, so each request runs to its
+`max_tokens` (or a stop string its nonsense happens to contain).
 Guesses (`engine.spec`) are verified as rows and always rejected; no logprobs are produced.
 
 The tokenizer (and its vocabulary, EOS, chat template) is the checkpoint's `--model` (the
@@ -15,15 +16,21 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
+import torch
+
 from baton.engine.distributed import TPGroup
 from baton.engine.models.config import ModelConfig
+from baton.engine.runner.batch import build_batch
 from baton.engine.runner.step_result import StepResult
 from baton.engine.sampler import Sampler
 from baton.engine.scheduler.output import SchedulerOutput
 from baton.engine.sim.device import SimDevice
 from baton.engine.sim.profile import load_profile
-from baton.engine.sim.roofline import StepRow, step_seconds
+from baton.engine.sim.roofline import layout_seconds
 from baton.engine.spec.rejection import RejectionSampler
+from baton.engine.staging import HostStaging
+
+_HOST = torch.device("cpu")  # the batch is built on the host; the simulated device has none
 
 
 class SimStep:
@@ -66,6 +73,8 @@ class SimRunner:
         self.sampler = Sampler(config.compute.seed)  # the engine releases requests' state
         self.rejection = RejectionSampler(config.compute.seed)
         self._rng = random.Random(config.compute.seed)
+        self._staging = HostStaging(_HOST)
+        self._token_index: dict[str, int] = {}  # the last step's sampled rows, by request
         eos = set(self.model_config.eos_token_ids)
         self._vocab = self.model_config.vocab_size
         self._eos = eos
@@ -76,14 +85,19 @@ class SimRunner:
 
     def launch(self, out: SchedulerOutput, block_ids_of, since: float | None = None
                ) -> SimStep:
-        """Queue the step on the simulated device (`since`: `SimDevice.launch`); its tokens
-        are drawn when read."""
-        rows = [StepRow(s.num_new_tokens, s.request.num_computed_tokens, s.num_sampled)
-                for s in out.scheduled]
+        """Build the step's batch on the host as the model runner does (`build_batch`: the
+        token ids, positions, slots, block table and the pending tokens' rows, packed into
+        one buffer; on CUDA that buffer is pinned and copied), then queue the step its
+        layout models on the simulated device (`since`: `SimDevice.launch`); its tokens are
+        drawn when read."""
+        batch = build_batch(out.rows, block_ids_of, self.block_size, _HOST, self._staging,
+                            pending=self._token_index)
         rows_sampled = [(s.request.request_id, len(s.spec_token_ids))
-                        for s in out.scheduled if s.num_sampled]  # read now: they move on
-        return SimStep(self, rows_sampled,
-                       self.device.launch(step_seconds(self.profile, rows), since))
+                        for s in batch.sampling_entries]  # read now: they move on
+        self._token_index = {rid: i for i, (rid, _) in enumerate(rows_sampled)}
+        seconds = layout_seconds(self.profile, batch.layout.context_lens,
+                                 batch.layout.seq_lens, len(batch.logits_indices))
+        return SimStep(self, rows_sampled, self.device.launch(seconds, since))
 
     def execute(self, out: SchedulerOutput, block_ids_of) -> StepResult:
         return self.launch(out, block_ids_of).result()
@@ -121,6 +135,4 @@ class SimRunner:
 
 def _stand_in_cache(num_blocks: int, block_size: int):
     """(layers, K/V, blocks, block_size, KV heads, head dim) = (1, 2, N, B, 1, 8) bf16."""
-    import torch  # only a disaggregated simulated engine holds one
-
     return torch.zeros(1, 2, num_blocks, block_size, 1, 8, dtype=torch.bfloat16)
