@@ -216,7 +216,7 @@ class EngineCore:
             return outputs
         self.stats.count(sched)
         try:
-            result = self.runner.execute(sched, self.kv.get_block_ids)
+            result = self.runner.execute(sched, self.kv.block_row)
         except Exception as err:  # noqa: BLE001 - whose fault it is decides what ends
             return outputs + self._step_failed(sched, err)
         self._failed_steps = 0
@@ -241,7 +241,7 @@ class EngineCore:
         try:
             # the device's wait counts from its last step's end if one was in flight when
             # this call began (the host owed it the next), else from the call's start
-            handle = self.runner.launch(sched, self.kv.get_block_ids,
+            handle = self.runner.launch(sched, self.kv.block_row,
                                         since=0.0 if prev is not None else self._step_t0)
         except Exception as err:  # noqa: BLE001 - as in a synchronous step
             return (outputs + (self._read(prev) if prev is not None else [])

@@ -112,7 +112,8 @@ def test_a_block_table_row_follows_its_requests_blocks():
     a.num_computed_tokens = 6
     first = kv.get_block_ids("a")
     first.append(99)  # the caller's copy
-    assert kv.get_block_ids("a") == first[:2]
+    assert kv.get_block_ids("a") == first[:2] == kv.block_row("a")
+    assert kv.block_row("a") is kv.block_row("a")  # the batch builder's: no copy
     assert kv.allocate_slots(a, 2) == []  # tokens 6, 7: its last block has room
     a.num_computed_tokens = 8
     assert kv.get_block_ids("a") == first[:2]

@@ -69,13 +69,18 @@ class KVCacheManager:
     def get_block_ids(self, request_id: str) -> list[int]:
         """The request's block table row; released positions hold its first live block
         (its own finite KV, which the window hides), block 0 if it has none."""
+        return list(self.block_row(request_id))  # the caller's own: a transfer may keep it
+
+    def block_row(self, request_id: str) -> list[int]:
+        """`get_block_ids` without the copy, for the batch builder: the row itself, to read
+        at once, never to keep or change."""
         row = self._rows.get(request_id)
         if row is None:
             blocks = self._blocks.get(request_id)
             if blocks is None:
                 return []
             row = self._rows[request_id] = _row(blocks)
-        return list(row)  # the caller's own: a transfer may keep it
+        return row
 
     def num_held_blocks(self, request_id: str) -> int:
         """Blocks the request holds now (released ones not counted)."""
