@@ -125,3 +125,21 @@ def test_on_cuda_one_pinned_buffer_is_reused_and_grows():
     assert staging._pinned.numel() >= 10_000
     assert a.tolist() == list(range(10)) and b.tolist() == list(range(5, 15))
     assert c.tolist() == list(range(10_000))
+
+
+def test_a_one_token_row_that_writes_no_kv_needs_no_block_there():
+    """Slots of one-token rows are computed for all of them at once from the block table; a
+    row that writes no KV (a static batch's padding) gets -1 even where its request holds no
+    block at its position."""
+    from baton.engine.scheduler.static import PaddingRow
+
+    rows, blocks = make_rows()
+    done = Request("done", list(range(40)), SamplingParams(), max_tokens=8)
+    done.num_computed_tokens = 30  # re-fed at position 29, far past its one block
+    blocks["done"] = [11]
+    batch = build_batch([*rows, PaddingRow(done, 1)], blocks.__getitem__, BLOCK,
+                        torch.device("cpu"))
+    # decodes first, longest context first: the padding row (29), r0 (9), r1 (6), r2's chunk
+    assert batch.positions.tolist() == [29, 9, 6, 4, 5, 6, 7, 8, 9]
+    assert batch.layout.slot_mapping.tolist() == [-1, 9, 18, 28, 29, 30, 31, 32, 33]
+    assert batch.logits_indices == [1, 2, 8]  # the padding row samples nothing

@@ -91,11 +91,8 @@ def build_batch(scheduled: list[ScheduledRequest], block_ids_of: Callable[[str],
         g.add(s, start, count, block_ids_of(s.request.request_id), block_size)
     sampling, logits_indices = _sampling_rows(entries, g.last_row, g.row_of)
     table = _block_table(g.tables)
-    # the one-token rows' positions and slots, for all of them at once
-    positions = np.asarray(g.ctx_lens[:num_decodes], dtype=np.int64)
-    slots = (table[np.arange(num_decodes), positions // block_size] * block_size
-             + positions % block_size)
-    slots[g.no_kv] = -1  # no KV write
+    positions = np.asarray(g.ctx_lens[:num_decodes], dtype=np.int64)  # one-token rows'
+    slots = _one_token_slots(table, positions, g.no_kv, block_size)
     qsl, targets = g.qsl, g.targets
     pending_rows, pending_src = _pending_inputs(pieces, qsl, pending)
     host = HostArrays(np.asarray(g.tokens, np.int64),
@@ -161,6 +158,19 @@ class _Rows:
         self.tables.append(blocks)
         if s.writes_kv and s.request.prompt_logprobs is not None:
             _add_span(self.spans, self.targets, s.request, start, end, self.qsl[-2])
+
+
+def _one_token_slots(table: np.ndarray, positions: np.ndarray, no_kv: list[int],
+                     block_size: int) -> np.ndarray:
+    """The cache slot of each one-token row i (`table` row i, at positions[i]), all at once;
+    -1 for the rows in `no_kv`, which write no KV (and need hold no block there)."""
+    rows = np.arange(len(positions))
+    if no_kv:
+        rows = np.delete(rows, no_kv)
+    at = positions[rows]
+    slots = np.full(len(positions), -1, dtype=np.int64)
+    slots[rows] = table[rows, at // block_size] * block_size + at % block_size
+    return slots
 
 
 def _sampling_rows(entries: list[ScheduledRequest], last_row: dict[int, int],
