@@ -208,7 +208,7 @@ def _pending_inputs(pieces: list[tuple[ScheduledRequest, int, int]], qsl: list[i
         req = s.request
         if not req.num_pending:
             continue
-        known = len(req.prompt_token_ids) + len(req.output_token_ids) - req.num_pending
+        known = req.num_known_tokens
         if start + count > known:
             rows.append(first_row + known - start)
             src.append(pending[req.request_id])
