@@ -1,9 +1,9 @@
 """reshape_and_cache: scatter new keys/values into the paged KV cache (Triton).
 
-An FP8 cache stores x / scale saturated to the format's largest value. The kernel rounds to
-the format's grid itself (nearest, ties to even) before the cast, so the cast is exact:
-Triton's interpreter rounds some values wrongly across a power of two, and the cache is
-written as bytes (its FP8 stores are unreliable too). The token tile is fixed by the cache's
+An FP8 cache stores x / scale saturated to the format's largest value. The kernel builds the
+format's bytes itself (rounded to nearest, ties to even, bit-exact against torch's cast,
+the sign of a zero kept) and writes the cache as bytes: Triton's interpreter rounds some
+values wrongly across a power of two in its cast, and its FP8 stores are unreliable. The token tile is fixed by the cache's
 shape, not the step's token count, so one compiled variant serves every step (`_variants`)."""
 
 from __future__ import annotations
@@ -23,21 +23,29 @@ from baton_kernels._common import (
 )
 from baton_kernels._variants import jit
 
-# FP8 dtype -> (Triton type, mantissa bits, smallest normal exponent)
-_FP8 = {torch.float8_e4m3fn: (tl.float8e4nv, 3, -6), torch.float8_e5m2: (tl.float8e5, 2, -14)}
+# FP8 dtype -> (mantissa bits, smallest normal exponent)
+_FP8 = {torch.float8_e4m3fn: (3, -6), torch.float8_e5m2: (2, -14)}
 
 
 @triton.jit
-def _to_fp8_bytes(x, scale, fp8_max, FP8_TYPE: tl.constexpr, MANTISSA: tl.constexpr,
-                  MIN_EXP: tl.constexpr):
-    """x / scale, saturated and rounded to the FP8 grid, as the format's bytes."""
-    x = tl.minimum(tl.maximum(x.to(tl.float32) / scale, -fp8_max), fp8_max)
-    exp = ((x.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127
+def _to_fp8_bytes(x, scale, fp8_max, MANTISSA: tl.constexpr, MIN_EXP: tl.constexpr):
+    """x / scale (IEEE division, as torch's), saturated and rounded to the FP8 grid (nearest,
+    ties to even), as the format's bytes, put together from the bits: sign, then the count
+    of the value's quanta over its exponent's first (so a rounding up to the next power of
+    two carries into the exponent). No float-to-FP8 cast: the interpreter's rounds some
+    values wrongly, and a value that rounds to zero keeps its sign (-0, as torch gives)."""
+    x = tl.math.div_rn(x.to(tl.float32), scale)
+    nan = x != x
+    x = tl.minimum(tl.maximum(x, -fp8_max), fp8_max)
+    bits = x.to(tl.int32, bitcast=True)
+    exp = ((bits >> 23) & 0xFF) - 127
     exp = tl.maximum(exp, MIN_EXP)  # subnormals share the smallest normal's quantum
-    quantum = ((exp - MANTISSA + 127) << 23).to(tl.float32, bitcast=True)
-    y = x / quantum  # exact (a power of two), |y| < 2^(MANTISSA + 1)
+    per_quantum = ((127 + MANTISSA - exp) << 23).to(tl.float32, bitcast=True)
+    y = tl.abs(x) * per_quantum  # exact (a power of two), < 2^(MANTISSA + 1)
     y = (y + 12582912.0) - 12582912.0  # round to nearest even (1.5 * 2^23)
-    return (y * quantum).to(FP8_TYPE).to(tl.uint8, bitcast=True)
+    magnitude = ((exp - MIN_EXP) << MANTISSA) + y.to(tl.int32)
+    magnitude = tl.where(nan, 0x7F, magnitude)
+    return (magnitude | ((bits >> 24) & 0x80)).to(tl.uint8)
 
 
 @jit(dynamic=("num_tokens",), unaligned=("slot_ptr",))
@@ -48,7 +56,7 @@ def reshape_and_cache_kernel(
     stride_cb, stride_cs, stride_ch, k_scale, v_scale, fp8_max,
     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_HD: tl.constexpr,
-    FP8: tl.constexpr, FP8_TYPE: tl.constexpr, MANTISSA: tl.constexpr, MIN_EXP: tl.constexpr,
+    FP8: tl.constexpr, MANTISSA: tl.constexpr, MIN_EXP: tl.constexpr,
 ):
     """Each program copies BLOCK_T tokens; a row is all KV heads of one token (flattened)."""
     offs_t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
@@ -70,8 +78,8 @@ def reshape_and_cache_kernel(
     dst = (block[:, None] * stride_cb + offset[:, None] * stride_cs
            + head[None, :] * stride_ch + dim[None, :])
     if FP8:  # caches passed as their bytes
-        k = _to_fp8_bytes(k, k_scale, fp8_max, FP8_TYPE, MANTISSA, MIN_EXP)
-        v = _to_fp8_bytes(v, v_scale, fp8_max, FP8_TYPE, MANTISSA, MIN_EXP)
+        k = _to_fp8_bytes(k, k_scale, fp8_max, MANTISSA, MIN_EXP)
+        v = _to_fp8_bytes(v, v_scale, fp8_max, MANTISSA, MIN_EXP)
     tl.store(k_cache_ptr + dst, k, mask=mask)
     tl.store(v_cache_ptr + dst, v, mask=mask)
 
@@ -117,7 +125,7 @@ def reshape_and_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
     budget = 1 << 16 if interpreting() else 4096
     block_t = max(1, budget // block_hd)
     grid = (triton.cdiv(num_tokens, block_t),)
-    fp8_type, mantissa, min_exp = _FP8.get(k_cache.dtype, (tl.float8e4nv, 0, 0))
+    mantissa, min_exp = _FP8.get(k_cache.dtype, (0, 0))
     reshape_and_cache_kernel[grid](
         k, v, k_cache.view(torch.uint8) if fp8 else k_cache,
         v_cache.view(torch.uint8) if fp8 else v_cache, slot_mapping,
@@ -126,5 +134,5 @@ def reshape_and_cache(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         float(k_scale), float(v_scale), torch.finfo(k_cache.dtype).max if fp8 else 0.0,
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_T=block_t, BLOCK_HD=block_hd,
-        FP8=fp8, FP8_TYPE=fp8_type, MANTISSA=mantissa, MIN_EXP=min_exp, num_warps=4,
+        FP8=fp8, MANTISSA=mantissa, MIN_EXP=min_exp, num_warps=4,
     )

@@ -26,8 +26,9 @@ FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
 def test_reshape_and_cache_writes_like_the_reference(cuda, cache_dtype):
     gen = torch.Generator().manual_seed(0)
     num_blocks, bs, tokens = 64, 16, 700
-    k = torch.randn(tokens, KVH, D, generator=gen).to(torch.bfloat16)
-    v = torch.randn(tokens, KVH, D, generator=gen).to(torch.bfloat16)
+    dtype = torch.bfloat16 if cache_dtype in FP8 else cache_dtype  # the model's K/V dtype
+    k = torch.randn(tokens, KVH, D, generator=gen).to(dtype)
+    v = torch.randn(tokens, KVH, D, generator=gen).to(dtype)
     slots = torch.randperm(num_blocks * bs, generator=gen)[:tokens]
     slots[::7] = -1  # padding rows are skipped
     k_ref = torch.zeros(num_blocks, bs, KVH, D, dtype=cache_dtype)

@@ -10,7 +10,6 @@ import sys
 if os.environ.get("TRITON_INTERPRET"):
     sys.exit("compile_check must run without TRITON_INTERPRET")
 
-import triton.language as tl  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource, compile  # noqa: E402
 
@@ -41,8 +40,8 @@ def pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-# FP8 cache dtype -> (its Triton type, mantissa bits, smallest normal exponent)
-FP8 = {"fp8e4nv": (tl.float8e4nv, 3, -6), "fp8e5": (tl.float8e5, 2, -14)}
+# FP8 cache dtype -> (mantissa bits, smallest normal exponent)
+FP8 = {"fp8e4nv": (3, -6), "fp8e5": (2, -14)}
 
 
 def cases(dtype: str, head_dim: int, group: int, block_size: int, softcap: bool = False,
@@ -56,13 +55,13 @@ def cases(dtype: str, head_dim: int, group: int, block_size: int, softcap: bool 
     block_d = max(16, pow2(head_dim))
     dot_fp32 = dtype == "fp32"
     kvh = 2
-    fp8_type, mantissa, min_exp = FP8.get(cache, (tl.float8e4nv, 0, 0))
+    mantissa, min_exp = FP8.get(cache, (0, 0))
     yield reshape_and_cache_kernel, {
         "k_ptr": ptr, "v_ptr": ptr, "k_cache_ptr": "*u8" if cache else ptr,
         "v_cache_ptr": "*u8" if cache else ptr, "slot_ptr": "*i64", "k_scale": "fp32",
         "v_scale": "fp32", "fp8_max": "fp32",
     }, dict(NUM_KV_HEADS=kvh, HEAD_DIM=head_dim, BLOCK_T=max(1, 4096 // pow2(kvh * head_dim)),
-            BLOCK_HD=pow2(kvh * head_dim), FP8=cache is not None, FP8_TYPE=fp8_type,
+            BLOCK_HD=pow2(kvh * head_dim), FP8=cache is not None,
             MANTISSA=mantissa, MIN_EXP=min_exp)
     yield paged_decode_split_kernel, {
         "q_ptr": ptr, "k_cache_ptr": cptr, "v_cache_ptr": cptr, "block_tables_ptr": "*i32",

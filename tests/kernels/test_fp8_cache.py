@@ -43,6 +43,26 @@ def test_write_quantises_like_the_reference(device, cache_dtype, dtype):
     assert torch.equal(v_out.cpu().view(torch.uint8), v_ref.view(torch.uint8))
 
 
+@pytest.mark.parametrize("cache_dtype", FP8)
+def test_every_bf16_value_is_written_as_torch_casts_it(device, cache_dtype):
+    """All 65,536 bf16 bit patterns (both zeros, subnormals, infinities, NaNs) by a scale
+    that is not a power of two: the bytes equal torch's (a value that rounds to zero keeps
+    its sign; a NaN stays a NaN)."""
+    values = torch.arange(-32768, 32768, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    k = values.reshape(256, 2, 128)
+    for scale in (0.0213, 3.7):
+        ref = torch.zeros(16, 16, 2, 128, dtype=cache_dtype)
+        out = ref.new_zeros(ref.shape).to(device)
+        slots = torch.arange(256)
+        reshape_and_cache_ref(k, k, ref, ref.clone(), slots, scale, scale)
+        reshape_and_cache(k.to(device), k.to(device), out, out.clone(), slots.to(device),
+                          scale, scale)
+        got, want = out.cpu().view(torch.uint8), ref.view(torch.uint8)
+        nan = ref.float().isnan()
+        assert out.cpu().float().isnan().equal(nan)
+        assert torch.equal(got[~nan], want[~nan])
+
+
 def fp8_cache(seq_lens, kvh, d, bs, cache_dtype, device):
     """A paged cache (shuffled blocks) quantised to FP8; unused slots hold the largest
     value, so a read past a sequence shows in the output."""
