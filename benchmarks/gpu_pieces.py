@@ -7,6 +7,7 @@ from __future__ import annotations
 import ctypes
 import importlib.util
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -150,6 +151,7 @@ def cuda_probe() -> dict:
         torch.cuda.synchronize()
         ran = c.is_cuda and c.sum().item() == 2 * sum(range(1, 1025))
         return {"cuda_ran": bool(ran), "device": str(c.device),
+                "device_count": torch.cuda.device_count(),
                 "reason": None if ran else "the CUDA result read back was wrong"}
     except RuntimeError as err:
         return {"cuda_ran": False, "reason": f"a CUDA op failed: {err}"}
@@ -211,3 +213,13 @@ def junit_counts(path: Path) -> dict:
             reason = case.find("skipped").get("message", "")
             reasons[reason] = reasons.get(reason, 0) + 1
     return {**counts, "skip_reasons": reasons, "tests": outcomes}
+
+
+MORE_GPUS = re.compile(r"needs (\d+) GPUs")
+
+
+def unexpected_skips(reasons: dict[str, int], device_count: int) -> int:
+    """The skips a GPU run must not have: all of them but those of tests that need more GPUs
+    than the machine has (their reason says "needs N GPUs")."""
+    return sum(n for reason, n in reasons.items()
+               if not ((m := MORE_GPUS.search(reason)) and int(m.group(1)) > device_count))

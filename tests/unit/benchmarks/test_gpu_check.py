@@ -21,7 +21,7 @@ import torch
 
 from benchmarks.gpu_check import Check, headline_numbers
 from benchmarks.gpu_check_pieces import PIECES, PieceRunner
-from benchmarks.gpu_pieces import junit_counts
+from benchmarks.gpu_pieces import junit_counts, unexpected_skips
 from tests.unit.deploy.kube import ROOT
 
 GPU_PIECES = [p.name for p in PIECES if p.gpus]
@@ -128,6 +128,15 @@ def test_junit_counts_read_every_outcome(tmp_path):
                                "s1": "skipped", "s2": "skipped"}
 
 
+def test_on_a_gpu_only_a_test_for_more_gpus_than_it_has_may_skip():
+    """engine_tests on a 1-GPU machine: the 2-GPU test's skip is expected, any other is not."""
+    two = {"tensor parallelism needs 2 GPUs": 1}
+    assert unexpected_skips(two, device_count=1) == 0
+    assert unexpected_skips(two, device_count=2) == 1  # it had them: the skip is a fault
+    assert unexpected_skips({**two, "no CUDA device: x": 3}, device_count=1) == 3
+    assert unexpected_skips({}, device_count=1) == 0
+
+
 def test_headline_numbers_come_from_the_bench_and_scenarios():
     pieces = {
         "bench_kernels": {"results": {"copy": {"gbps": 2900.04},
@@ -221,14 +230,15 @@ class TimedCheck(Check):
 
 def test_the_deadline_cuts_each_piece_and_skips_what_it_cannot_start(tmp_path, monkeypatch):
     monkeypatch.setattr("benchmarks.gpu_check.RESERVE_S", 0.2)
-    check = TimedCheck(tmp_path, 2.0, {"kernel_tests": 5.0, "engine_tests": 5.0},
+    # a deadline with room for a slow machine's kill of the first piece
+    check = TimedCheck(tmp_path, 5.0, {"kernel_tests": 30.0, "engine_tests": 30.0},
                        limits={"kernel_tests": 1.2})
     report = check.run()
     pieces = report["pieces"]
     assert pieces["kernel_tests"]["status"] == "timeout"  # its own limit
     assert check.given["kernel_tests"] == 1.2
     # The next gets what is left of the deadline (less the reserve); then nothing starts.
-    assert 0.3 < check.given["engine_tests"] < 2.0 - 1.2 - 0.2 + 0.05
+    assert 0.3 < check.given["engine_tests"] < 5.0 - 1.2 - 0.2 + 0.05
     assert pieces["engine_tests"]["status"] == "timeout"
     late = [n for n, r in pieces.items() if r.get("reason", "").startswith("deadline")]
     assert late == ["bench_kernels", "bench_quant", "bench_engine", "bench_kv_tier", "engine_cpu"]
