@@ -33,8 +33,9 @@ What is measured:
   host waited on the step). A row that fails is recorded as such and the run goes on.
 - the simulated device beside it (``benchmarks/sim_calibration.py``): each row's "sim ms" is
   the step the bundled profile of this GPU (H200 by name, else H100) models for the same
-  shape, batch and contexts, and the fit over the rows (step time against bytes read) gives
-  the profile's ``memory_bandwidth_gbs`` and ``launch_us`` as this GPU measures them.
+  shape, batch and contexts, and the roofline fitted to the rows (step time against the
+  bytes and FLOPs of each) gives the profile's ``memory_bandwidth_gbs``, ``peak_tflops`` and
+  ``launch_us`` as this GPU measures them.
 - weight-streaming floor: a batch-1 decode step reads every weight once, so it cannot beat
   weight bytes / copy bandwidth. The copy rate counts read + write bytes; reading the weights
   is that many bytes of traffic, so the floor divides by the same rate (the stricter choice:
@@ -70,7 +71,7 @@ from benchmarks.sim_calibration import (
     decode_contexts,
     modelled_ms,
     profile_for,
-    step_bytes,
+    step_work,
     with_shape,
 )
 from benchmarks.timing import measure_copy_bandwidth, release, time_calls
@@ -376,8 +377,8 @@ def measure_row(engine, sim, args: argparse.Namespace, batch: int, mode: str,
         return {"batch": batch, "async_scheduling": mode,
                 "error": f"{type(err).__name__}: {err}"[:2000]}
     contexts = decode_contexts(args.prompt_len, DECODE_WARMUP_STEPS + 1, row["steps"])
-    row.update(sim_ms=modelled_ms(sim, batch, contexts),
-               sim_bytes=step_bytes(sim, batch, contexts))
+    sim_bytes, sim_flops = step_work(sim, batch, contexts)
+    row.update(sim_ms=modelled_ms(sim, batch, contexts), sim_bytes=sim_bytes, sim_flops=sim_flops)
     row["measured_over_sim"] = row["step_ms_mean"] / row["sim_ms"]
     print(f"{batch:>7}{row['steps']:>7}{mode:>7}{row['step_ms_mean']:>10.3f}"
           f"{row['output_tok_s']:>12.1f}{row['device_busy']:>7.3f}{row['sim_ms']:>9.3f}")
@@ -386,14 +387,19 @@ def measure_row(engine, sim, args: argparse.Namespace, batch: int, mode: str,
 
 def print_calibration(calibration: dict) -> None:
     now, fitted = calibration["profile_device"], calibration["fit"]
-    print(f"sim profile {calibration['profile']}: memory_bandwidth_gbs "
-          f"{now['memory_bandwidth_gbs']:g}, launch_us {now['launch_us']:g}; ", end="")
+    print(f"sim profile {calibration['profile']}: {profile_numbers(now)}; ", end="")
     if fitted is None:
-        print("no fit (it needs two batch sizes whose time grows with their bytes)")
+        print("no fit (it needs two batch sizes the roofline can describe)")
     else:
-        print(f"fitted to these steps: memory_bandwidth_gbs {fitted['memory_bandwidth_gbs']:g}, "
-              f"launch_us {fitted['launch_us']:g} (worst residual "
+        print(f"fitted to these steps: {profile_numbers(fitted)} (worst residual "
               f"{100 * fitted['max_relative_residual']:.0f}%)")
+
+
+def profile_numbers(device: dict) -> str:
+    peak = device["peak_tflops"]
+    return (f"memory_bandwidth_gbs {device['memory_bandwidth_gbs']:g}, peak_tflops "
+            f"{'(no step bound by compute)' if peak is None else format(peak, 'g')}, "
+            f"launch_us {device['launch_us']:g}")
 
 
 # -- command line ------------------------------------------------------------------------------

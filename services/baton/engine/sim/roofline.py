@@ -48,15 +48,22 @@ def layout_seconds(profile: SimProfile, context_lens: Sequence[int],
     return _seconds(profile, int(new.sum()), int(context.sum()), pairs, sampled)
 
 
-def _seconds(profile: SimProfile, tokens: int, context: int, pairs: int, sampled: int) -> float:
-    """`tokens` computed attending to `context` tokens of KV in all, `pairs` (query, key)
-    pairs, `sampled` logits rows."""
-    if tokens == 0:
-        return 0.0
-    m, d = profile.model, profile.device
+def work(profile: SimProfile, tokens: int, context: int, pairs: int,
+         sampled: int) -> tuple[float, float]:
+    """The bytes a step moves and the FLOPs it does: `tokens` computed attending to
+    `context` tokens of KV in all, `pairs` (query, key) pairs, `sampled` logits rows."""
+    m = profile.model
     kv = m.kv_bytes_per_token
     moved = m.weight_bytes_total + kv * context + kv * tokens
     flops = (2.0 * m.layer_params * tokens + 2.0 * m.head_params * sampled
              + 4.0 * m.num_layers * m.num_heads * m.head_dim * pairs)
+    return moved, flops
+
+
+def _seconds(profile: SimProfile, tokens: int, context: int, pairs: int, sampled: int) -> float:
+    if tokens == 0:
+        return 0.0
+    moved, flops = work(profile, tokens, context, pairs, sampled)
+    d = profile.device
     return (max(moved / (d.memory_bandwidth_gbs * 1e9), flops / (d.peak_tflops * 1e12))
             + d.launch_us * 1e-6)
