@@ -110,16 +110,16 @@ def test_async_scheduling_launches_ahead_and_gives_the_synchronous_outputs(tiny_
     """Steps launched ahead of the host (`runner/ahead.py`): the pending inputs come from
     the last step's token tensor on the device; greedy, seeded and stopped requests end as
     in the synchronous engine, every block back; penalised ones too, their pending token
-    read on the device (`engine/penalty_ids.py`)."""
+    read on the device (`engine/penalty_ids.py`). `auto` (None) schedules ahead on CUDA."""
     prompts = prompt_ids(8, TINY["vocab_size"], seed=8)
     params = [greedy(24), SamplingParams(temperature=1.0, seed=7, max_tokens=20, logprobs=2),
               SamplingParams(temperature=0, max_tokens=30, stop_token_ids=[5, 9, 17]),
               SamplingParams(temperature=0, max_tokens=24, presence_penalty=2.0,
                              frequency_penalty=1.0, repetition_penalty=1.5)] * 2
     got = {}
-    for mode in (False, True):
+    for mode in (False, None):
         llm = LLM(tiny_model, device="cuda", dtype="float32", async_scheduling=mode, **SHARE)
-        assert llm.engine.async_scheduling is mode and llm.engine.runner.launches_async
+        assert llm.engine.async_scheduling is (mode is None) and llm.engine.runner.launches_async
         outs = llm.generate(prompts, params, use_tqdm=False)
         got[mode] = [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in outs]
         llm.engine.check_integrity()
@@ -127,7 +127,7 @@ def test_async_scheduling_launches_ahead_and_gives_the_synchronous_outputs(tiny_
         assert llm.engine.timing.device_s > 0
         del llm
         torch.cuda.empty_cache()
-    assert got[True] == got[False]
+    assert got[None] == got[False]
 
 
 @pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.device_count() < 2,

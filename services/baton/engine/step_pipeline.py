@@ -14,7 +14,8 @@ device, `runner/ahead.py`) never needs a pending token's id on the host; a synch
 runner (ModelRunner on CPU) has run the step by the time it returns, so the engine writes
 its tokens in before launching the next (`fill_inputs`), and the outputs are the same
 either way. `auto` turns it on where the runner says so (`async_by_default`: the simulated
-device; not yet ModelRunner on CUDA, unmeasured on a GPU).
+device; ModelRunner on CUDA with one rank, measured on an H200 at +14-42% decode throughput;
+not yet under tensor parallelism, unmeasured on GPUs).
 
 A request whose next step needs its last token on the host — a structured output's grammar
 masks the next token's logits by it; a prefill whose KV a puller takes once its token is

@@ -249,8 +249,10 @@ def test_the_bundled_model_gives_the_synchronous_engines_outputs(tokenizer, engi
     got = {}
     # sync; async with the step's tokens written in on the host (a synchronous runner);
     # async with the pending inputs taken from the last step's token tensor, as on CUDA
-    for mode in ("sync", "host", "device"):
-        llm = LLM(dtype="float32", async_scheduling=mode != "sync", **engine_args)
+    for mode in ("sync", "host", "device"):  # sync: `auto`, which a CPU runner leaves off
+        llm = LLM(dtype="float32", async_scheduling=None if mode == "sync" else True,
+                  **engine_args)
+        assert llm.engine.async_scheduling is (mode != "sync")
         llm.engine.runner.launches_async = mode == "device"
         got[mode] = _outputs(llm, prompts, params, approx=mode == "sync")
         if "num_kv_blocks" in engine_args:

@@ -142,8 +142,9 @@ class ModelRunner:
         self.rejection = RejectionSampler(config.compute.seed)  # sampled requests' guesses
         self.staging = HostStaging(self.device)  # the batch metadata's one copy a step
         self.busy_seconds = 0.0  # time in the model steps (forward, logits, sampling)
-        # `launch` launches ahead (tests set it on CPU, where the launch runs the step)
+        # launched ahead on CUDA (tests set it on CPU); `auto` schedules ahead where measured
         self.launches_async = self.device.type == "cuda"
+        self.async_by_default = self.launches_async and self.tp.size == 1
         self._ahead: StepInFlight | None = None  # the last step launched ahead
         self.max_model_len = max_model_len
         self.platform.warm_up(self)
@@ -248,7 +249,6 @@ class ModelRunner:
 
     # Async scheduling (`engine.step_pipeline`): on CUDA a step is launched ahead of the host
     # (`runner/ahead.py`); elsewhere `launch` runs it whole, its pending ids written in first.
-    async_by_default = False
     idle_seconds = None  # not tracked: the device waits on the host whenever it is not stepping
 
     def launch(self, out: SchedulerOutput, block_ids_of: Callable[[str], list[int]],
