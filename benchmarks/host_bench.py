@@ -7,7 +7,9 @@
 - offline, mixed: 256 chat-workload requests (lognormal prompt and output lengths) at once,
   prefills and decodes sharing steps as requests finish and others start.
 - `baton serve`, steady decode: B streaming clients (the load generator in this process)
-  against one worker on the simulated device; the worker's own timing from `/metrics`.
+  against one worker on the simulated device; the worker's own timing from `/metrics`, over
+  the window in which all B decode (from the last stream's first token to the first
+  stream's end: the prefills left out, as offline).
 - `baton up --prefill 1 --decode 1`, mixed: the chat workload's lengths through the router,
   `--pd-concurrency` streams at a time, KV pulled over tcp (the sim's stand-in cache: real
   pulls of 16 bytes a token, so their time is not an H100's); the decode worker's busy
@@ -103,13 +105,19 @@ def offline_mixed(llm) -> dict:
             "tokens_per_s": sum(len(o.outputs[0].token_ids) for o in outs) / wall}
 
 
-async def _client(session, url: str, prompt: list[int], max_tokens: int) -> int:
+async def _client(session, url: str, prompt: list[int], max_tokens: int,
+                  on_first=lambda: None) -> int:
+    """One stream to its end: its completion tokens (the usage chunk's). `on_first()` when
+    its first token arrives."""
     body = {"model": "sim", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}}
     tokens = 0
     async with session.post(url + "/v1/completions", json=body) as resp:
         resp.raise_for_status()
         async for line in resp.content:
+            if on_first is not None and line.startswith(b"data:"):
+                on_first()
+                on_first = None
             if line.startswith(b"data:") and b'"usage"' in line:
                 usage = json.loads(line[5:]).get("usage")
                 tokens = usage["completion_tokens"] if usage else tokens
@@ -123,7 +131,7 @@ def _scrape(text: str) -> dict[str, float]:
     for family in text_string_to_metric_families(text):
         for s in family.samples:
             if s.name in ("baton:engine_device_busy_seconds_total",
-                          "baton:engine_step_seconds_total",
+                          "baton:engine_step_seconds_total", "baton:generation_tokens_total",
                           "baton:engine_step_host_seconds_count",
                           "baton:engine_step_host_seconds_sum"):
                 out[s.name] = s.value
@@ -137,27 +145,52 @@ def _cpu_s(pid: int) -> float:
 
 
 async def _serve_point(url: str, pid: int, batch: int) -> dict:
-    max_tokens = DECODE_STEPS
+    """`batch` streams, measured over the window in which every one of them decodes: from
+    the moment the last has its first token to the moment the first ends (prefill, and the
+    streams' start and end, left out, as offline; each runs long enough to decode
+    DECODE_STEPS after the others' prefills)."""
+    started, all_started, one_done = [0], asyncio.Event(), asyncio.Event()
+
+    def first() -> None:
+        started[0] += 1
+        if started[0] == batch:
+            all_started.set()
+
+    async def one(session, prompt) -> int:
+        try:
+            return await _client(session, url, prompt, DECODE_STEPS + 8 + batch, first)
+        finally:
+            one_done.set()
+
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
                                      timeout=aiohttp.ClientTimeout(total=900)) as session:
         await asyncio.gather(*(_client(session, url, p, 4) for p in _prompts(2, 16)))
-        async with session.get(url + "/metrics") as r:
-            m0 = _scrape(await r.text())
-        cpu0, me0, t0 = _cpu_s(pid), time.process_time(), time.perf_counter()
-        tokens = await asyncio.gather(*(_client(session, url, p, max_tokens)
-                                        for p in _prompts(batch)))
+        streams = asyncio.ensure_future(
+            asyncio.gather(*(one(session, p) for p in _prompts(batch))))
+        await asyncio.wait([streams, asyncio.ensure_future(all_started.wait())],
+                           return_when=asyncio.FIRST_COMPLETED)
+        if streams.done():  # ended (or failed) before every stream had started
+            streams.result()
+            raise RuntimeError(f"batch {batch}: a stream ended before all had started")
+        m0, cpu0, me0, t0 = await _metrics(session, url), _cpu_s(pid), time.process_time(), \
+            time.perf_counter()
+        await one_done.wait()
+        m1, cpu, me = await _metrics(session, url), _cpu_s(pid) - cpu0, time.process_time() - me0
         wall = time.perf_counter() - t0
-        cpu, me = _cpu_s(pid) - cpu0, time.process_time() - me0
-        async with session.get(url + "/metrics") as r:
-            m1 = _scrape(await r.text())
+        await streams
     d = {k: m1[k] - m0.get(k, 0.0) for k in m1}
     device = d["baton:engine_device_busy_seconds_total"]
-    n = sum(tokens)
+    n = d["baton:generation_tokens_total"]
     return {"batch": batch, "busy": device / wall, "tokens_per_s": n / wall,
             "engine_busy_while_stepping": device / d["baton:engine_step_seconds_total"],
             "host_ms_per_step": 1000 * d["baton:engine_step_host_seconds_sum"]
             / d["baton:engine_step_host_seconds_count"],
             "worker_cpu_us_per_token": 1e6 * cpu / n, "client_cpu_us_per_token": 1e6 * me / n}
+
+
+async def _metrics(session, url: str) -> dict[str, float]:
+    async with session.get(url + "/metrics") as r:
+        return _scrape(await r.text())
 
 
 def serve(profile: str, batches: list[int], async_scheduling: str = "auto") -> list[dict]:
