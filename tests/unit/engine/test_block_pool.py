@@ -112,8 +112,10 @@ def test_a_block_table_row_follows_its_requests_blocks():
     a.num_computed_tokens = 6
     first = kv.get_block_ids("a")
     first.append(99)  # the caller's copy
-    assert kv.get_block_ids("a") == first[:2] == kv.block_row("a")
+    assert kv.get_block_ids("a") == first[:2] == kv.block_row("a").tolist()
     assert kv.block_row("a") is kv.block_row("a")  # the batch builder's: no copy
+    with pytest.raises(ValueError, match="read-only"):
+        kv.block_row("a")[0] = 5  # nobody changes the kept row
     assert kv.allocate_slots(a, 2) == []  # tokens 6, 7: its last block has room
     a.num_computed_tokens = 8
     assert kv.get_block_ids("a") == first[:2]

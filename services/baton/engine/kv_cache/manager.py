@@ -20,6 +20,8 @@ layer group (vLLM's hybrid KV manager).
 
 from __future__ import annotations
 
+import numpy as np
+
 from baton.common.hashing import hash_block
 from baton.engine.kv_cache.block_pool import BlockPool, KVBlock
 from baton.engine.request import Request
@@ -43,7 +45,7 @@ class KVCacheManager:
         # Each request's block table row (`get_block_ids`), rebuilt only when its blocks
         # change: a decode step in its last block reads it as it was (a step of a large
         # batch read every request's row, block by block, each step).
-        self._rows: dict[str, list[int]] = {}
+        self._rows: dict[str, np.ndarray] = {}
         self._num_hashed: dict[str, int] = {}  # blocks of the request already cached by hash
 
     # -- queries ---------------------------------------------------------------------------
@@ -69,16 +71,16 @@ class KVCacheManager:
     def get_block_ids(self, request_id: str) -> list[int]:
         """The request's block table row; released positions hold its first live block
         (its own finite KV, which the window hides), block 0 if it has none."""
-        return list(self.block_row(request_id))  # the caller's own: a transfer may keep it
+        return self.block_row(request_id).tolist()  # the caller's own: a transfer may keep it
 
-    def block_row(self, request_id: str) -> list[int]:
-        """`get_block_ids` without the copy, for the batch builder: the row itself, to read
-        at once, never to keep or change."""
+    def block_row(self, request_id: str) -> np.ndarray:
+        """`get_block_ids` as the batch builder reads it: the kept row itself (int64), to
+        read at once, never to keep or change."""
         row = self._rows.get(request_id)
         if row is None:
             blocks = self._blocks.get(request_id)
             if blocks is None:
-                return []
+                return _NO_BLOCKS
             row = self._rows[request_id] = _row(blocks)
         return row
 
@@ -238,12 +240,19 @@ class KVCacheManager:
         if used != len(refs):
             raise RuntimeError(f"{used} blocks marked used but {len(refs)} held by requests")
         for rid, row in self._rows.items():
-            if rid not in self._blocks or row != _row(self._blocks[rid]):
+            if rid not in self._blocks or not np.array_equal(row, _row(self._blocks[rid])):
                 raise RuntimeError(f"request {rid}'s block table row {row} is stale")
 
 
-def _row(blocks) -> list[int]:
+_NO_BLOCKS = np.empty(0, dtype=np.int64)
+_NO_BLOCKS.flags.writeable = False
+
+
+def _row(blocks) -> np.ndarray:
     """A block table row: each block's id, a released place its first live block's (block 0
-    when none is live)."""
+    when none is live). Read-only: the batch builder reads it, nothing writes it."""
     live = next((b.block_id for b in blocks if b is not None), 0)
-    return [live if b is None else b.block_id for b in blocks]
+    row = np.fromiter((live if b is None else b.block_id for b in blocks), np.int64,
+                      len(blocks))
+    row.flags.writeable = False
+    return row

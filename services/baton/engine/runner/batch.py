@@ -3,9 +3,8 @@ the rows whose logits are sampled, all moved to the device in one copy (`HostSta
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from itertools import chain
 
 import numpy as np
 import torch
@@ -14,6 +13,8 @@ from baton.engine.attention.base import BatchLayout
 from baton.engine.request import Request
 from baton.engine.scheduler.output import ScheduledRequest
 from baton.engine.staging import HostStaging
+
+BlockRow = Sequence[int] | np.ndarray  # a request's block table row (the KV manager's kept row)
 
 
 @dataclass(frozen=True)
@@ -75,7 +76,7 @@ class FlatBatch:
         return [s.request for s, _, _ in _pieces(self.entries)]
 
 
-def build_batch(scheduled: list[ScheduledRequest], block_ids_of: Callable[[str], list[int]],
+def build_batch(scheduled: list[ScheduledRequest], block_ids_of: Callable[[str], BlockRow],
                 block_size: int, device: torch.device, staging: HostStaging | None = None,
                 pending: dict[str, int] | None = None) -> FlatBatch:
     """The step's flat batch; its tensors reach `device` in one copy through `staging` (the
@@ -127,14 +128,14 @@ class _Rows:
     qsl: list[int] = field(default_factory=lambda: [0])
     ctx_lens: list[int] = field(default_factory=list)
     seq_lens: list[int] = field(default_factory=list)
-    tables: list[list[int]] = field(default_factory=list)
+    tables: list[BlockRow] = field(default_factory=list)
     no_kv: list[int] = field(default_factory=list)  # one-token rows writing no KV (padding)
     last_row: dict[int, int] = field(default_factory=dict)  # entry of one piece -> last row
     row_of: dict[tuple[int, int], int] = field(default_factory=dict)  # verifying (entry, pos)
     spans: list[PromptLogprobSpan] = field(default_factory=list)
     targets: list[np.ndarray] = field(default_factory=list)
 
-    def add(self, s: ScheduledRequest, start: int, count: int, blocks: list[int],
+    def add(self, s: ScheduledRequest, start: int, count: int, blocks: BlockRow,
             block_size: int) -> None:
         """The piece of `s` feeding positions [start, start + count)."""
         end = start + count
@@ -239,17 +240,17 @@ def _add_span(spans: list[PromptLogprobSpan], targets: list[np.ndarray], req: Re
             span.first_target:span.first_target + span.count], dtype=np.int64))
 
 
-def _slots(blocks: list[int], pos: np.ndarray, block_size: int) -> np.ndarray:
+def _slots(blocks: BlockRow, pos: np.ndarray, block_size: int) -> np.ndarray:
     """The cache slots of positions `pos` of a sequence whose blocks are `blocks`."""
     return np.asarray(blocks, dtype=np.int64)[pos // block_size] * block_size + pos % block_size
 
 
-def _block_table(tables: list[list[int]]) -> np.ndarray:
+def _block_table(tables: list[BlockRow]) -> np.ndarray:
     """(B, max blocks) int64, rows padded with block 0 (filled in one masked write, not a
     write per row: a large batch's rows cost more written one by one than built)."""
     lengths = np.fromiter(map(len, tables), np.int64, len(tables))
     table = np.zeros((len(tables), int(lengths.max())), dtype=np.int64)
-    flat = np.fromiter(chain.from_iterable(tables), np.int64, int(lengths.sum()))
+    flat = np.concatenate(tables, dtype=np.int64, casting="unsafe")  # an empty list: float
     table[np.arange(table.shape[1]) < lengths[:, None]] = flat  # row by row, in order
     return table
 

@@ -28,7 +28,7 @@ from baton.engine.runner.ahead import (
     pending_tokens,
     sampled_index,
 )
-from baton.engine.runner.batch import FlatBatch, build_batch
+from baton.engine.runner.batch import BlockRow, FlatBatch, build_batch
 from baton.engine.runner.cuda_graphs import DecodeGraphs, capture_sizes
 from baton.engine.runner.memory import CudaMemory, KVMemoryPlan, KVMemoryProfiler, largest_batch
 from baton.engine.runner.step_result import FinishedStep, StepResult
@@ -136,8 +136,7 @@ class ModelRunner:
         self.kv_cache = torch.zeros(cfg.num_layers, 2, self.num_blocks, self.block_size,
                                     self.num_kv_heads, cfg.head_dim, dtype=self.kv_dtype,
                                     device=self.device)
-        self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1])
-                          for i in range(cfg.num_layers)]
+        self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(cfg.num_layers)]
         self.sampler = Sampler(config.compute.seed)
         self.rejection = RejectionSampler(config.compute.seed)  # sampled requests' guesses
         self.staging = HostStaging(self.device)  # the batch metadata's one copy a step
@@ -251,7 +250,7 @@ class ModelRunner:
     # (`runner/ahead.py`); elsewhere `launch` runs it whole, its pending ids written in first.
     idle_seconds = None  # not tracked: the device waits on the host whenever it is not stepping
 
-    def launch(self, out: SchedulerOutput, block_ids_of: Callable[[str], list[int]],
+    def launch(self, out: SchedulerOutput, block_ids_of: Callable[[str], BlockRow],
                since: float | None = None) -> FinishedStep | StepInFlight:
         """The engine's async-scheduling seam: the step launched; `result()` reads it."""
         if not self.launches_async:
@@ -274,7 +273,7 @@ class ModelRunner:
         return step
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput, block_ids_of: Callable[[str], list[int]]
+    def execute(self, out: SchedulerOutput, block_ids_of: Callable[[str], BlockRow]
                 ) -> StepResult:
         """Run one step: the sampled token and logprobs of each request that reached the
         end of its known tokens, and the requests whose own sampling settings failed.
