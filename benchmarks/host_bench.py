@@ -65,24 +65,24 @@ def offline_steady(llm, batch: int) -> dict:
         engine.add(req)
     while any(r.num_output_tokens == r.num_pending for r in reqs):  # a token read, each
         engine.step()
-    before, t0 = engine.timing.snapshot(), time.perf_counter()
+    runner = engine.runner
+    before, busy0, t0 = engine.timing.snapshot(), runner.busy_seconds, time.perf_counter()
     outputs = []
     cpu0 = time.thread_time()
     for _ in range(DECODE_STEPS):
         outputs += engine.step()  # what LLM.generate does with them is a dict lookup
     host_cpu = time.thread_time() - cpu0
     # with async scheduling the last step launched is still running: the window takes its
-    # end too (and the tail of the one in flight before it: busy errs low by < 1 step)
-    engine.runner.device.drain()
+    # end too (the device's own count of the work done, from t0 to then)
+    runner.device.drain()
     wall = time.perf_counter() - t0
-    after = engine.timing.snapshot()
+    after, device = engine.timing.snapshot(), runner.busy_seconds - busy0
     if len(outputs) != batch * DECODE_STEPS:
         raise RuntimeError(f"batch {batch}: {len(outputs)} outputs in {DECODE_STEPS} steps, "
                            "not a steady batch")
     engine.abort_requests([r.request_id for r in reqs])  # the rest is not measured
     steps = after.steps - before.steps
-    return {"batch": batch, "busy": (after.device_s - before.device_s) / wall,
-            "host_ms_per_step": 1000 * (wall - (after.device_s - before.device_s)) / steps,
+    return {"batch": batch, "busy": device / wall, "host_ms_per_step": 1000 * (wall - device) / steps,
             "host_cpu_ms_per_step": 1000 * host_cpu / steps,
             "step_ms": 1000 * wall / steps, "tokens_per_s": len(outputs) / wall}
 
@@ -180,11 +180,11 @@ async def _serve_point(url: str, pid: int, batch: int) -> dict:
         await streams
     d = {k: m1[k] - m0.get(k, 0.0) for k in m1}
     device = d["baton:engine_device_busy_seconds_total"]
-    n = d["baton:generation_tokens_total"]
+    n, steps = d["baton:generation_tokens_total"], d["baton:engine_step_host_seconds_count"]
     return {"batch": batch, "busy": device / wall, "tokens_per_s": n / wall,
+            "tokens": int(n), "steps": int(steps),
             "engine_busy_while_stepping": device / d["baton:engine_step_seconds_total"],
-            "host_ms_per_step": 1000 * d["baton:engine_step_host_seconds_sum"]
-            / d["baton:engine_step_host_seconds_count"],
+            "host_ms_per_step": 1000 * d["baton:engine_step_host_seconds_sum"] / steps,
             "worker_cpu_us_per_token": 1e6 * cpu / n, "client_cpu_us_per_token": 1e6 * me / n}
 
 

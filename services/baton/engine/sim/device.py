@@ -16,8 +16,15 @@ class SimDevice:
                  sleep: Callable[[float], None] = time.sleep) -> None:
         self._clock, self._sleep = clock, sleep
         self._free_at = 0.0  # when the last queued step ends
-        self.busy_s = 0.0  # modelled seconds of every step launched
+        self._launched_s = 0.0  # modelled seconds of every step launched
         self.idle_s = 0.0  # seconds the device waited on the host (launches with `since`)
+
+    @property
+    def busy_s(self) -> float:
+        """Modelled seconds the device has worked so far: the steps launched, less what of
+        them is still ahead of the clock (queued work counts as it runs, as CUDA events time
+        it, so a window's busy fraction never counts a step before it happens)."""
+        return self._launched_s - max(0.0, self._free_at - self._clock())
 
     def launch(self, seconds: float, since: float | None = None) -> float:
         """Queue a step of `seconds`: it starts when the device is free. Returns its end.
@@ -28,7 +35,7 @@ class SimDevice:
             self.idle_s += max(0.0, now - max(self._free_at, since))
         start = max(now, self._free_at)
         self._free_at = start + seconds
-        self.busy_s += seconds
+        self._launched_s += seconds
         return self._free_at
 
     def wait(self, done_at: float) -> None:
