@@ -65,24 +65,24 @@ def offline_steady(llm, batch: int) -> dict:
         engine.add(req)
     while any(r.num_output_tokens == r.num_pending for r in reqs):  # a token read, each
         engine.step()
-    runner = engine.runner
-    before, busy0, t0 = engine.timing.snapshot(), runner.busy_seconds, time.perf_counter()
+    device = engine.runner.device  # its own count of the work done, queued steps as they run
+    before, busy0, t0 = engine.timing.snapshot(), device.busy_s, time.perf_counter()
     outputs = []
     cpu0 = time.thread_time()
     for _ in range(DECODE_STEPS):
         outputs += engine.step()  # what LLM.generate does with them is a dict lookup
     host_cpu = time.thread_time() - cpu0
     # with async scheduling the last step launched is still running: the window takes its
-    # end too (the device's own count of the work done, from t0 to then)
-    runner.device.drain()
+    # end too
+    device.drain()
     wall = time.perf_counter() - t0
-    after, device = engine.timing.snapshot(), runner.busy_seconds - busy0
+    after, busy = engine.timing.snapshot(), device.busy_s - busy0
     if len(outputs) != batch * DECODE_STEPS:
         raise RuntimeError(f"batch {batch}: {len(outputs)} outputs in {DECODE_STEPS} steps, "
                            "not a steady batch")
     engine.abort_requests([r.request_id for r in reqs])  # the rest is not measured
     steps = after.steps - before.steps
-    return {"batch": batch, "busy": device / wall, "host_ms_per_step": 1000 * (wall - device) / steps,
+    return {"batch": batch, "busy": busy / wall, "host_ms_per_step": 1000 * (wall - busy) / steps,
             "host_cpu_ms_per_step": 1000 * host_cpu / steps,
             "step_ms": 1000 * wall / steps, "tokens_per_s": len(outputs) / wall}
 

@@ -87,7 +87,7 @@ class EngineCore:
         self._failed_steps = 0  # in a row
         self.async_scheduling = async_scheduling(config, self.runner)  # `step_pipeline`
         self._launched: Launched | None = None  # the step in flight (async scheduling)
-        self._step_t0 = 0.0  # when the current step() began
+        self._step_t0, self._timed_busy = 0.0, self.runner.busy_seconds  # step()'s start; timed
 
     # -- requests --------------------------------------------------------------------------
     def make_request(self, request_id: str, prompt_token_ids: list[int],
@@ -195,13 +195,13 @@ class EngineCore:
         requests it ran the same way, and after MAX_FAILED_STEPS such steps in a row raises
         EngineStepError. A step that ran is timed (`timing`)."""
         self._step_t0 = t0 = time.perf_counter()
-        busy, idle, steps = self.runner.busy_seconds, self.runner.idle_seconds, self.stats.steps_total
+        idle, steps = self.runner.idle_seconds, self.stats.steps_total
         outputs = self._step()
-        if self.stats.steps_total != steps:
-            device, idle_now = self.runner.busy_seconds - busy, self.runner.idle_seconds
+        if self.stats.steps_total != steps:  # device: its time since the last step timed
+            device, idle_now = self.runner.busy_seconds - self._timed_busy, self.runner.idle_seconds
+            self._timed_busy += device  # (a call that only read a step adds to the next)
             if self.async_scheduling and idle is not None and idle_now is not None:
-                # the host's time is what the device waited for it: the rest overlapped
-                self.timing.record(device + idle_now - idle, device)
+                self.timing.record(device + idle_now - idle, device)  # host: what the device waited
             else:
                 self.timing.record(time.perf_counter() - t0, device)
         return outputs

@@ -36,15 +36,16 @@ _HOST = torch.device("cpu")  # the batch is built on the host; the simulated dev
 class SimStep:
     """A launched step: `result()` waits for its modelled end, then reads its tokens."""
 
-    def __init__(self, runner: SimRunner, rows: list[tuple[str, int]],
+    def __init__(self, runner: SimRunner, rows: list[tuple[str, int]], seconds: float,
                  done_at: float) -> None:
-        self._runner, self._rows, self._done_at = runner, rows, done_at
+        self._runner, self._rows, self._seconds, self._done_at = runner, rows, seconds, done_at
         self._result: StepResult | None = None
 
     def result(self) -> StepResult:
         if self._result is None:
             self._runner.device.wait(self._done_at)
             self._result = self._runner.draw(self._rows)
+            self._runner.busy_seconds += self._seconds  # timed when read, as CUDA events are
         return self._result
 
 
@@ -75,6 +76,7 @@ class SimRunner:
         self._rng = random.Random(config.compute.seed)
         self._staging = HostStaging(_HOST)
         self._token_index: dict[str, int] = {}  # the last step's sampled rows, by request
+        self.busy_seconds = 0.0  # modelled seconds of the steps read (the engine's timing)
         eos = set(self.model_config.eos_token_ids)
         self._vocab = self.model_config.vocab_size
         self._eos = eos
@@ -97,7 +99,7 @@ class SimRunner:
         self._token_index = {rid: i for i, (rid, _) in enumerate(rows_sampled)}
         seconds = layout_seconds(self.profile, batch.layout.context_lens,
                                  batch.layout.seq_lens, len(batch.logits_indices))
-        return SimStep(self, rows_sampled, self.device.launch(seconds, since))
+        return SimStep(self, rows_sampled, seconds, self.device.launch(seconds, since))
 
     def execute(self, out: SchedulerOutput, block_ids_of) -> StepResult:
         return self.launch(out, block_ids_of).result()
@@ -119,10 +121,6 @@ class SimRunner:
             if token not in self._eos:
                 return token
 
-    @property
-    def busy_seconds(self) -> float:
-        """Modelled seconds of device work so far."""
-        return self.device.busy_s
 
     @property
     def idle_seconds(self) -> float:
