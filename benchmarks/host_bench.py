@@ -106,7 +106,7 @@ def offline_mixed(llm) -> dict:
 
 
 async def _client(session, url: str, prompt: list[int], max_tokens: int,
-                  on_first=lambda: None) -> int:
+                  on_first=None) -> int:
     """One stream to its end: its completion tokens (the usage chunk's). `on_first()` when
     its first token arrives."""
     body = {"model": "sim", "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True,

@@ -71,19 +71,25 @@ def fit(points: list[tuple[float, float, float]]) -> dict | None:
         solved = _solve_split(pts, memory_bound)
         if solved is None:
             continue
-        x, y, launch = solved
-        err = sum(((max(b * x, f * y) + launch - t) / t) ** 2 for b, f, t in pts)
+        errors = _relative_errors(pts, *solved)
+        err = sum(e * e for e in errors)
         if best is None or err < best[0]:
             best = (err, solved, len(pts) - memory_bound)
     if best is None:
         return None
     _, (x, y, launch), compute_bound = best
-    residual = max(abs(max(b * x, f * y) + launch - t) / t for b, f, t in pts)
+    residual = max(map(abs, _relative_errors(pts, x, y, launch)))
     return {"memory_bandwidth_gbs": round(float(1e-6 / x), 1),
             "peak_tflops": round(float(1e-9 / y), 1) if compute_bound else None,
             "launch_us": round(float(1e3 * launch), 1),
             "max_relative_residual": round(float(residual), 3), "points": len(pts),
             "compute_bound_points": compute_bound}
+
+
+def _relative_errors(pts: list[tuple[float, float, float]], x: float, y: float,
+                     launch: float) -> list[float]:
+    """Each point's modelled time, max(bytes x, FLOPs y) + launch, over its measured, less 1."""
+    return [(max(b * x, f * y) + launch - t) / t for b, f, t in pts]
 
 
 def _solve_split(pts: list[tuple[float, float, float]],
