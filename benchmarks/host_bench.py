@@ -41,6 +41,7 @@ import time
 
 import aiohttp
 
+from benchmarks.gpu_pieces import children_of
 from benchmarks.procs import free_port, wait_ready
 
 PROMPT = 512
@@ -144,6 +145,12 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _worker_cpu_s(pid: int) -> tuple[float, float]:
+    """CPU seconds of the worker's front process and of its engine core's (its child, when
+    the core runs apart; 0 otherwise)."""
+    return _cpu_s(pid), sum(_cpu_s(c) for c in children_of(pid))
+
+
 async def _serve_point(url: str, pid: int, batch: int) -> dict:
     """`batch` streams, measured over the window in which every one of them decodes: from
     the moment the last has its first token to the moment the first ends (prefill, and the
@@ -172,11 +179,13 @@ async def _serve_point(url: str, pid: int, batch: int) -> dict:
         if streams.done():  # ended (or failed) before every stream had started
             streams.result()
             raise RuntimeError(f"batch {batch}: a stream ended before all had started")
-        m0, cpu0, me0, t0 = await _metrics(session, url), _cpu_s(pid), time.process_time(), \
-            time.perf_counter()
+        m0, cpu0, me0, t0 = await _metrics(session, url), _worker_cpu_s(pid), \
+            time.process_time(), time.perf_counter()
         await one_done.wait()
-        m1, cpu, me = await _metrics(session, url), _cpu_s(pid) - cpu0, time.process_time() - me0
+        m1, cpu1, me = await _metrics(session, url), _worker_cpu_s(pid), \
+            time.process_time() - me0
         wall = time.perf_counter() - t0
+        front, core = cpu1[0] - cpu0[0], cpu1[1] - cpu0[1]
         await streams
     d = {k: m1[k] - m0.get(k, 0.0) for k in m1}
     device = d["baton:engine_device_busy_seconds_total"]
@@ -185,7 +194,9 @@ async def _serve_point(url: str, pid: int, batch: int) -> dict:
             "tokens": int(n), "steps": int(steps),
             "engine_busy_while_stepping": device / d["baton:engine_step_seconds_total"],
             "host_ms_per_step": 1000 * d["baton:engine_step_host_seconds_sum"] / steps,
-            "worker_cpu_us_per_token": 1e6 * cpu / n, "client_cpu_us_per_token": 1e6 * me / n}
+            "worker_cpu_us_per_token": 1e6 * (front + core) / n,
+            "front_cpu_us_per_token": 1e6 * front / n, "core_cpu_us_per_token": 1e6 * core / n,
+            "client_cpu_us_per_token": 1e6 * me / n}
 
 
 async def _metrics(session, url: str) -> dict[str, float]:
@@ -193,13 +204,17 @@ async def _metrics(session, url: str) -> dict[str, float]:
         return _scrape(await r.text())
 
 
-def serve(profile: str, batches: list[int], async_scheduling: str = "auto") -> list[dict]:
+def serve(profile: str, batches: list[int], async_scheduling: str = "auto",
+          engine_process: str = "auto") -> list[dict]:
+    """`baton serve` on the simulated device, `batch` streaming clients a point; its engine
+    core in its own process or not (`--engine-process`)."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     proc = subprocess.Popen([sys.executable, "-m", "baton.cli", "serve", "--port", str(port),
                              "--device", "sim", "--sim-profile", profile,
                              "--served-model-name", "sim", "--async-scheduling",
-                             async_scheduling, "--max-num-seqs",
+                             async_scheduling, "--engine-process", engine_process,
+                             "--max-num-seqs",
                              str(max(batches)), "--max-waiting", str(4 * max(batches)),
                              "--log-level", "warning"])
     try:
@@ -235,7 +250,8 @@ async def _pd_point(url: str, decode: str, requests, concurrency: int) -> dict:
             "tokens_per_s": sum(tokens) / wall}
 
 
-def pd(profile: str, concurrency: int, async_scheduling: str = "auto") -> dict:
+def pd(profile: str, concurrency: int, async_scheduling: str = "auto",
+       engine_process: str = "auto") -> dict:
     """`baton up --prefill 1 --decode 1` on the simulated device (KV over tcp, the sim's
     stand-in cache), the chat workload's lengths (`ignore_eos`)."""
     import tempfile
@@ -249,7 +265,8 @@ def pd(profile: str, concurrency: int, async_scheduling: str = "auto") -> dict:
     requests = chat_workload(load_tokenizer(resolve_model_dir(None)), 4 * concurrency, seed=5)
     flags = ["--prefill", "1", "--decode", "1", "--kv-transport", "tcp", "--device", "sim",
              "--sim-profile", profile, "--served-model-name", "sim", "--async-scheduling",
-             async_scheduling, "--max-num-seqs", str(max(concurrency, 8)),
+             async_scheduling, "--engine-process", engine_process,
+             "--max-num-seqs", str(max(concurrency, 8)),
              "--max-waiting", str(8 * concurrency)]
     with tempfile.TemporaryDirectory() as tmp, \
             baton_up(flags, 2, 300, Path(tmp) / "up.log") as (url, workers):
@@ -266,6 +283,9 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     parser.add_argument("--async-scheduling", default="auto", choices=("auto", "on", "off"),
                         help="the engine's (auto: on, the simulated device runs asynchronously)")
+    parser.add_argument("--engine-process", default="auto", choices=("auto", "on", "off"),
+                        help="baton serve's and the decode pod's engine core in its own "
+                             "process (auto: on for the simulated device)")
     args = parser.parse_args()
     batches = [int(b) for b in args.batches.split(",")]
     paths = args.paths.split(",")
@@ -293,14 +313,18 @@ def main() -> None:
                   f"ms/step", flush=True)
         del llm
     if "serve" in paths:
-        result["serve"] = serve(args.profile, batches, args.async_scheduling)
+        result["serve"] = serve(args.profile, batches, args.async_scheduling,
+                                args.engine_process)
         for r in result["serve"]:
             print(f"serve   b{r['batch']:<4} busy {r['busy']:.3f}  host "
                   f"{r['host_ms_per_step']:.3f} ms/step  worker "
-                  f"{r['worker_cpu_us_per_token']:.0f} us/token  client "
+                  f"{r['worker_cpu_us_per_token']:.0f} us/token (front "
+                  f"{r['front_cpu_us_per_token']:.0f}, core {r['core_cpu_us_per_token']:.0f})"
+                  f"  client "
                   f"{r['client_cpu_us_per_token']:.0f} us/token", flush=True)
     if "pd" in paths:
-        r = result["pd"] = pd(args.profile, args.pd_concurrency, args.async_scheduling)
+        r = result["pd"] = pd(args.profile, args.pd_concurrency, args.async_scheduling,
+                                  args.engine_process)
         print(f"up P/D  c{r['concurrency']:<4} decode busy {r['busy']:.3f}  while stepping "
               f"{r['busy_while_stepping']:.3f}  {r['tokens_per_s']:.0f} tokens/s", flush=True)
     if args.json:

@@ -154,7 +154,8 @@ def _worker_settings(args, engine: EngineConfig, pinned: frozenset[str]):
 
     given = {name: getattr(args, dest) for dest, name in (
         ("max_waiting", "max_waiting"), ("drain_timeout", "drain_timeout_s"),
-        *((n, n) for n in ("tool_call_parser", "reasoning_parser", "stream_interval")))
+        *((n, n) for n in ("tool_call_parser", "reasoning_parser", "stream_interval",
+                            "engine_process")))
         if getattr(args, dest) is not None}  # unset: WorkerSettings' defaults
     api_key = os.environ.get("BATON_API_KEY")
     return WorkerSettings(engine=engine, role=Role(args.role),

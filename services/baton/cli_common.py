@@ -21,6 +21,7 @@ from baton.engine.config import (
     DEFAULT_KV_CACHE_BYTES,
     DEVICES,
     DTYPES,
+    ENGINE_PROCESS_MODES,
     KV_CACHE_DTYPES,
     KV_FAILURE_POLICIES,
     QUANTIZATIONS,
@@ -109,6 +110,11 @@ def add_worker_flags(p: argparse.ArgumentParser) -> None:
                    help="stream a request's tokens in SSE chunks of at least this many (the "
                         "first and last at once): less front work per token, chunkier gaps "
                         "(default: WorkerSettings.stream_interval, 1)")
+    g.add_argument("--engine-process", default=None, choices=ENGINE_PROCESS_MODES,
+                   help="run the engine core in its own process beside the HTTP front "
+                        "(vLLM's engine-core process): the two never share a GIL, a step's "
+                        "outputs cross in one message; auto: on for a GPU and the simulated "
+                        "device, off on the CPU (default: WorkerSettings.engine_process)")
     _kv_transfer_flags(g)
 
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from baton.common.sampling_params import SamplingParams, StructuredOutput
 from baton.common.stats import EngineStats
-from baton.engine.config import EngineConfig, LiveSettings
+from baton.engine.config import EngineConfig, EngineProcess, LiveSettings
 from baton.engine.core import EngineCore
 from baton.engine.errors import InvalidRequestError
 from baton.engine.kv_connector.handoff import KVHandoff
@@ -35,6 +35,7 @@ from baton.engine.lora.adapter import LoRAAdapter
 from baton.engine.lora.registry import AdapterRegistry
 from baton.engine.outputs import CompletionOutput, EngineOutput, RequestOutput
 from baton.engine.request import Request
+from baton.engine.request_factory import RequestFactory
 from baton.engine.structured.base import CompiledGrammar, GrammarCompileError
 
 log = logging.getLogger(__name__)
@@ -86,14 +87,18 @@ class AsyncEngine:
         """Counters and gauges for /metrics and load reports (any thread)."""
         return self.core.metrics_snapshot()
 
+    async def sync_stats(self) -> None:
+        """Make `stats()` and `take_kv_transfer_durations` current (an engine core in
+        another process sends them now and then: `process_engine`); here they always are."""
+
     def take_kv_transfer_durations(self) -> list[float]:
         """Seconds each KV pull took since the last call (any thread)."""
         return self.core.take_kv_transfer_durations()
 
-    def release_lease(self, lease_id: str) -> bool:
-        """End a KV lease this (prefill) engine holds that nobody will pull (any thread);
-        the loop frees its blocks at its next poll. False when no such lease is held or its
-        pull has begun."""
+    async def release_lease(self, lease_id: str) -> bool:
+        """End a KV lease this (prefill) engine holds that nobody will pull; the loop frees
+        its blocks at its next poll. False when no such lease is held or its pull has
+        begun."""
         connector = self.core.connector
         return connector is not None and connector.release_lease(lease_id)
 
@@ -143,8 +148,14 @@ class AsyncEngine:
                      lora: LoRAAdapter | None = None) -> Request:
         """Validate and build a request (raises InvalidRequestError); `submit` queues it.
         `kv` / `presampled` / `grammar` / `lora`: see `EngineCore.make_request`."""
-        return self.core.make_request(request_id, prompt_token_ids, params, priority, kv=kv,
-                                      presampled=presampled, grammar=grammar, lora=lora)
+        return self.requests.make_request(request_id, prompt_token_ids, params, priority,
+                                          kv=kv, presampled=presampled, grammar=grammar,
+                                          lora=lora)
+
+    @property
+    def requests(self) -> RequestFactory:
+        """Validates and builds requests for this engine (any thread)."""
+        return self.core.requests
 
     @property
     def lora_registry(self) -> AdapterRegistry | None:
@@ -160,7 +171,7 @@ class AsyncEngine:
         limit (`StructuredOutputs.compile_timeout_s`, counted from now)."""
         if structured is None:
             return None
-        outputs = self.core.structured
+        outputs = self.requests.structured
         work = asyncio.get_running_loop().run_in_executor(
             self._grammar_pool, outputs.compile, structured)
         try:
@@ -187,16 +198,21 @@ class AsyncEngine:
         stream: asyncio.Queue = asyncio.Queue()
         self._streams[req.request_id] = (asyncio.get_running_loop(), stream)
         self._num_sent += 1
-        self._commands.put(("add", req))
+        self._enqueue("add", req)
         return stream
 
     def call_soon(self, fn) -> None:
         """Run `fn()` on the engine thread between steps (live tuning)."""
-        self._commands.put(("call", fn))
+        self._enqueue("call", fn)
 
     def abort(self, request_id: str) -> None:
         if self._streams.pop(request_id, None) is not None:
-            self._commands.put(("abort", request_id))
+            self._enqueue("abort", request_id)
+
+    def _enqueue(self, kind: str, arg) -> None:
+        """A command for the engine loop: "add" a request, "abort" a request id, "call" a
+        function between steps."""
+        self._commands.put((kind, arg))
 
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams,
                        request_id: str, priority: int = 0) -> AsyncIterator[RequestOutput]:
@@ -282,10 +298,14 @@ class AsyncEngine:
                         self._post(outputs)
         except BaseException as err:  # noqa: BLE001 - every stream must hear about it
             log.exception("engine loop crashed")
-            self.dead_error = err
-            self._post([_Failure(rid, err) for rid in list(self._streams)])
+            self._died(err)
         finally:
             core.close()
+
+    def _died(self, err: BaseException) -> None:
+        """The loop crashed: every stream in flight fails with `err`."""
+        self.dead_error = err
+        self._post([_Failure(rid, err) for rid in list(self._streams)])
 
     def _apply_commands(self, block: bool, timeout: float | None = None) -> None:
         outputs: list[EngineOutput] = []
@@ -315,6 +335,17 @@ class AsyncEngine:
                                  stop_reason=str(err))]
         finally:
             self._num_applied += 1
+
+
+def make_engine(config: EngineConfig, process: EngineProcess = EngineProcess.OFF
+                ) -> AsyncEngine:
+    """The engine a worker serves with: its core on a thread of this process, or in its
+    own process (`engine.process_engine`) as `process` and the device decide."""
+    if process.runs_apart(config.compute.device):
+        from baton.engine.process_engine import ProcessEngine
+
+        return ProcessEngine(config)
+    return AsyncEngine(config)
 
 
 def name_os_thread(name: str) -> None:

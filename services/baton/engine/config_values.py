@@ -20,6 +20,26 @@ class Device(StrEnum):
     SIM = "sim"  # a simulated GPU (`engine.sim`): modelled step times, nonsense tokens
 
 
+class EngineProcess(StrEnum):
+    """Where a worker runs its engine core (`engine.process_engine`): its own process, or
+    a thread of the HTTP front's; auto: its own for a GPU and the simulated device."""
+
+    AUTO = "auto"
+    ON = "on"
+    OFF = "off"
+
+    def runs_apart(self, device: Device) -> bool:
+        """Whether the core gets its own process on `device` (AUTO: an unresolved device
+        is a GPU when torch sees one)."""
+        if self != EngineProcess.AUTO:
+            return self == EngineProcess.ON
+        if device == Device.AUTO:
+            import torch
+
+            return torch.cuda.is_available()
+        return device in (Device.CUDA, Device.SIM)
+
+
 class LoadFormat(StrEnum):
     AUTO = "auto"
     DUMMY = "dummy"  # config.json only, random weights (benchmarks)
@@ -65,6 +85,7 @@ def accepted(enum: type[StrEnum]) -> tuple[str, ...]:
 # The accepted strings, for CLI choices and messages
 DTYPES = accepted(DType)
 DEVICES = accepted(Device)
+ENGINE_PROCESS_MODES = accepted(EngineProcess)
 LOAD_FORMATS = accepted(LoadFormat)
 QUANTIZATIONS = accepted(Quantization)
 ATTENTION_BACKENDS = accepted(AttentionBackendName)

@@ -19,16 +19,16 @@ from baton.common.step_timing import StepTiming
 from baton.engine import tokenizer as tok
 from baton.engine.config import Device, EngineConfig, LiveSettings
 from baton.engine.context_window import fit_kv_pool, model_context_limit
-from baton.engine.errors import EngineStepError, InvalidRequestError
+from baton.engine.errors import EngineStepError
 from baton.engine.kv_cache import KVCacheManager
 from baton.engine.kv_connector.factory import make_connector
-from baton.engine.kv_connector.handoff import KVHandoff, PullKV
+from baton.engine.kv_connector.handoff import KVHandoff
 from baton.engine.logprobs import arrived_logprobs
-from baton.engine.lora.requests import LoRAAdapter, check_lora_request
+from baton.engine.lora.requests import LoRAAdapter
 from baton.engine.models.loader import resolve_model_dir
 from baton.engine.outputs import EngineOutput
 from baton.engine.request import Request, RequestStatus
-from baton.engine.request_checks import check_handoff, check_params, check_prompt
+from baton.engine.request_factory import EngineFacts, KVShape, RequestFactory
 from baton.engine.runner import ModelRunner
 from baton.engine.runner.step_result import StepResult
 from baton.engine.scheduler import SchedulerLimits, make_scheduler
@@ -39,7 +39,7 @@ from baton.engine.spec.draft import load_draft
 from baton.engine.step_counters import StepCounters
 from baton.engine.step_pipeline import Launched, async_scheduling, check_live, fill_inputs, launched
 from baton.engine.stops import text_end, token_ends
-from baton.engine.structured.base import CompiledGrammar, GrammarCompileError
+from baton.engine.structured.base import CompiledGrammar
 from baton.engine.structured.manager import StructuredOutputs, rebuild
 from baton.engine.structured.masks import advance_grammars
 
@@ -77,6 +77,10 @@ class EngineCore:
         self.eos_token_id = tok.eos_token_id(self.tokenizer, self.model_config.eos_token_ids)
         self.structured = StructuredOutputs.for_tokenizer(
             self.tokenizer, self.model_config.vocab_size, self.eos_token_id)
+        self.requests = RequestFactory(EngineFacts(
+            str(self.model_dir), self.model_config.vocab_size, max_len, self.eos_token_id,
+            KVShape(self.kv.block_size, self.kv.num_blocks), self.connector is not None),
+            self.tokenizer, self.structured, self.runner.lora)
         self._detok: dict[str, tok.IncrementalDetokenizer | None] = {}
         tok.piece_table(self.tokenizer)  # built now, not on the first request's step
         self.speculator = Speculator(limits.speculative, max_len, draft=(
@@ -104,31 +108,13 @@ class EngineCore:
         output's grammar is advanced over (in `add`; a spec that does not compile raises).
         `grammar`: `params.structured` compiled already (`structured.compile`, off this
         thread: the worker's `AsyncEngine.compile_grammar`); else it is compiled here."""
-        n, vocab = len(prompt_token_ids), self.model_config.vocab_size
-        check_prompt(prompt_token_ids, vocab, self.max_model_len, self.kv)
-        check_params(params, vocab, self.tokenizer is not None)
-        room = self.max_model_len - n
-        req = Request(request_id, list(prompt_token_ids), params,
-                      max_tokens=min(params.max_tokens or room, room),
-                      eos_token_id=self.eos_token_id, priority=priority, detokenize=detokenize)
-        if arrival_time is not None:
-            req.arrival_time = arrival_time
-        try:
-            req.grammar = (grammar.matcher() if grammar is not None
-                           else self.structured.matcher_for(params.structured))
-        except GrammarCompileError as err:
-            raise InvalidRequestError(str(err), param="response_format") from None
-        if presampled < 0:
-            raise InvalidRequestError(f"presampled={presampled} must be >= 0")
-        req.num_presampled = presampled
-        req.lora = check_lora_request(lora, kv, self.runner.lora)
-        if kv is not None:
-            check_handoff(kv, n, params, self.connector is not None, self.kv, vocab)
-            req.kv_handoff = kv
-        if isinstance(kv, PullKV):
-            req.output_token_ids.append(kv.params.first_token)
-            req.num_presampled += 1
-        return req
+        return self.requests.make_request(
+            request_id, prompt_token_ids, params, priority, detokenize, arrival_time, kv=kv,
+            presampled=presampled, grammar=grammar, lora=lora)
+
+    def facts(self) -> EngineFacts:
+        """What a front validating requests for this engine needs (`request_factory`)."""
+        return self.requests.facts
 
     def add(self, req: Request) -> list[EngineOutput]:
         """Queue a request; returns the outputs of tokens it arrived with (sampled elsewhere:

@@ -174,12 +174,15 @@ def _install_service_routes(app: FastAPI, state: WorkerState) -> None:
     @app.get("/metrics")
     async def metrics():
         if state.engine is not None:  # KV pulls the engine timed since the last scrape
+            await state.engine.sync_stats()
             for seconds in state.engine.take_kv_transfer_durations():
                 state.metrics.kv_transfer_seconds.observe(seconds)
         return Response(render(state.metrics.registry), media_type=CONTENT_TYPE)
 
     @app.get("/load")
     async def load() -> dict:
+        if state.engine is not None:
+            await state.engine.sync_stats()
         return state.load_report().model_dump(mode="json")
 
     @app.get("/internal/tokenizer")

@@ -72,7 +72,7 @@ def install_internal_routes(app: FastAPI, state: WorkerState) -> None:
             msg = parse_request(ReleaseRequest, await request.body())
             if state.engine is None:
                 return {"released": False}
-            return {"released": state.engine.release_lease(msg.lease_id)}
+            return {"released": await state.engine.release_lease(msg.lease_id)}
 
     if role == Role.DECODE:
         @app.post("/internal/generate")

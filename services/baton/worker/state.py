@@ -15,7 +15,7 @@ from baton.common.registry import LoadReport, hash_hex
 from baton.common.roles import ROLE_NAMES, Role
 from baton.common.stats import EngineStats
 from baton.common.tracing import setup_tracing
-from baton.engine.config import EngineConfig
+from baton.engine.config import ENGINE_PROCESS_MODES, EngineConfig, EngineProcess
 from baton.engine.models.hub import SCHEME, HubRef, is_repo_id
 from baton.worker.lora import WorkerLoRA
 from baton.worker.openai_api import OpenAIFormat
@@ -60,8 +60,15 @@ class WorkerSettings:
     reasoning_parser: str = "none"
     # SSE chunks of at least this many tokens (vLLM's --stream-interval; `worker.coalesce`)
     stream_interval: int = 1
+    # The engine core in its own process (`engine.process_engine`): auto, on, off.
+    engine_process: str = "auto"
 
     def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "engine_process", EngineProcess(self.engine_process))
+        except ValueError:
+            raise ValueError(f"WorkerSettings.engine_process={self.engine_process!r} must be "
+                             f"one of {ENGINE_PROCESS_MODES}") from None
         if self.stream_interval < 1:
             raise ValueError(f"stream_interval={self.stream_interval} must be >= 1")
         if self.registry_url is not None and not self.advertise_url:
@@ -152,9 +159,9 @@ class WorkerState:
 
     def load(self) -> None:
         """Build and start the engine (blocking: minutes for a large model)."""
-        from baton.engine.async_engine import AsyncEngine
+        from baton.engine.async_engine import make_engine
 
-        engine = AsyncEngine(self.settings.engine)
+        engine = make_engine(self.settings.engine, self.settings.engine_process)
         if self.freeze_heap:
             gc.collect()
             gc.freeze()

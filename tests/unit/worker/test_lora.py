@@ -142,8 +142,8 @@ def test_a_remote_prefill_runs_the_requests_adapter(tmp_path):
                 "model": model, "prompt": PROMPT, "max_tokens": 4, "temperature": 0}})
             assert code == 200, raw
             firsts[model] = json.loads(raw)["kv_transfer_params"]["first_token"]
-            assert state.engine.release_lease(
-                json.loads(raw)["kv_transfer_params"]["lease_id"])
+            assert asyncio.run(state.engine.release_lease(
+                json.loads(raw)["kv_transfer_params"]["lease_id"]))
         want = {"a0": hf_greedy(peft, [PROMPT], 1)[0][0], "tiny": hf_greedy(base, [PROMPT], 1)[0][0]}
         assert firsts == want and want["a0"] != want["tiny"]
     finally:
