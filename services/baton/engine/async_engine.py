@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 from baton.common.sampling_params import SamplingParams, StructuredOutput
 from baton.common.stats import EngineStats
-from baton.engine.config import EngineConfig, EngineProcess, LiveSettings
+from baton.engine.config import EngineConfig, LiveSettings
 from baton.engine.core import EngineCore
 from baton.engine.errors import InvalidRequestError
 from baton.engine.kv_connector.handoff import KVHandoff
@@ -335,17 +335,6 @@ class AsyncEngine:
                                  stop_reason=str(err))]
         finally:
             self._num_applied += 1
-
-
-def make_engine(config: EngineConfig, process: EngineProcess = EngineProcess.OFF
-                ) -> AsyncEngine:
-    """The engine a worker serves with: its core on a thread of this process, or in its
-    own process (`engine.process_engine`) as `process` and the device decide."""
-    if process.runs_apart(config.compute.device):
-        from baton.engine.process_engine import ProcessEngine
-
-        return ProcessEngine(config)
-    return AsyncEngine(config)
 
 
 def name_os_thread(name: str) -> None:

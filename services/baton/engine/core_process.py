@@ -11,6 +11,7 @@ front's end closes, 1 when the loop crashed (after a `Died`)."""
 from __future__ import annotations
 
 import logging
+import signal
 import sys
 import threading
 import time
@@ -78,7 +79,10 @@ class CoreServer(AsyncEngine):
                 msg = self.channel.recv()
                 if isinstance(msg, ch.Stop):
                     break
-                self._apply(msg)
+                try:
+                    self._apply(msg)
+                except Exception:  # one command's failure is not the engine's
+                    log.exception("engine core: %s failed", type(msg).__name__)
         except ch.ChannelError as err:
             log.info("engine core: the front's channel ended (%s)", err)
         finally:
@@ -137,7 +141,16 @@ def main(argv: list[str]) -> int:
     start = channel.recv()
     if not isinstance(start, ch.Start):
         raise ch.ChannelError(f"the first message is {type(start).__name__}, not ch.Start")
-    server = CoreServer(start.config, channel)
+    # The front stops it (Stop, or its end closing): a signal to the process group (Ctrl-C,
+    # a supervisor's SIGTERM) is the front's to drain by, not this process's to die of.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        server = CoreServer(start.config, channel)
+    except Exception as err:
+        log.exception("engine core: building the engine failed")
+        channel.send(ch.Died(f"{type(err).__name__}: {err}"))
+        return 1
     channel.send(ch.Ready(server.core.facts()))
     return server.serve()
 

@@ -33,9 +33,9 @@ from baton.common.stats import EngineStats
 from baton.engine import core_channel as ch
 from baton.engine import tokenizer as tok
 from baton.engine.async_engine import AsyncEngine, EngineDeadError, _Failure
-from baton.engine.config import EngineConfig, LiveSettings
+from baton.engine.config import EngineConfig, EngineProcess, LiveSettings
 from baton.engine.kv_connector.handoff import PullKV
-from baton.engine.request import Request
+from baton.engine.request import FINISHED_BY_REASON, Request, RequestStatus
 from baton.engine.request_factory import RequestFactory
 from baton.engine.structured.manager import StructuredOutputs
 
@@ -73,6 +73,7 @@ class ProcessEngine(AsyncEngine):
         self._calls: dict[int, Future] = {}
         self._call_ids = itertools.count()
         self._reader: threading.Thread | None = None
+        self._sent: dict[str, Request] = {}  # the front's copies of requests in flight
 
     def _first_message(self) -> ch.Ready:
         try:
@@ -81,6 +82,9 @@ class ProcessEngine(AsyncEngine):
             code = self._proc.wait()
             raise CoreDiedError(f"the engine core exited with {code} while it was built "
                                 "(its log is above)") from None
+        if isinstance(msg, ch.Died):
+            self._proc.wait()
+            raise CoreDiedError(f"the engine failed to build: {msg.error}")
         if not isinstance(msg, ch.Ready):
             self._kill()
             raise CoreDiedError(f"the engine core's first message is {msg!r}")
@@ -180,6 +184,30 @@ class ProcessEngine(AsyncEngine):
         self._proc.kill()
         self._proc.wait()
 
+    def submit(self, req: Request) -> asyncio.Queue:
+        stream = super().submit(req)
+        self._sent[req.request_id] = req
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        super().abort(request_id)
+        self._end(request_id, "abort")
+
+    def _deliver(self, outputs) -> None:
+        """On the event loop: the front's copy of a request ends with its last output (what
+        reads `Request.is_finished` here, as fair admission does, sees it end)."""
+        super()._deliver(outputs)
+        for o in outputs:
+            if isinstance(o, _Failure):
+                self._end(o.request_id, "error")
+            elif o.finish_reason is not None:
+                self._end(o.request_id, o.finish_reason)
+
+    def _end(self, request_id: str, reason: str) -> None:
+        req = self._sent.pop(request_id, None)
+        if req is not None:
+            req.status = FINISHED_BY_REASON.get(reason, RequestStatus.FINISHED_ABORTED)
+
     def _enqueue(self, kind: str, arg) -> None:
         if kind == "add":
             req: Request = arg
@@ -258,6 +286,15 @@ class PoolMirror:
 
     def held_hashes(self) -> list[tuple[int, str]]:
         return list(self._held)
+
+
+def make_engine(config: EngineConfig, process: EngineProcess = EngineProcess.OFF
+                ) -> AsyncEngine:
+    """The engine a worker serves with: its core on a thread of this process, or in its
+    own process as `process` and the device decide."""
+    if process.runs_apart(config.compute.device):
+        return ProcessEngine(config)
+    return AsyncEngine(config)
 
 
 def _spawn(config: EngineConfig) -> tuple[subprocess.Popen, ch.Channel]:

@@ -48,6 +48,8 @@ _FINISH_REASONS = {
     RequestStatus.FINISHED_ABORTED: "abort",
     RequestStatus.FINISHED_ERROR: "error",
 }
+# A finish reason's status (a front's copy of a request that runs elsewhere ends by it)
+FINISHED_BY_REASON = {reason: status for status, reason in _FINISH_REASONS.items()}
 
 
 @dataclass(eq=False)

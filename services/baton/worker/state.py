@@ -159,7 +159,7 @@ class WorkerState:
 
     def load(self) -> None:
         """Build and start the engine (blocking: minutes for a large model)."""
-        from baton.engine.async_engine import make_engine
+        from baton.engine.process_engine import make_engine
 
         engine = make_engine(self.settings.engine, self.settings.engine_process)
         if self.freeze_heap:
