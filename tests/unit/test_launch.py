@@ -39,7 +39,7 @@ NON_DEFAULTS = ["--dtype", "float32", "--block-size", "32", "--max-num-seqs", "7
                 "--max-num-batched-tokens", "333", "--max-model-len", "1024",
                 "--num-kv-blocks", "99", "--kv-cache-gib", "0.5", "--no-prefix-caching",
                 "--gpu-memory-utilization", "0.45",
-                "--scheduling-policy", "priority", "--batch-window-ms", "25", "--async-scheduling", "on", "--stream-interval", "4", "--num-threads", "1", "--device", "cpu",
+                "--scheduling-policy", "priority", "--batch-window-ms", "25", "--async-scheduling", "on", "--stream-interval", "4", "--engine-process", "on", "--num-threads", "1", "--device", "cpu",
                 "--attention-backend", "torch", "--enforce-eager",
                 "--served-model-name", "m", "--max-waiting", "5", "--drain-timeout", "7",
                 "--kv-transport", "tcp", "--kv-host", "127.0.0.2", "--kv-port", "0",

@@ -10,6 +10,7 @@ front's end closes, 1 when the loop crashed (after a `Died`)."""
 
 from __future__ import annotations
 
+import gc
 import logging
 import signal
 import sys
@@ -151,6 +152,8 @@ def main(argv: list[str]) -> int:
         log.exception("engine core: building the engine failed")
         channel.send(ch.Died(f"{type(err).__name__}: {err}"))
         return 1
+    gc.collect()  # the model's and the engine's objects out of the collector's reach, as
+    gc.freeze()  # the worker freezes its heap: a full collection scans only what serving makes
     channel.send(ch.Ready(server.core.facts()))
     return server.serve()
 

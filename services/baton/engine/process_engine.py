@@ -19,6 +19,7 @@ import asyncio
 import itertools
 import logging
 import os
+import queue
 import socket
 import subprocess
 import sys
@@ -74,6 +75,12 @@ class ProcessEngine(AsyncEngine):
         self._call_ids = itertools.count()
         self._reader: threading.Thread | None = None
         self._sent: dict[str, Request] = {}  # the front's copies of requests in flight
+        # Commands leave through a thread of their own: the event loop never waits on the
+        # socket (a core busy building a request leaves the socket's buffer full).
+        self._outbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._sender = threading.Thread(target=self._send_all, name="baton-core-sender",
+                                        daemon=True)
+        self._sender.start()
 
     def _first_message(self) -> ch.Ready:
         try:
@@ -130,7 +137,7 @@ class ProcessEngine(AsyncEngine):
         future: Future = Future()
         self._calls[call_id] = future
         try:
-            self.channel.send(make_msg(call_id))
+            self._send(make_msg(call_id))
             return await asyncio.wait_for(asyncio.wrap_future(future), CALL_TIMEOUT_S)
         finally:
             self._calls.pop(call_id, None)
@@ -140,7 +147,7 @@ class ProcessEngine(AsyncEngine):
 
     def reconfigure(self, live: LiveSettings) -> None:
         self.config.check_live(live)
-        self.channel.send(ch.Reconfigure(live))
+        self._send(ch.Reconfigure(live))
 
     @property
     def num_waiting(self) -> int:
@@ -168,10 +175,9 @@ class ProcessEngine(AsyncEngine):
     def shutdown(self) -> None:
         self._stopping = True
         self._grammar_pool.shutdown(wait=False, cancel_futures=True)
-        try:
-            self.channel.send(ch.Stop())
-        except OSError:
-            pass
+        self._send(ch.Stop())
+        self._outbox.put(None)
+        self._sender.join(STOP_TIMEOUT_S)
         try:
             self._proc.wait(STOP_TIMEOUT_S)
         except subprocess.TimeoutExpired:
@@ -212,13 +218,25 @@ class ProcessEngine(AsyncEngine):
         if kind == "add":
             req: Request = arg
             pulled = isinstance(req.kv_handoff, PullKV)  # its first token came with it
-            self.channel.send(ch.Add(req.request_id, req.prompt_token_ids, req.sampling_params,
+            self._send(ch.Add(req.request_id, req.prompt_token_ids, req.sampling_params,
                                   req.priority, req.arrival_time,
                                   req.num_presampled - pulled, req.kv_handoff))
         elif kind == "abort":
-            self.channel.send(ch.Abort(arg))
+            self._send(ch.Abort(arg))
         else:
             raise ValueError(f"a core in another process runs no {kind!r} command")
+
+    def _send(self, msg) -> None:
+        self._outbox.put(msg)
+
+    def _send_all(self) -> None:
+        """The sender thread: the outbox's messages in order, until None or the core's end
+        closes (the reader then fails what is in flight)."""
+        while (msg := self._outbox.get()) is not None:
+            try:
+                self.channel.send(msg)
+            except OSError:
+                return
 
     # -- the reader thread -----------------------------------------------------------------
     def _read(self) -> None:
@@ -291,10 +309,15 @@ class PoolMirror:
 def make_engine(config: EngineConfig, process: EngineProcess = EngineProcess.OFF
                 ) -> AsyncEngine:
     """The engine a worker serves with: its core on a thread of this process, or in its
-    own process as `process` and the device decide."""
-    if process.runs_apart(config.compute.device):
-        return ProcessEngine(config)
-    return AsyncEngine(config)
+    own process as `process` and the device decide (`auto` keeps a LoRA-serving core on a
+    thread, which `ProcessEngine` does not serve yet; `on` with LoRA is refused)."""
+    return ProcessEngine(config) if core_apart(config, process) else AsyncEngine(config)
+
+
+def core_apart(config: EngineConfig, process: EngineProcess) -> bool:
+    """Whether `make_engine` runs the core in its own process."""
+    lora_here = config.lora.enabled and process == EngineProcess.AUTO
+    return process.runs_apart(config.compute.device) and not lora_here
 
 
 def _spawn(config: EngineConfig) -> tuple[subprocess.Popen, ch.Channel]:

@@ -15,9 +15,9 @@ from baton import SamplingParams
 from baton.common.registry import DEVICE, HOST
 from baton.common.sampling_params import StructuredOutput
 from baton.engine.async_engine import AsyncEngine, EngineDeadError
-from baton.engine.config import EngineConfig
+from baton.engine.config import EngineConfig, EngineProcess
 from baton.engine.errors import InvalidRequestError
-from baton.engine.process_engine import PoolMirror, ProcessEngine
+from baton.engine.process_engine import PoolMirror, ProcessEngine, core_apart
 
 pytestmark = pytest.mark.slow
 
@@ -112,6 +112,18 @@ def test_an_abort_frees_the_cores_blocks_and_the_stats_say_so(engines):
     stats = asyncio.run(go())
     assert stats.generation_tokens_total > 0 and apart.num_waiting == 0
     assert not asyncio.run(apart.release_lease("no-such-lease"))  # no connector: False
+
+
+def test_where_the_core_runs():
+    sim = {"device": "sim", "sim_profile": "h100-llama3-8b"}
+    assert core_apart(EngineConfig.from_args(**sim), EngineProcess.AUTO)
+    assert not core_apart(EngineConfig.from_args(device="cpu"), EngineProcess.AUTO)
+    assert core_apart(EngineConfig.from_args(device="cpu"), EngineProcess.ON)
+    assert not core_apart(EngineConfig.from_args(**sim), EngineProcess.OFF)
+    lora = EngineConfig.from_args(**sim, enable_lora=True)
+    assert not core_apart(lora, EngineProcess.AUTO)  # a LoRA-serving core stays on a thread
+    with pytest.raises(ValueError, match="LoRA"):
+        ProcessEngine(lora)  # refused before anything starts
 
 
 def test_the_pool_mirror_follows_block_events():
