@@ -195,6 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None, help="also write the results here")
     ap.add_argument("--stream-interval", type=int, default=1,
                     help="the workers' --stream-interval (SSE chunks of at least N tokens)")
+    ap.add_argument("--engine-process", default="auto", choices=("auto", "on", "off"),
+                    help="the workers' --engine-process (auto: off on the CPU)")
     ap.add_argument("--rounds", type=int, default=1,
                     help="run the paths this many times, alternating; each path's row is its "
                          "round of median ratio to that round's offline rate")
@@ -211,7 +213,8 @@ def main(argv: list[str] | None = None) -> int:
                    "enable_prefix_caching": False}
     flags = ["--dtype", args.dtype, "--max-num-seqs", str(args.max_num_seqs),
              "--max-num-batched-tokens", str(args.max_num_batched_tokens), "--no-prefix-caching",
-             "--stream-interval", str(args.stream_interval)]
+             "--stream-interval", str(args.stream_interval),
+             "--engine-process", args.engine_process]
     print(f"workload: {len(reqs)} concurrent streams, {n_in} prompt + {n_out} output tokens, "
           f"{args.dtype}, prefix caching off, budget {args.max_num_batched_tokens} tokens "
           f"/ {args.max_num_seqs} seqs", flush=True)
