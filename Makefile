@@ -57,7 +57,7 @@ typecheck: $(STAMP)
 	$(PY) -m mypy
 
 test: $(STAMP) lint typecheck
-	@$(PY) -m pytest -q tests; rc=$$?; \
+	@$(PY) -m pytest -q --durations=30 tests; rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "make test: pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
 test-fast: $(STAMP)

@@ -62,6 +62,10 @@ class _Failure:
 class AsyncEngine:
     def __init__(self, config: EngineConfig, core: EngineCore | None = None) -> None:
         self.core = core or EngineCore(config)
+        self._init_front()
+
+    def _init_front(self) -> None:
+        """The front's state, wherever the core runs (`process_engine` too)."""
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         # request id -> (the event loop that reads it, its queue)
         self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}

@@ -37,8 +37,10 @@ class CoreServer(AsyncEngine):
     def __init__(self, config, channel: ch.Channel) -> None:
         super().__init__(config)
         self.channel = channel
-        self.core.kv.pool.record_events()  # the front mirrors what the pool holds
-        self._events: deque = self.core.kv.pool.events
+        pool = self.core.kv.pool
+        pool.record_events()  # the front mirrors what the pool holds
+        assert pool.events is not None  # record_events made it
+        self._events: deque = pool.events
         self._stats_at = 0.0
         self._num_rejected = 0  # adds that failed to build (the intake's count)
 

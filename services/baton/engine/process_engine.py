@@ -25,6 +25,7 @@ import subprocess
 import sys
 import threading
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -57,8 +58,7 @@ class ProcessEngine(AsyncEngine):
         if config.lora.enabled:
             raise ValueError("an engine core in its own process serves no LoRA adapters yet; "
                              "run it in the worker's process (--no-engine-process)")
-        super().__init__(config, core=_NO_CORE)
-        self.core = None
+        self._init_front()  # no core here: `core` is not set
         self.config = config
         self._proc, self.channel = _spawn(config)
         ready = self._first_message()
@@ -131,7 +131,7 @@ class ProcessEngine(AsyncEngine):
         if self.dead_error is None:
             await self._call(ch.SyncStats)
 
-    async def _call(self, make_msg):
+    async def _call(self, make_msg: Callable[[int], object]) -> object:
         """Send `make_msg(call_id)` and wait for the core's `Reply` to it."""
         call_id = next(self._call_ids)
         future: Future = Future()
@@ -332,5 +332,3 @@ def _spawn(config: EngineConfig) -> tuple[subprocess.Popen, ch.Channel]:
     channel.send(ch.Start(config))
     return proc, channel
 
-
-_NO_CORE = object()

@@ -4,11 +4,12 @@ handoff against this engine's transport. Each raises `InvalidRequestError` (a 4x
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from baton.common.sampling_params import SamplingParams
 from baton.engine import tokenizer as tok
 from baton.engine.context_window import check_context
 from baton.engine.errors import InvalidRequestError
-from baton.engine.kv_cache import KVCacheManager
 from baton.engine.kv_connector.handoff import (
     KVHandoff,
     PullKV,
@@ -17,8 +18,20 @@ from baton.engine.kv_connector.handoff import (
 )
 
 
+class PoolShape(Protocol):
+    """What the checks read of a KV pool (`KVCacheManager`, or a front's `KVShape`)."""
+
+    @property
+    def num_blocks(self) -> int: ...
+
+    @property
+    def block_size(self) -> int: ...
+
+    def blocks_for(self, num_tokens: int) -> int: ...
+
+
 def check_prompt(prompt_token_ids: list[int], vocab: int, max_model_len: int,
-                 kv: KVCacheManager) -> None:
+                 kv: PoolShape) -> None:
     n = len(prompt_token_ids)
     if n == 0:
         raise InvalidRequestError("the prompt is empty")
@@ -45,7 +58,7 @@ def check_params(params: SamplingParams, vocab: int, has_tokenizer: bool) -> Non
 
 
 def check_handoff(handoff: KVHandoff, num_prompt: int, params: SamplingParams,
-                  has_connector: bool, kv: KVCacheManager, vocab: int) -> None:
+                  has_connector: bool, kv: PoolShape, vocab: int) -> None:
     if not has_connector:
         raise InvalidRequestError("this engine has no KV transport (kv_transport=None)")
     peer = peer_prefix(handoff)

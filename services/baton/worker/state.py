@@ -61,7 +61,7 @@ class WorkerSettings:
     # SSE chunks of at least this many tokens (vLLM's --stream-interval; `worker.coalesce`)
     stream_interval: int = 1
     # The engine core in its own process (`engine.process_engine`): auto, on, off.
-    engine_process: str = "auto"
+    engine_process: EngineProcess = EngineProcess.AUTO
 
     def __post_init__(self) -> None:
         try:

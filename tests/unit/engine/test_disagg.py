@@ -12,7 +12,8 @@ from pydantic import ValidationError
 from baton import SamplingParams
 from baton.common.internal import KVTransferParams
 from baton.engine.config import EngineConfig
-from baton.engine.core import EngineCore, InvalidRequestError
+from baton.engine.core import EngineCore
+from baton.engine.errors import InvalidRequestError
 from baton.engine.kv_connector import HoldKV, PullKV, PullPrefix
 from baton.kv_transfer import installed_transports
 from tests.conftest import make_text

@@ -9,7 +9,8 @@ import pytest
 
 from baton import SamplingParams
 from baton.engine.config import EngineConfig
-from baton.engine.core import MAX_FAILED_STEPS, EngineCore, EngineStepError, InvalidRequestError
+from baton.engine.core import MAX_FAILED_STEPS, EngineCore, EngineStepError
+from baton.engine.errors import InvalidRequestError
 
 pytestmark = pytest.mark.slow
 
