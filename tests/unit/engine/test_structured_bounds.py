@@ -69,7 +69,7 @@ def test_async_compile_leaves_the_loop_free_and_times_out_as_a_request_error():
     backend = SlowBackend()
     outputs = StructuredOutputs(lambda: backend, compile_timeout_s=0.3)
     engine = AsyncEngine.__new__(AsyncEngine)  # the facade over a core with grammars only
-    engine.core = SimpleNamespace(structured=outputs)
+    engine.core = SimpleNamespace(requests=SimpleNamespace(structured=outputs))
     engine._grammar_pool = ThreadPoolExecutor(2)
 
     async def main() -> list[float]:
