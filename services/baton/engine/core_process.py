@@ -68,14 +68,14 @@ class CoreServer(AsyncEngine):
             events = [self._events.popleft() for _ in range(len(self._events))]
             applied = self._num_applied + self._num_rejected
             msg = ch.Step(outputs, applied, core.metrics_snapshot() if due else None,
-                       core.take_kv_transfer_durations() if due else [], events)
+                          core.take_kv_transfer_durations() if due else [], events)
             if due:
                 self._stats_at = now
             self.channel.conn.send_bytes(ch.dumps(msg))
 
     # -- the intake thread -----------------------------------------------------------------
     def intake(self) -> None:
-        """Read commands until `ch.Stop` or the front's end closes, then stop the loop."""
+        """Read commands until `Stop` or the front's end closes, then stop the loop."""
         name_os_thread("baton-intake")
         try:
             while True:

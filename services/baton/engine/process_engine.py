@@ -57,19 +57,24 @@ class ProcessEngine(AsyncEngine):
     def __init__(self, config: EngineConfig) -> None:
         if config.lora.enabled:
             raise ValueError("an engine core in its own process serves no LoRA adapters yet; "
-                             "run it in the worker's process (--no-engine-process)")
+                             "run it in the worker's process (--engine-process off)")
         self._init_front()  # no core here: `core` is not set
         self.config = config
         self._proc, self.channel = _spawn(config)
-        ready = self._first_message()
-        facts = ready.facts
-        self._tokenizer = tok.load_tokenizer(Path(facts.model_dir),
-                                             config.checkpoint.skip_tokenizer_init)
-        self._requests = RequestFactory(facts, self._tokenizer, StructuredOutputs.for_tokenizer(
-            self._tokenizer, facts.vocab_size, facts.eos_token_id))
+        try:
+            facts = self._first_message().facts
+            self._tokenizer = tok.load_tokenizer(Path(facts.model_dir),
+                                                 config.checkpoint.skip_tokenizer_init)
+            self._requests = RequestFactory(facts, self._tokenizer,
+                                            StructuredOutputs.for_tokenizer(
+                                                self._tokenizer, facts.vocab_size,
+                                                facts.eos_token_id))
+        except BaseException:
+            self._kill()  # no front: the core must not outlive it
+            raise
         self._stats = EngineStats()
         self._applied = 0  # adds the core has taken, as of its last message
-        self._durations: list[float] = []
+        self._durations: deque[float] = deque()  # the reader adds, the event loop takes
         self._pool = PoolMirror()
         self._calls: dict[int, Future] = {}
         self._call_ids = itertools.count()
@@ -93,7 +98,6 @@ class ProcessEngine(AsyncEngine):
             self._proc.wait()
             raise CoreDiedError(f"the engine failed to build: {msg.error}")
         if not isinstance(msg, ch.Ready):
-            self._kill()
             raise CoreDiedError(f"the engine core's first message is {msg!r}")
         return msg
 
@@ -112,14 +116,14 @@ class ProcessEngine(AsyncEngine):
 
     @property
     def lora_registry(self):
-        return None  # refused at start: `check_process_config`
+        return None  # a LoRA-serving core is refused in __init__
 
     def stats(self) -> EngineStats:
         return self._stats
 
     def take_kv_transfer_durations(self) -> list[float]:
-        taken, self._durations = self._durations, []
-        return taken
+        durations = self._durations
+        return [durations.popleft() for _ in range(len(durations))]
 
     async def release_lease(self, lease_id: str) -> bool:
         if self.dead_error is not None:
@@ -270,7 +274,7 @@ class ProcessEngine(AsyncEngine):
             self._pool.apply(msg.block_events)
         if msg.stats is not None:
             self._stats = msg.stats
-            self._durations += msg.kv_durations
+            self._durations.extend(msg.kv_durations)
         self._applied = msg.applied
         if msg.outputs:
             self._post(msg.outputs)
