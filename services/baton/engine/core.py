@@ -112,10 +112,6 @@ class EngineCore:
             request_id, prompt_token_ids, params, priority, detokenize, arrival_time, kv=kv,
             presampled=presampled, grammar=grammar, lora=lora)
 
-    def facts(self) -> EngineFacts:
-        """What a front validating requests for this engine needs (`request_factory`)."""
-        return self.requests.facts
-
     def add(self, req: Request) -> list[EngineOutput]:
         """Queue a request; returns the outputs of tokens it arrived with (sampled elsewhere:
         a remote prefill's first token), which may already end it."""

@@ -143,7 +143,7 @@ def main(argv: list[str]) -> int:
     channel = ch.Channel(Connection(int(argv[0])), ch.FRONT_MESSAGES)
     start = channel.recv()
     if not isinstance(start, ch.Start):
-        raise ch.ChannelError(f"the first message is {type(start).__name__}, not ch.Start")
+        raise ch.ChannelError(f"the first message is {type(start).__name__}, not Start")
     # The front stops it (Stop, or its end closing): a signal to the process group (Ctrl-C,
     # a supervisor's SIGTERM) is the front's to drain by, not this process's to die of.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -156,7 +156,7 @@ def main(argv: list[str]) -> int:
         return 1
     gc.collect()  # the model's and the engine's objects out of the collector's reach, as
     gc.freeze()  # the worker freezes its heap: a full collection scans only what serving makes
-    channel.send(ch.Ready(server.core.facts()))
+    channel.send(ch.Ready(server.core.requests.facts))
     return server.serve()
 
 

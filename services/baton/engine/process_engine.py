@@ -223,8 +223,8 @@ class ProcessEngine(AsyncEngine):
             req: Request = arg
             pulled = isinstance(req.kv_handoff, PullKV)  # its first token came with it
             self._send(ch.Add(req.request_id, req.prompt_token_ids, req.sampling_params,
-                                  req.priority, req.arrival_time,
-                                  req.num_presampled - pulled, req.kv_handoff))
+                              req.priority, req.arrival_time, req.num_presampled - pulled,
+                              req.kv_handoff))
         elif kind == "abort":
             self._send(ch.Abort(arg))
         else:
